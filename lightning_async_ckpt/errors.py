@@ -1,0 +1,50 @@
+"""Exception hierarchy.
+
+Every error is an ``Exception`` (never a bare ``BaseException``), so ``except Exception`` in user code sees it.
+Messages name the parameter or object at fault and how to fix it.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "AdmissionError",
+    "CheckpointError",
+    "ConfigError",
+    "GenerationExistsError",
+    "HostMemoryBudgetError",
+    "ManifestError",
+    "StorageError",
+    "TornSnapshotError",
+]
+
+
+class CheckpointError(RuntimeError):
+    """Base class of the errors raised by this library at run time."""
+
+
+class ConfigError(ValueError):
+    """A constructor argument or option has a bad value; the message names it and the fix."""
+
+
+class StorageError(CheckpointError):
+    """Storage could not be read or written (the cause is chained)."""
+
+
+class GenerationExistsError(StorageError):
+    """A generation for this step is already committed; committed data is never overwritten."""
+
+
+class ManifestError(StorageError):
+    """A manifest is missing, malformed, hostile or from a newer format version."""
+
+
+class TornSnapshotError(CheckpointError):
+    """The runtime guard saw a deferred tensor change before it was staged; the save was refused."""
+
+
+class AdmissionError(CheckpointError):
+    """A save was requested while the outstanding limit was reached and the admission policy is ``abort``."""
+
+
+class HostMemoryBudgetError(CheckpointError):
+    """The staging buffers would not fit in the configured host-memory budget."""
