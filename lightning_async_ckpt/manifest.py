@@ -127,6 +127,9 @@ class Manifest:
             body = json.loads(data)
         except (ValueError, UnicodeDecodeError) as exc:
             raise ManifestError(f"{where}: not valid JSON ({exc})") from exc
+        except RecursionError as exc:
+            # Hostile nesting ("[[[[...") exhausts the decoder's recursion, which is not a ValueError.
+            raise ManifestError(f"{where}: JSON nested too deeply") from exc
         if not isinstance(body, dict):
             raise ManifestError(f"{where}: top level must be an object")
         if body.get("format") != FORMAT_NAME:

@@ -568,7 +568,9 @@ class CheckpointStore:
             The steps removed (or that would be).
         """
         if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1:
-            raise ConfigError(f"keep_last must be an int >= 1 (the newest committed generation is kept), got {keep_last!r}")
+            raise ConfigError(
+                f"keep_last must be an int >= 1 (the newest committed generation is kept), got {keep_last!r}"
+            )
         gens = self.generations(include_uncommitted=True)
         committed = [g for g in gens if g.committed]
         if not committed:
@@ -581,9 +583,7 @@ class CheckpointStore:
         for g in gens:
             if g.step in keep or g.step in writing:
                 continue
-            if g.committed and (all_runs or g.run_id == self.run_id):
-                doomed.append(g)
-            elif not g.committed and g.step < newest:
+            if g.committed and (all_runs or g.run_id == self.run_id) or not g.committed and g.step < newest:
                 doomed.append(g)
         if dry_run:
             return [g.step for g in doomed]

@@ -1,0 +1,399 @@
+"""The capture plan: which state is copied at the cut and which is staged later, behind which fence, and why.
+
+A checkpoint's state is a nested structure of dicts, lists and tuples whose leaves are tensors and Python
+objects. Building that structure is not staging: its tensors still alias live memory. The plan classifies each
+tensor storage into a :class:`Category`, by identity with the parameters, buffers and optimizer state of the
+modules and optimizers it is told about, and gives each category a capture mode:
+
+* ``Fence.CUT``: copied synchronously when the checkpoint is requested (the default for everything unproven);
+* ``Fence.BATCH_START``: staged in the background, waited for before the next forward;
+* ``Fence.OPTIMIZER_STEP``: staged in the background, waited for right before the next optimizer update.
+
+Deferral needs a proof, stated as a :class:`DeferralProof` whose ``rules`` are printed by :meth:`describe`.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+import torch
+
+__all__ = ["CapturePlan", "Category", "DeferralProof", "Fence", "StorageSlot", "prove_deferral"]
+
+
+class Category(str, Enum):
+    """State categories, each with one mutation rule (see the design brief)."""
+
+    PARAMETER = "parameter"
+    OPTIMIZER_STATE = "optimizer_state"
+    OFFLOADED_OPTIMIZER_STATE = "offloaded_optimizer_state"
+    BUFFER = "buffer"
+    COUNTER = "counter"
+    RNG = "rng"
+    SCHEDULER = "scheduler"
+    PYTHON = "python"
+    UNKNOWN = "unknown"
+
+
+class Fence(str, Enum):
+    """Where the staging wait of a category sits; ordered from earliest to latest."""
+
+    CUT = "cut"
+    BATCH_START = "batch_start"
+    OPTIMIZER_STEP = "optimizer_step"
+
+
+_FENCE_ORDER = {Fence.CUT: 0, Fence.BATCH_START: 1, Fence.OPTIMIZER_STEP: 2}
+# Categories whose first mutation after the cut is the optimizer update, when proven.
+_OPTIMIZER_UPDATED = (Category.PARAMETER, Category.OPTIMIZER_STATE)
+# Known optimizers that keep state away from the parameters and may update it during backward.
+_OFFLOAD_OPTIMIZER_MARKERS = ("offload", "cpuadam", "zero")
+
+
+@dataclass(frozen=True)
+class DeferralProof:
+    """The rules under which a category may be staged after the cut, and whether they hold.
+
+    Attributes:
+        fences: Latest fence each category may use (categories not listed are copied at the cut).
+        rules: Human-readable statements of what was checked, one per rule.
+        failures: Rules that did not hold (their categories were demoted to an earlier fence).
+    """
+
+    fences: dict[Category, Fence] = field(default_factory=dict)
+    rules: tuple[str, ...] = ()
+    failures: tuple[str, ...] = ()
+
+
+def prove_deferral(
+    modules: Sequence[torch.nn.Module],
+    optimizers: Sequence[Any],
+    *,
+    automatic_optimization: bool = True,
+    has_optimizer_step_fence: bool = True,
+    has_batch_start_fence: bool = True,
+    extra_failures: Iterable[str] = (),
+    ignore_hooks: Callable[[Any], bool] | None = None,
+) -> DeferralProof:
+    """Decide how late parameters, optimizer state and buffers may be staged.
+
+    Parameters and optimizer state may wait until the next optimizer update only if every optimizer is a
+    ``torch.optim.Optimizer`` that is not an offloading one, every parameter is owned by one of them,
+    optimization is automatic, no module has forward or backward hooks or parametrizations that could write
+    parameters, and the caller has a fence right before the update. Otherwise they fall back to the batch-start
+    fence (or the cut). Buffers (BatchNorm running stats, ``num_batches_tracked`` and any other) mutate in the next
+    forward, so they may wait at most until the batch-start fence.
+
+    Args:
+        modules: The modules whose parameters and buffers are saved.
+        optimizers: The optimizers whose state is saved (Lightning's wrappers are unwrapped).
+        automatic_optimization: Whether the framework alone drives ``optimizer.step``.
+        has_optimizer_step_fence: Whether the caller will call ``wait(Fence.OPTIMIZER_STEP)`` before updates.
+        has_batch_start_fence: Whether the caller will call ``wait(Fence.BATCH_START)`` before the next forward.
+        extra_failures: Rules the caller already knows to fail (e.g. "module overrides on_after_backward").
+        ignore_hooks: Predicate for hooks that are known not to write parameters (our own).
+
+    Returns:
+        The proof, with the latest allowed fence per category.
+    """
+    rules: list[str] = []
+    failures: list[str] = list(extra_failures)
+    opts = [getattr(opt, "optimizer", opt) for opt in optimizers]  # LightningOptimizer wraps .optimizer
+    rules.append("optimization is automatic (only the framework calls optimizer.step)")
+    if not automatic_optimization:
+        failures.append("manual optimization: user code may write parameters before the step")
+    rules.append("every optimizer is a torch.optim.Optimizer and none offloads its state")
+    for opt in opts:
+        if not isinstance(opt, torch.optim.Optimizer):
+            failures.append(f"optimizer {type(opt).__name__} is not a torch.optim.Optimizer")
+        elif any(marker in type(opt).__name__.lower() for marker in _OFFLOAD_OPTIMIZER_MARKERS):
+            failures.append(f"optimizer {type(opt).__name__} offloads its state")
+    rules.append("every parameter that requires grad is owned by an optimizer")
+    owned = {
+        id(p) for opt in opts if isinstance(opt, torch.optim.Optimizer) for g in opt.param_groups for p in g["params"]
+    }
+    for module in modules:
+        for name, p in module.named_parameters():
+            if p.requires_grad and id(p) not in owned:
+                failures.append(f"parameter {name} requires grad but no optimizer owns it")
+                break
+    rules.append("no forward/backward hooks or parametrizations can write parameters")
+    for module in modules:
+        for name, sub in module.named_modules():
+            hooks = [
+                *sub._forward_pre_hooks.values(),
+                *sub._forward_hooks.values(),
+                *sub._backward_hooks.values(),
+                *getattr(sub, "_backward_pre_hooks", {}).values(),
+            ]
+            hooks = [h for h in hooks if not (ignore_hooks and ignore_hooks(h))]
+            if hooks:
+                failures.append(f"module {name or type(sub).__name__} has {len(hooks)} forward/backward hook(s)")
+                break
+            if torch.nn.utils.parametrize.is_parametrized(sub):
+                failures.append(f"module {name or type(sub).__name__} is parametrized")
+                break
+    if not has_optimizer_step_fence:
+        failures.append("no fence before the optimizer update")
+
+    late = Fence.OPTIMIZER_STEP if not failures else (Fence.BATCH_START if has_batch_start_fence else Fence.CUT)
+    buffer_fence = Fence.BATCH_START if has_batch_start_fence else Fence.CUT
+    fences = {Category.PARAMETER: late, Category.OPTIMIZER_STATE: late, Category.BUFFER: buffer_fence}
+    return DeferralProof(fences=fences, rules=tuple(rules), failures=tuple(failures))
+
+
+@dataclass
+class StorageSlot:
+    """One distinct tensor storage of the state (tied weights and views share one slot).
+
+    Attributes:
+        index: Position in the plan.
+        storage: The live untyped storage.
+        nbytes: Its size in bytes.
+        device: Its device.
+        category: The most conservative category of the tensors that use it.
+        fence: Where its staging wait sits.
+        names: Paths in the state of the tensors that use it.
+    """
+
+    index: int
+    storage: torch.UntypedStorage
+    nbytes: int
+    device: torch.device
+    category: Category
+    fence: Fence
+    names: list[str]
+
+
+@dataclass
+class _TensorRef:
+    slot: int
+    dtype: torch.dtype
+    offset: int
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    parameter: bool
+    requires_grad: bool
+
+
+class CapturePlan:
+    """Classification of a state's tensors into categories, fences and capture modes.
+
+    Build it with :meth:`build`; :meth:`describe` prints it as a table. The plan keeps the state's skeleton:
+    containers are rebuilt, non-tensor leaves deep-copied at the cut, and tensors are replaced by references to
+    storage slots that the stager fills.
+
+    Args:
+        skeleton: The state with tensors replaced by references.
+        slots: The distinct storages.
+        proof: The deferral proof that set the fences.
+    """
+
+    def __init__(self, skeleton: Any, slots: list[StorageSlot], proof: DeferralProof) -> None:
+        self.skeleton = skeleton
+        self.slots = slots
+        self.proof = proof
+
+    @classmethod
+    def build(
+        cls,
+        state: Any,
+        *,
+        modules: Sequence[torch.nn.Module] = (),
+        optimizers: Sequence[Any] = (),
+        proof: DeferralProof | None = None,
+        demoted: Iterable[Category] = (),
+    ) -> CapturePlan:
+        """Classify ``state`` and deep-copy its non-tensor leaves (this is the synchronous part of the cut).
+
+        Args:
+            state: Nested dicts/lists/tuples of tensors and Python objects.
+            modules: Modules whose parameters and buffers appear in ``state``.
+            optimizers: Optimizers whose state appears in ``state``.
+            proof: Allowed fences per category; ``None`` copies everything at the cut.
+            demoted: Categories whose deferral failed the runtime guard before: copied at the cut.
+        """
+        proof = proof or DeferralProof()
+        demoted = set(demoted)
+        known = _classify_live(modules, optimizers)
+        slots: list[StorageSlot] = []
+        by_key: dict[tuple, int] = {}
+
+        def fence_for(category: Category) -> Fence:
+            return Fence.CUT if category in demoted else proof.fences.get(category, Fence.CUT)
+
+        def visit(obj: Any, path: str) -> Any:
+            if isinstance(obj, torch.Tensor):
+                return tensor_ref(obj, path)
+            if isinstance(obj, dict):
+                out = copy.copy(obj)  # keeps the dict subclass (OrderedDict, defaultdict) and its attributes
+                out.clear()
+                for k, v in obj.items():
+                    out[k] = visit(v, f"{path}.{k}" if path else str(k))
+                return out
+            if isinstance(obj, list) and type(obj) is list:
+                return [visit(v, f"{path}[{i}]") for i, v in enumerate(obj)]
+            if isinstance(obj, tuple) and type(obj) is tuple:
+                return tuple(visit(v, f"{path}[{i}]") for i, v in enumerate(obj))
+            if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+                return type(obj)(*(visit(v, f"{path}.{f}") for f, v in zip(obj._fields, obj, strict=True)))
+            return copy.deepcopy(obj)
+
+        def tensor_ref(t: torch.Tensor, path: str) -> Any:
+            plain = type(t) in (torch.Tensor, torch.nn.Parameter) and t.layout == torch.strided
+            if not plain or t.is_quantized or t.is_meta or t.untyped_storage().nbytes() == 0:
+                return t.detach().clone()  # exotic or empty tensors: copied at the cut, not pooled
+            storage = t.untyped_storage()
+            key = (t.device, storage.data_ptr())
+            category = known.get(key) or _category_from_path(path, t)
+            slot_index = by_key.get(key)
+            if slot_index is None:
+                slot_index = len(slots)
+                by_key[key] = slot_index
+                slots.append(
+                    StorageSlot(
+                        index=slot_index,
+                        storage=storage,
+                        nbytes=storage.nbytes(),
+                        device=t.device,
+                        category=category,
+                        fence=fence_for(category),
+                        names=[path],
+                    )
+                )
+            else:
+                slot = slots[slot_index]
+                slot.names.append(path)
+                fence = fence_for(category)
+                if _FENCE_ORDER[fence] < _FENCE_ORDER[slot.fence]:
+                    slot.category, slot.fence = category, fence
+            return _TensorRef(
+                slot=slot_index,
+                dtype=t.dtype,
+                offset=t.storage_offset(),
+                size=tuple(t.size()),
+                stride=tuple(t.stride()),
+                parameter=isinstance(t, torch.nn.Parameter),
+                requires_grad=t.requires_grad,
+            )
+
+        skeleton = visit(state, "")
+        return cls(skeleton, slots, proof)
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes of all distinct tensor storages."""
+        return sum(s.nbytes for s in self.slots)
+
+    def slots_at(self, fence: Fence) -> list[StorageSlot]:
+        """Slots whose staging wait sits at ``fence``."""
+        return [s for s in self.slots if s.fence == fence]
+
+    def materialize(self, buffers: Sequence[torch.Tensor]) -> Any:
+        """Rebuild the state with each tensor a view of its slot's staged buffer (sharing preserved)."""
+
+        def rebuild(obj: Any) -> Any:
+            if isinstance(obj, _TensorRef):
+                buf = buffers[obj.slot]
+                t = torch.empty(0, dtype=obj.dtype).set_(buf.untyped_storage(), obj.offset, obj.size, obj.stride)
+                return torch.nn.Parameter(t, requires_grad=obj.requires_grad) if obj.parameter else t
+            if isinstance(obj, dict):
+                out = copy.copy(obj)
+                out.clear()
+                out.update((k, rebuild(v)) for k, v in obj.items())
+                return out
+            if type(obj) is list:
+                return [rebuild(v) for v in obj]
+            if type(obj) is tuple:
+                return tuple(rebuild(v) for v in obj)
+            if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+                return type(obj)(*(rebuild(v) for v in obj))
+            return obj
+
+        return rebuild(self.skeleton)
+
+    def rows(self) -> list[dict[str, Any]]:
+        """One row per (category, fence): tensors, bytes, capture mode, fence and rule."""
+        groups: dict[tuple[Category, Fence], dict[str, Any]] = {}
+        for slot in self.slots:
+            row = groups.setdefault(
+                (slot.category, slot.fence),
+                {"category": slot.category.value, "tensors": 0, "bytes": 0, "fence": slot.fence.value},
+            )
+            row["tensors"] += len(slot.names)
+            row["bytes"] += slot.nbytes
+        for (category, fence), row in groups.items():
+            row["capture"] = "copy at cut" if fence == Fence.CUT else "staged in background"
+            row["rule"] = self._rule(category, fence)
+        return sorted(groups.values(), key=lambda r: (_FENCE_ORDER[Fence(r["fence"])], r["category"]))
+
+    def _rule(self, category: Category, fence: Fence) -> str:
+        if fence == Fence.OPTIMIZER_STEP:
+            return "proven: " + "; ".join(self.proof.rules)
+        if fence == Fence.BATCH_START:
+            if category == Category.BUFFER:
+                return "buffers mutate in the next forward"
+            return "unproven (" + "; ".join(self.proof.failures or ("not deferred",)) + ")"
+        if category in _OPTIMIZER_UPDATED and self.proof.fences.get(category, Fence.CUT) != Fence.CUT:
+            return "demoted after a guard failure"
+        return "default: unproven state is copied at the cut"
+
+    def summary(self) -> dict[str, Any]:
+        """JSON-friendly summary for the manifest."""
+        return {"rows": self.rows(), "total_bytes": self.total_bytes, "failures": list(self.proof.failures)}
+
+    def describe(self) -> str:
+        """The plan as a text table: category, tensors, bytes, capture mode, fence, rule."""
+        header = f"{'category':<26}{'tensors':>8}{'bytes':>14}  {'capture':<22}{'fence':<16}rule"
+        lines = [header, "-" * len(header)]
+        for r in self.rows():
+            lines.append(
+                f"{r['category']:<26}{r['tensors']:>8}{r['bytes']:>14,}  {r['capture']:<22}{r['fence']:<16}{r['rule']}"
+            )
+        lines.append(f"total {self.total_bytes:,} bytes in {len(self.slots)} storages")
+        return "\n".join(lines)
+
+
+def _classify_live(modules: Sequence[torch.nn.Module], optimizers: Sequence[Any]) -> dict[tuple, Category]:
+    known: dict[tuple, Category] = {}
+
+    def key(t: torch.Tensor) -> tuple:
+        return (t.device, t.untyped_storage().data_ptr())
+
+    for module in modules:
+        for p in module.parameters():
+            known[key(p)] = Category.PARAMETER
+        for b in module.buffers():
+            known[key(b)] = Category.BUFFER
+    for opt in optimizers:
+        opt = getattr(opt, "optimizer", opt)
+        offload_cls = any(marker in type(opt).__name__.lower() for marker in _OFFLOAD_OPTIMIZER_MARKERS)
+        for p, state in getattr(opt, "state", {}).items():
+            if not isinstance(state, dict):
+                continue
+            for v in state.values():
+                if not isinstance(v, torch.Tensor) or v.untyped_storage().nbytes() == 0:
+                    continue
+                if v.dim() == 0:
+                    # Adam's `step` and similar scalars: counters, tiny, copied at the cut.
+                    known.setdefault(key(v), Category.COUNTER)
+                elif offload_cls or (isinstance(p, torch.Tensor) and v.device != p.device):
+                    known[key(v)] = Category.OFFLOADED_OPTIMIZER_STATE
+                else:
+                    known.setdefault(key(v), Category.OPTIMIZER_STATE)
+    return known
+
+
+def _category_from_path(path: str, t: torch.Tensor) -> Category:
+    lowered = path.lower()
+    if "rng" in lowered or "random" in lowered:
+        return Category.RNG
+    if "sched" in lowered:
+        return Category.SCHEDULER
+    if t.dim() == 0 or "loops" in lowered or "step" in lowered.rsplit(".", 1)[-1]:
+        return Category.COUNTER
+    return Category.UNKNOWN

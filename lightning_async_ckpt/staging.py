@@ -1,0 +1,277 @@
+"""Staging: make a snapshot independent of application memory, into reusable host buffers.
+
+CPU tensors are copied by a named background thread. CUDA tensors are copied into pinned buffers on a side
+stream that first waits on an event recorded on the compute stream at the cut; a fence on CUDA makes the compute
+stream wait on the copy's completion event, so the host does not block at all.
+
+The runtime guard: ``tensor._version`` misses real mutations (fused optimizers, BatchNorm running stats,
+``.data`` writes), so a few sampled bytes of every deferred storage are fingerprinted at the cut and compared with
+the staged copy. A mismatch means the deferral's proof was wrong: the job fails with
+:class:`~lightning_async_ckpt.errors.TornSnapshotError`.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import psutil
+import torch
+
+from lightning_async_ckpt.capture import Category, Fence, StorageSlot
+from lightning_async_ckpt.errors import ConfigError, HostMemoryBudgetError, TornSnapshotError
+
+__all__ = ["AUTO_BUDGET_FRACTION", "BufferPool", "StagingJob", "resolve_budget"]
+
+AUTO_BUDGET_FRACTION = 0.5
+_FINGERPRINT_SAMPLES = 64
+
+
+def resolve_budget(budget: int | str | None, reserved_bytes: int = 0) -> int | None:
+    """Turn a budget setting into bytes.
+
+    Args:
+        budget: Bytes; ``"auto"`` for ``AUTO_BUDGET_FRACTION`` (half) of the host memory available now, minus
+            ``reserved_bytes``; ``None`` for no limit.
+        reserved_bytes: Host memory other consumers need (input prefetch, optimizer offload, other processes).
+    """
+    if budget is None:
+        return None
+    if budget == "auto":
+        return max(0, int(psutil.virtual_memory().available * AUTO_BUDGET_FRACTION) - reserved_bytes)
+    if isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0:
+        raise ConfigError(f"host_memory_budget must be a positive number of bytes, 'auto' or None, got {budget!r}")
+    return budget - reserved_bytes
+
+
+class BufferPool:
+    """Host buffers reused across checkpoints, bounded by a budget.
+
+    Buffers are ``uint8`` tensors of one storage's size, pinned when staging from CUDA. A buffer handed out by
+    :meth:`acquire` is not handed out again until :meth:`release` (called once the upload stopped reading it).
+    Thread-safe.
+
+    Args:
+        budget_bytes: Most bytes the pool may retain; ``None`` for no limit.
+    """
+
+    def __init__(self, budget_bytes: int | None) -> None:
+        self.budget_bytes = budget_bytes
+        self._free: dict[tuple[int, bool], list[torch.Tensor]] = {}
+        self._lock = threading.Lock()
+        self.retained_bytes = 0
+        self.peak_bytes = 0
+        self.in_use_bytes = 0
+
+    def check(self, needed_bytes: int) -> None:
+        """Raise before training if one snapshot of ``needed_bytes`` cannot fit the budget."""
+        if self.budget_bytes is not None and needed_bytes > self.budget_bytes:
+            raise HostMemoryBudgetError(
+                f"staging needs {needed_bytes:,} bytes of host memory but host_memory_budget allows "
+                f"{self.budget_bytes:,} (available now: {psutil.virtual_memory().available:,}); raise "
+                "host_memory_budget, lower reserved host bytes, or save less state"
+            )
+
+    def acquire(self, slots: Sequence[StorageSlot]) -> list[torch.Tensor]:
+        """Hand out one buffer per slot, reusing free ones of the same size."""
+        out: list[torch.Tensor] = []
+        with self._lock:
+            needed = sum(s.nbytes for s in slots)
+            reusable = sum(
+                len(self._free.get((s.nbytes, _pin(s)), ())) * s.nbytes
+                for s in {(s.nbytes, _pin(s)): s for s in slots}.values()
+            )
+            grow = max(0, needed - reusable)
+            if self.budget_bytes is not None and self.retained_bytes + grow > self.budget_bytes:
+                self._trim(self.retained_bytes + grow - self.budget_bytes)
+            if self.budget_bytes is not None and self.retained_bytes + grow > self.budget_bytes:
+                raise HostMemoryBudgetError(
+                    f"staging needs {grow:,} more bytes but {self.retained_bytes:,} are retained of a "
+                    f"host_memory_budget of {self.budget_bytes:,}; raise host_memory_budget or lower max_outstanding"
+                )
+            for s in slots:
+                free = self._free.get((s.nbytes, _pin(s)))
+                if free:
+                    out.append(free.pop())
+                else:
+                    out.append(torch.empty(s.nbytes, dtype=torch.uint8, pin_memory=_pin(s)))
+                    self.retained_bytes += s.nbytes
+            self.in_use_bytes += needed
+            self.peak_bytes = max(self.peak_bytes, self.retained_bytes)
+        return out
+
+    def release(self, buffers: Sequence[torch.Tensor]) -> None:
+        """Return buffers once nothing reads them any more."""
+        with self._lock:
+            for buf in buffers:
+                self._free.setdefault((buf.numel(), buf.is_pinned()), []).append(buf)
+                self.in_use_bytes -= buf.numel()
+
+    def _trim(self, excess: int) -> None:
+        for key in list(self._free):
+            while self._free[key] and excess > 0:
+                buf = self._free[key].pop()
+                self.retained_bytes -= buf.numel()
+                excess -= buf.numel()
+
+    def clear(self) -> None:
+        """Drop the free buffers."""
+        with self._lock:
+            self._trim(self.retained_bytes)
+
+
+def _pin(slot: StorageSlot) -> bool:
+    return slot.device.type == "cuda"
+
+
+def _as_bytes(storage: torch.UntypedStorage) -> torch.Tensor:
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage, 0, (storage.nbytes(),), (1,))
+
+
+def _sample_index(nbytes: int, device: torch.device) -> torch.Tensor:
+    count = min(nbytes, _FINGERPRINT_SAMPLES)
+    return torch.linspace(0, nbytes - 1, steps=count, device=device).long()
+
+
+@dataclass
+class _FenceState:
+    event: threading.Event = field(default_factory=threading.Event)
+    cuda_event: object | None = None
+    waited_s: float = 0.0
+
+
+class StagingJob:
+    """Copies one checkpoint's deferred storages into host buffers and tracks their fences.
+
+    Created on the caller thread at the cut (copy-at-cut storages are copied there and then); :meth:`run` copies
+    the rest on the staging thread; :meth:`wait` is called on the training thread at each fence.
+
+    Args:
+        slots: The plan's storage slots.
+        buffers: One host buffer per slot.
+        guard: Fingerprint deferred storages and check the staged copies.
+    """
+
+    def __init__(self, slots: Sequence[StorageSlot], buffers: Sequence[torch.Tensor], *, guard: bool = True) -> None:
+        self.slots = list(slots)
+        self.buffers = list(buffers)
+        self.guard = guard
+        self.fences = {f: _FenceState() for f in (Fence.BATCH_START, Fence.OPTIMIZER_STEP)}
+        self.error: BaseException | None = None
+        self.done = threading.Event()
+        self.torn_categories: set[Category] = set()
+        self.staging_s = 0.0
+        self.stage_started = 0.0
+        self.stage_ended = 0.0
+        self._fingerprints: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._deferred = [s for s in self.slots if s.fence != Fence.CUT]
+        # Earlier fences first, so the first wait is released as soon as possible.
+        self._deferred.sort(key=lambda s: 0 if s.fence == Fence.BATCH_START else 1)
+        self._cuda_cut_events: dict[torch.device, torch.cuda.Event] = {}
+        self._side_streams: dict[torch.device, torch.cuda.Stream] = {}
+
+    # -- at the cut, on the caller thread ----------------------------------------------------------------
+    def copy_at_cut(self, side_streams: dict[torch.device, torch.cuda.Stream] | None = None) -> None:
+        """Copy the copy-at-cut storages, fingerprint the deferred ones, and mark the cut on CUDA streams."""
+        for slot, buf in zip(self.slots, self.buffers, strict=True):
+            if slot.fence == Fence.CUT:
+                buf.copy_(_as_bytes(slot.storage))
+        if self.guard:
+            for slot in self._deferred:
+                idx = _sample_index(slot.nbytes, slot.device)
+                self._fingerprints[slot.index] = (idx, _as_bytes(slot.storage)[idx].clone())
+        devices = {s.device for s in self._deferred if s.device.type == "cuda"}
+        for dev in devices:
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(dev))
+            self._cuda_cut_events[dev] = event
+            self._side_streams[dev] = (side_streams or {}).get(dev) or torch.cuda.Stream(dev)
+        for fence, state in self.fences.items():
+            if not any(s.fence == fence for s in self._deferred):
+                state.event.set()
+
+    # -- on the staging thread ---------------------------------------------------------------------------
+    def run(self) -> None:
+        """Copy the deferred storages, release fences as their storages land, then check the guard."""
+        self.stage_started = time.perf_counter()
+        try:
+            pending = {f: sum(1 for s in self._deferred if s.fence == f) for f in self.fences}
+            for slot in self._deferred:
+                buf = self.buffers[slot.index]
+                if slot.device.type == "cuda":
+                    stream = self._side_streams[slot.device]
+                    stream.wait_event(self._cuda_cut_events[slot.device])
+                    with torch.cuda.stream(stream):
+                        buf.copy_(_as_bytes(slot.storage), non_blocking=True)
+                else:
+                    buf.copy_(_as_bytes(slot.storage))
+                pending[slot.fence] -= 1
+                if pending[slot.fence] == 0:
+                    self._release(slot.fence)
+            for stream in self._side_streams.values():
+                stream.synchronize()
+            if self.guard:
+                self._check_fingerprints()
+        except BaseException as exc:  # noqa: BLE001 - stored and re-raised on the training thread
+            self.error = exc
+        finally:
+            for state in self.fences.values():
+                state.event.set()
+            self.stage_ended = time.perf_counter()
+            self.staging_s = self.stage_ended - self.stage_started
+            self.done.set()
+
+    def _release(self, fence: Fence) -> None:
+        state = self.fences[fence]
+        devices = {s.device for s in self._deferred if s.fence == fence and s.device.type == "cuda"}
+        if devices:
+            # One completion event per fence: the compute stream waits on it instead of the host.
+            dev = next(iter(devices))
+            event = torch.cuda.Event()
+            event.record(self._side_streams[dev])
+            state.cuda_event = event
+        state.event.set()
+
+    def _check_fingerprints(self) -> None:
+        torn = []
+        for slot in self._deferred:
+            idx, expected = self._fingerprints[slot.index]
+            got = self.buffers[slot.index][idx.cpu()]
+            if not torch.equal(got, expected.cpu()):
+                torn.append(slot)
+        if torn:
+            self.torn_categories = {s.category for s in torn}
+            names = ", ".join(s.names[0] for s in torn[:5])
+            raise TornSnapshotError(
+                f"{len(torn)} deferred storage(s) changed between the cut and their staging copy ({names}); the "
+                f"deferral proof for {sorted(c.value for c in self.torn_categories)} failed, the checkpoint was "
+                "refused and those categories are now copied at the cut"
+            )
+
+    # -- at a fence, on the training thread --------------------------------------------------------------
+    def wait(self, fence: Fence) -> float:
+        """Block until every storage fenced at ``fence`` (or earlier) is staged; returns seconds blocked.
+
+        On CUDA the compute stream waits on the copy's event instead of the host, once the copies were issued.
+        """
+        waited = 0.0
+        for f in (Fence.BATCH_START, Fence.OPTIMIZER_STEP):
+            state = self.fences[f]
+            if not state.event.is_set():
+                t0 = time.perf_counter()
+                state.event.wait()
+                state.waited_s += time.perf_counter() - t0
+                waited += time.perf_counter() - t0
+            if state.cuda_event is not None:
+                torch.cuda.current_stream().wait_event(state.cuda_event)
+                state.cuda_event = None
+            if f == fence:
+                break
+        return waited
+
+    @property
+    def deferred_bytes(self) -> int:
+        """Bytes staged in the background."""
+        return sum(s.nbytes for s in self._deferred)

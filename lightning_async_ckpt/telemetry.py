@@ -1,0 +1,108 @@
+"""Telemetry: one record per save, and a JSONL event log that the command line plots and plans from."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from typing import IO, Any
+
+import fsspec
+
+__all__ = ["EventLog", "SaveRecord"]
+
+
+@dataclass
+class SaveRecord:
+    """Measurements of one save request, also emitted as the ``save`` event.
+
+    Attributes:
+        requested_step: The step the caller asked to save.
+        committed_step: Newest committed step once this save ended (``None`` before the first commit).
+        decision: The admission decision.
+        outcome: ``committed``, ``failed``, ``torn``, ``skipped``, ``coalesced``, ``aborted`` or ``abandoned``.
+        backlog: Saves outstanding when the request arrived.
+        blocked_s: Seconds the caller was blocked at the cut (admission wait, capture and copy-at-cut).
+        admission_wait_s: Part of ``blocked_s`` spent waiting for admission.
+        fence_wait_s: Seconds waited at each fence.
+        staging_s: Background staging seconds.
+        upload_s: Serialization and upload seconds.
+        commit_s: Manifest write seconds.
+        cut_to_committed_s: From the request to the manifest being durable.
+        bytes: Bytes stored.
+        sync_bytes: Bytes copied at the cut.
+        deferred_bytes: Bytes staged in the background.
+        throughput_bps: ``bytes / upload_s``.
+        peak_retained_bytes: Peak host bytes held by staging buffers so far.
+        error: The failure, if any.
+        t_request: Wall-clock time of the request (``time.time()``).
+        phases: Wall-clock start/end of each phase, for the timeline.
+    """
+
+    requested_step: int
+    committed_step: int | None = None
+    decision: str = "admit"
+    outcome: str = "pending"
+    backlog: int = 0
+    blocked_s: float = 0.0
+    admission_wait_s: float = 0.0
+    fence_wait_s: dict[str, float] = field(default_factory=dict)
+    staging_s: float = 0.0
+    upload_s: float = 0.0
+    commit_s: float = 0.0
+    cut_to_committed_s: float | None = None
+    bytes: int = 0
+    sync_bytes: int = 0
+    deferred_bytes: int = 0
+    throughput_bps: float | None = None
+    peak_retained_bytes: int = 0
+    error: str | None = None
+    t_request: float = field(default_factory=time.time)
+    phases: dict[str, list[float]] = field(default_factory=dict)
+
+    def mark(self, phase: str, start: float, end: float | None = None) -> None:
+        """Record a phase's wall-clock window."""
+        self.phases[phase] = [start, end if end is not None else time.time()]
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-friendly copy."""
+        return asdict(self)
+
+
+class EventLog:
+    """Append-only JSONL events (``{"event": ..., "t": ..., ...}``) to a local path or fsspec URL.
+
+    Thread-safe. Each line is flushed as written, so a crashed run leaves a readable log.
+
+    Args:
+        path: Where to append; ``None`` keeps events in memory only (``events``).
+        keep: How many events to keep in memory.
+    """
+
+    def __init__(self, path: str | None = None, *, keep: int = 10_000) -> None:
+        self.path = path
+        self.keep = keep
+        self.events: list[dict[str, Any]] = []
+        self._lock = threading.Lock()
+        self._file: IO[str] | None = None
+        if path is not None:
+            self._file = fsspec.open(path, "a", encoding="utf-8").open()
+
+    def emit(self, event: str, **fields: Any) -> None:
+        """Record one event."""
+        record = {"event": event, "t": time.time(), **fields}
+        with self._lock:
+            self.events.append(record)
+            if len(self.events) > self.keep:
+                del self.events[: len(self.events) - self.keep]
+            if self._file is not None:
+                self._file.write(json.dumps(record, default=str) + "\n")
+                self._file.flush()
+
+    def close(self) -> None:
+        """Close the file; idempotent."""
+        with self._lock:
+            if self._file is not None:
+                self._file.close()
+                self._file = None
