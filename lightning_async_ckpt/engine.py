@@ -566,15 +566,21 @@ class AsyncCheckpointer:
         )
 
     # -- training-thread calls ---------------------------------------------------------------------------
-    def wait(self, fence: Fence) -> float:
+    def wait(self, fence: Fence, *, raise_errors: bool = True) -> float:
         """Block at ``fence`` until every outstanding save's storages fenced there are staged.
 
         Cheap when nothing is outstanding; call it right before the first mutation of the fenced categories.
 
+        Args:
+            fence: The fence being passed.
+            raise_errors: Re-raise a pending background error here (multi-process callers raise them only at
+                collective points instead).
+
         Returns:
             Seconds blocked.
         """
-        self.raise_pending()
+        if raise_errors:
+            self.raise_pending()
         if not self._inflight:
             return 0.0
         waited = 0.0
@@ -593,6 +599,17 @@ class AsyncCheckpointer:
             error = self._errors.popleft()
             self._errors.clear()
             raise error
+
+    def take_pending_error(self) -> BaseException | None:
+        """Remove and return the pending background error, if any (for callers that raise it collectively)."""
+        error = self._errors.popleft() if self._errors else None
+        self._errors.clear()
+        return error
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called."""
+        return self._closed
 
     def poll(self) -> None:
         """Raise a pending background error, if any."""

@@ -341,7 +341,7 @@ class CheckpointStore:
             raise ConfigError(f"block_size must be an int of at least 5 MiB (S3's part minimum), got {block_size!r}")
         self.uri = uri
         self.storage_options = dict(storage_options or {})
-        self.run_id = run_id or uuid.uuid4().hex[:12]
+        self.run_id = run_id or self.new_run_id()
         self.checksum = checksum
         self.fs, self.root = _make_fs(uri, self.storage_options)
         self.root = self.root.rstrip("/") or "/"
@@ -353,6 +353,11 @@ class CheckpointStore:
         self._writing: set[int] = set()
         if check_writable:
             self._check_writable()
+
+    @staticmethod
+    def new_run_id() -> str:
+        """A fresh random run id."""
+        return uuid.uuid4().hex[:12]
 
     # -- paths -------------------------------------------------------------------------------------------
     def _gen_path(self, step: int) -> str:
