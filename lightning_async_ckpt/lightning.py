@@ -1,0 +1,481 @@
+"""Lightning integration: ``AsyncCheckpointCallback`` and ``latest_checkpoint``.
+
+Where each hook sits in one training step of automatic optimization (lightning 2.6)::
+
+    on_train_batch_start   <- fence: buffers (and parameters/optimizer state when deferral is unproven)
+    training_step          (forward: BatchNorm stats, dropout RNG mutate; backward)
+    on_before_optimizer_step  <- fence: parameters and optimizer state, when proven
+    optimizer update, step-interval LR schedulers
+    on_train_batch_end     <- the cut: the checkpoint ModelCheckpoint(every_n_train_steps) would write
+
+With ``accumulate_grad_batches=k`` ``on_before_optimizer_step`` fires only before real updates, so the fence moves
+with it.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import numpy as np
+import torch
+from lightning.fabric.utilities.seed import _collect_rng_states
+from lightning.pytorch.callbacks import Callback, Checkpoint
+from lightning.pytorch.trainer.states import TrainerFn
+
+from lightning_async_ckpt.capture import DeferralProof, Fence, prove_deferral
+from lightning_async_ckpt.engine import AsyncCheckpointer, CheckpointOptions
+from lightning_async_ckpt.errors import CheckpointError, ConfigError, GenerationExistsError
+from lightning_async_ckpt.staging import BufferPool, resolve_budget
+from lightning_async_ckpt.store import CheckpointStore
+
+__all__ = ["CHECKPOINT_NAME", "AsyncCheckpointCallback", "latest_checkpoint"]
+
+_log = logging.getLogger("lightning_async_ckpt")
+CHECKPOINT_NAME = "checkpoint.ckpt"
+# Hooks that run between the cut and the optimizer update; a user override may write parameters there.
+_MODULE_HOOKS_BEFORE_STEP = (
+    "on_train_batch_end",
+    "on_train_batch_start",
+    "on_before_backward",
+    "on_after_backward",
+    "optimizer_step",
+    "on_before_zero_grad",
+)
+_CALLBACK_HOOKS_BEFORE_STEP = (
+    "on_train_batch_start",
+    "on_before_backward",
+    "on_after_backward",
+    "on_before_optimizer_step",
+)
+# Lightning callbacks known to read parameters only.
+_READ_ONLY_CALLBACKS = (
+    "ProgressBar",
+    "ModelSummary",
+    "LearningRateMonitor",
+    "Timer",
+    "EarlyStopping",
+    "DeviceStatsMonitor",
+    "ThroughputMonitor",
+    "GradientAccumulationScheduler",
+    "Checkpoint",
+)
+# Optimizer state multiple of the parameters, for the budget check before the first step.
+_OPTIMIZER_STATE_FACTOR = {"Adam": 2, "AdamW": 2, "SGD": 1, "RMSprop": 1, "Adagrad": 1}
+
+
+class AsyncCheckpointCallback(Checkpoint):
+    """Checkpoints that cost the training loop almost nothing and are never reported before they are recoverable.
+
+    At each cut (``on_train_batch_end`` every ``every_n_train_steps`` optimizer steps, or the end of every
+    ``every_n_epochs``-th epoch) the callback builds the same checkpoint ``ModelCheckpoint`` would write, copies at
+    the cut what may mutate soon (counters, RNG, Python objects, buffers unless fenced, anything unproven), and stages
+    parameters and optimizer state into reusable host buffers while the next forward/backward runs, waiting for them
+    in ``on_before_optimizer_step`` only where that is proven safe. The snapshot is streamed through fsspec to
+    ``dirpath`` and becomes recoverable when its manifest is written last.
+
+    Logged through the Trainer's loggers: ``ckpt/requested_step``, ``ckpt/committed_step`` (also in the progress
+    bar), ``ckpt/blocked_s``, ``ckpt/staging_s``, ``ckpt/cut_to_committed_s``, ``ckpt/bytes``, ``ckpt/backlog``,
+    ``ckpt/skipped``. Only ``committed_step`` is recoverable progress.
+
+    Args:
+        dirpath: Local folder or fsspec URL (``s3://bucket/prefix``). Default: ``<default_root_dir>/checkpoints``.
+        every_n_train_steps: Take a cut every N optimizer steps.
+        every_n_epochs: Take a cut at the end of every N-th training epoch. Default 1 when neither interval is set.
+        save_on_train_end: Take a final cut when training ends (if that step was not saved already).
+        keep_last: Committed generations to keep; ``None`` keeps all.
+        admission: When a cut arrives while ``max_outstanding`` saves are in flight: ``wait``, ``skip``,
+            ``coalesce`` or ``abort``.
+        max_outstanding: Saves in flight at once.
+        host_memory_budget: Bytes, ``"auto"`` (half the available host memory) or ``None`` (unbounded).
+        reserved_host_bytes: Host bytes other consumers need, subtracted from the budget.
+        defer: ``False`` copies everything at the cut (no fences needed).
+        storage_options: fsspec options for ``dirpath`` (e.g. S3 endpoint, credentials).
+        on_error: ``raise`` a failed save on the training thread at the next hook, or ``warn`` and keep training.
+        retries: Extra upload attempts on transient storage errors.
+        drain_timeout_s: Bound on draining at exceptions and interpreter exit.
+        event_log: Path or URL of a JSONL event log (for ``lightning-async-ckpt timeline`` / ``plan``).
+        restore_rng: Restore the RNG states captured at the cut when resuming (Lightning itself does not).
+        verbose: Log every committed generation at INFO level.
+    """
+
+    def __init__(
+        self,
+        dirpath: str | None = None,
+        every_n_train_steps: int | None = None,
+        every_n_epochs: int | None = None,
+        save_on_train_end: bool = True,
+        keep_last: int | None = None,
+        admission: Literal["wait", "skip", "coalesce", "abort"] = "wait",
+        max_outstanding: int = 1,
+        host_memory_budget: int | str | None = "auto",
+        reserved_host_bytes: int = 0,
+        defer: bool = True,
+        storage_options: dict[str, Any] | None = None,
+        on_error: Literal["raise", "warn"] = "raise",
+        retries: int = 2,
+        drain_timeout_s: float = 120.0,
+        event_log: str | None = None,
+        restore_rng: bool = False,
+        verbose: bool = False,
+    ) -> None:
+        super().__init__()
+        if dirpath is not None and (not isinstance(dirpath, str) or not dirpath.strip()):
+            raise ConfigError(f"dirpath must be a non-empty path or URL string, got {dirpath!r}")
+        for name, value in (("every_n_train_steps", every_n_train_steps), ("every_n_epochs", every_n_epochs)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ConfigError(f"{name} must be None or an int >= 1, got {value!r}")
+        for name, value in (
+            ("save_on_train_end", save_on_train_end),
+            ("defer", defer),
+            ("restore_rng", restore_rng),
+            ("verbose", verbose),
+        ):
+            if not isinstance(value, bool):
+                raise ConfigError(f"{name} must be True or False, got {value!r}")
+        if every_n_train_steps is None and every_n_epochs is None:
+            every_n_epochs = 1
+        # Validates admission, budget, keep_last, on_error, retries... with messages naming the parameter.
+        self.options = CheckpointOptions(
+            max_outstanding=max_outstanding,
+            admission=admission,
+            host_memory_budget=host_memory_budget,
+            reserved_host_bytes=reserved_host_bytes,
+            keep_last=keep_last,
+            on_error=on_error,
+            retries=retries,
+            drain_timeout_s=drain_timeout_s,
+            event_log=event_log,
+        )
+        if storage_options is not None and not isinstance(storage_options, dict):
+            raise ConfigError(f"storage_options must be a dict or None, got {type(storage_options).__name__}")
+        self.dirpath = dirpath
+        self.every_n_train_steps = every_n_train_steps
+        self.every_n_epochs = every_n_epochs
+        self.save_on_train_end = save_on_train_end
+        self.defer = defer
+        self.storage_options = storage_options
+        self.restore_rng = restore_rng
+        self.verbose = verbose
+        self.store: CheckpointStore | None = None
+        self.checkpointer: AsyncCheckpointer | None = None
+        self.run_id: str | None = None
+        self.requested_step: int | None = None
+        self.committed_step: int | None = None
+        self.skipped = 0
+        self._logged: tuple = ()
+        self._distributed = False
+        self._loaded_rng: dict[str, Any] | None = None
+        self._committed_before: set[int] = set()
+        self._last_cut_step: int | None = None
+
+    @property
+    def state_key(self) -> str:
+        return self._generate_state_key(
+            dirpath=self.dirpath, every_n_train_steps=self.every_n_train_steps, every_n_epochs=self.every_n_epochs
+        )
+
+    # -- setup and teardown ------------------------------------------------------------------------------
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        name = type(trainer.strategy).__name__
+        if "FSDP" in name or "DeepSpeed" in name or "ModelParallel" in name:
+            raise ConfigError(
+                f"AsyncCheckpointCallback supports single-device and DDP strategies, not {name}: sharded strategies "
+                "need every rank to write its shard; use ModelCheckpoint with that strategy's sharded checkpointing"
+            )
+        self._distributed = trainer.world_size > 1
+        if self.dirpath is None:
+            self.dirpath = f"{trainer.default_root_dir.rstrip('/')}/checkpoints"
+        if self.run_id is None:
+            # One run id across ranks and across fit() calls of this callback, so retention sees one run.
+            run_id = CheckpointStore.new_run_id()
+            self.run_id = trainer.strategy.broadcast(run_id, src=0) if self._distributed else run_id
+        if trainer.is_global_zero and (self.checkpointer is None or self.checkpointer.closed):
+            self.store = CheckpointStore(self.dirpath, self.storage_options, run_id=self.run_id)
+            self.checkpointer = AsyncCheckpointer(self.store, self.options)
+            self.checkpointer.declare_fences({Fence.BATCH_START, Fence.OPTIMIZER_STEP})
+            self._committed_before = {g.step for g in self.store.generations()}
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # Like ModelCheckpoint: no cut at the step training starts from (fresh: 0; resumed: the restored step).
+        self._last_cut_step = trainer.global_step
+        if self.checkpointer is None:
+            return
+        # The budget is checked before the first step: optimizer state does not exist yet, so it is estimated.
+        estimate = _estimate_checkpoint_bytes(pl_module, trainer.optimizers)
+        BufferPool(resolve_budget(self.options.host_memory_budget, self.options.reserved_host_bytes)).check(estimate)
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage == "fit":
+            self._close(trainer, raise_errors=True)
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        # teardown is not called on exceptions: drain here so the in-flight save lands, within a bound.
+        if self.checkpointer is not None:
+            try:
+                self.checkpointer.close(timeout=self.options.drain_timeout_s)
+            except Exception:  # noqa: BLE001 - the training exception is the one that propagates
+                _log.warning("checkpoint error while handling a training exception", exc_info=True)
+            self._sync_progress()
+            _log.warning(
+                "training stopped by %s; last committed checkpoint step %s (last requested %s)",
+                type(exception).__name__,
+                self.committed_step,
+                self.requested_step,
+            )
+
+    # -- fences ------------------------------------------------------------------------------------------
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if self.checkpointer is not None:
+            # In DDP, errors are raised only at collective points, so one rank never leaves the others hanging.
+            self.checkpointer.wait(Fence.BATCH_START, raise_errors=not self._distributed)
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        if self.checkpointer is not None:
+            self.checkpointer.wait(Fence.OPTIMIZER_STEP, raise_errors=not self._distributed)
+
+    # -- cuts --------------------------------------------------------------------------------------------
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if self._skip(trainer):
+            return
+        step = trainer.global_step
+        due = self.every_n_train_steps is not None and step % self.every_n_train_steps == 0
+        if self.checkpointer is not None and self.checkpointer.coalesce_due:
+            due = True
+        if self._distributed and self.options.admission == "coalesce":
+            due = bool(trainer.strategy.broadcast(due, src=0))
+        if due:
+            self._cut(trainer, pl_module, step)
+        self._log_progress(pl_module)
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._skip(trainer) or self.every_n_epochs is None:
+            return
+        if (trainer.current_epoch + 1) % self.every_n_epochs == 0:
+            self._cut(trainer, pl_module, trainer.global_step)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.save_on_train_end and not trainer.fast_dev_run and self._last_cut_step != trainer.global_step:
+            self._cut(trainer, pl_module, trainer.global_step)
+        self._close(trainer, raise_errors=True)
+
+    def _skip(self, trainer: pl.Trainer) -> bool:
+        return (
+            bool(trainer.fast_dev_run)
+            or trainer.state.fn != TrainerFn.FITTING
+            or trainer.sanity_checking
+            or self._last_cut_step == trainer.global_step
+        )
+
+    def _cut(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int) -> None:
+        if self._last_cut_step == step:
+            return
+        self._last_cut_step = step
+        clash = None
+        if step in self._committed_before:
+            clash = GenerationExistsError(
+                f"dirpath {self.dirpath!r} already holds a committed checkpoint for step {step} from an earlier run; "
+                "committed checkpoints are never overwritten: use a new dirpath, or resume with "
+                "trainer.fit(model, ckpt_path=latest_checkpoint(dirpath))"
+            )
+        self._raise_collectively(trainer, clash)
+        self.requested_step = step
+        checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+        decision = "admit"
+        if self.checkpointer is not None:
+            handle = self.checkpointer.save(
+                step,
+                checkpoint,
+                modules=[pl_module],
+                optimizers=trainer.optimizers,
+                proof=self._proof(trainer, pl_module) if self.defer else None,
+                defer=self.defer,
+                cut={"epoch": trainer.current_epoch, "global_step": step, "world_size": trainer.world_size},
+            )
+            decision = handle.decision.decision
+            if self.verbose:
+                handle.committed.add_done_callback(_log_commit)
+        if self._distributed:
+            # Every rank records the same decision, so requested/skipped counts agree across ranks.
+            decision = trainer.strategy.broadcast(decision, src=0)
+        if decision in ("skip", "coalesce"):
+            self.skipped += 1
+
+    def _raise_collectively(self, trainer: pl.Trainer, local: BaseException | None = None) -> None:
+        if not self._distributed:
+            if local is not None:
+                raise local
+            if self.checkpointer is not None:
+                self.checkpointer.raise_pending()
+            return
+        if local is None and self.checkpointer is not None:
+            local = self.checkpointer.take_pending_error()
+        failed = trainer.strategy.reduce_boolean_decision(local is not None, all=False)
+        if local is not None:
+            raise local
+        if failed:
+            raise CheckpointError("a checkpoint save failed on another rank; see that rank's log")
+
+    def _proof(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> DeferralProof:
+        failures = []
+        for hook in _MODULE_HOOKS_BEFORE_STEP:
+            if _overrides(pl_module, pl.LightningModule, hook):
+                failures.append(f"the LightningModule overrides {hook}, which runs before the next update")
+        for cb in trainer.callbacks:
+            if cb is self or any(k.__name__ in _READ_ONLY_CALLBACKS for k in type(cb).__mro__):
+                continue
+            for hook in _CALLBACK_HOOKS_BEFORE_STEP:
+                if _overrides(cb, Callback, hook):
+                    failures.append(f"callback {type(cb).__name__} overrides {hook}")
+        return prove_deferral(
+            [pl_module],
+            trainer.optimizers,
+            automatic_optimization=pl_module.automatic_optimization,
+            extra_failures=failures,
+        )
+
+    def _close(self, trainer: pl.Trainer, *, raise_errors: bool) -> None:
+        if self.checkpointer is None or self.checkpointer.closed:
+            return
+        error: BaseException | None = None
+        try:
+            self.checkpointer.close()
+        except CheckpointError as exc:
+            error = exc
+        self._sync_progress()
+        if self._distributed:
+            failed = trainer.strategy.reduce_boolean_decision(error is not None, all=False)
+            if failed and error is None:
+                error = CheckpointError("a checkpoint save failed on another rank; see that rank's log")
+        if error is not None and raise_errors:
+            raise error
+
+    # -- progress ----------------------------------------------------------------------------------------
+    def _sync_progress(self) -> None:
+        if self.checkpointer is not None:
+            self.committed_step = self.checkpointer.committed_step
+
+    def _log_progress(self, pl_module: pl.LightningModule) -> None:
+        ck = self.checkpointer
+        if ck is None:
+            return
+        self.committed_step = ck.committed_step
+        state = (self.requested_step, self.committed_step, self.skipped, ck.outstanding)
+        if state == self._logged:
+            return  # logging is not free: only on change
+        self._logged = state
+        metrics = {
+            "ckpt/requested_step": self.requested_step,
+            "ckpt/backlog": ck.outstanding,
+            "ckpt/skipped": self.skipped,
+        }
+        last = next((r for r in reversed(ck.records) if r.outcome == "committed"), None)
+        if last is not None:
+            metrics.update(
+                {
+                    "ckpt/blocked_s": last.blocked_s,
+                    "ckpt/staging_s": last.staging_s,
+                    "ckpt/cut_to_committed_s": last.cut_to_committed_s,
+                    "ckpt/bytes": last.bytes,
+                }
+            )
+        for key, value in metrics.items():
+            if value is not None:
+                pl_module.log(key, float(value), on_step=True, on_epoch=False, batch_size=1)
+        if self.committed_step is not None:
+            pl_module.log(
+                "ckpt/committed_step",
+                float(self.committed_step),
+                on_step=True,
+                on_epoch=False,
+                prog_bar=True,
+                batch_size=1,
+            )
+
+    # -- checkpoint state --------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        # RNG states at the cut, in a form torch.load(weights_only=True) accepts.
+        return {"rng_states": _portable_rng(_collect_rng_states())}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._loaded_rng = state_dict.get("rng_states")
+        if self.restore_rng and self._loaded_rng:
+            _restore_rng(self._loaded_rng)
+
+
+def latest_checkpoint(dirpath: str, storage_options: dict[str, Any] | None = None) -> str | None:
+    """Path of the newest committed, Lightning-loadable checkpoint under ``dirpath``, or ``None``.
+
+    Only generations whose manifest is valid and whose objects exist with the manifest's sizes count; an
+    uncommitted generation is never returned. Use it as
+    ``trainer.fit(model, ckpt_path=latest_checkpoint(dirpath))``.
+
+    Args:
+        dirpath: The callback's ``dirpath`` (local folder or fsspec URL).
+        storage_options: fsspec options for ``dirpath``.
+    """
+    store = CheckpointStore(dirpath, storage_options, check_writable=False)
+    for info in reversed(store.generations()):
+        if info.manifest is None or CHECKPOINT_NAME not in {o.name for o in info.manifest.objects}:
+            continue
+        if store.check_sizes(info.manifest):
+            _log.warning("skipping generation %s: objects missing or truncated", info.path)
+            continue
+        return store.url(info.step, CHECKPOINT_NAME)
+    return None
+
+
+def _overrides(obj: Any, base: type, hook: str) -> bool:
+    impl = getattr(type(obj), hook, None)
+    return impl is not None and impl is not getattr(base, hook, None)
+
+
+def _estimate_checkpoint_bytes(module: torch.nn.Module, optimizers: list[Any]) -> int:
+    params = sum(p.numel() * p.element_size() for p in module.parameters())
+    buffers = sum(b.numel() * b.element_size() for b in module.buffers())
+    state = 0
+    for opt in optimizers:
+        opt = getattr(opt, "optimizer", opt)
+        present = sum(
+            v.numel() * v.element_size() for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)
+        )
+        owned = sum(p.numel() * p.element_size() for g in opt.param_groups for p in g["params"])
+        state += present or owned * _OPTIMIZER_STATE_FACTOR.get(type(opt).__name__, 2)
+    return params + buffers + state
+
+
+def _portable_rng(states: dict[str, Any]) -> dict[str, Any]:
+    out = dict(states)
+    if "numpy" in out:
+        kind, keys, pos, has_gauss, cached = out["numpy"]
+        out["numpy"] = (
+            kind,
+            torch.from_numpy(np.asarray(keys, dtype=np.int64)),
+            int(pos),
+            int(has_gauss),
+            float(cached),
+        )
+    return out
+
+
+def _restore_rng(states: dict[str, Any]) -> None:
+    from lightning.fabric.utilities.seed import _set_rng_states
+
+    states = dict(states)
+    if "numpy" in states:
+        kind, keys, pos, has_gauss, cached = states["numpy"]
+        states["numpy"] = (kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached)
+    _set_rng_states(states)
+
+
+def _log_commit(future: Any) -> None:
+    if not future.cancelled() and future.exception() is None:
+        manifest = future.result()
+        _log.info("committed checkpoint step %d (%d bytes)", manifest.step, manifest.total_bytes)

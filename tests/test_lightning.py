@@ -1,0 +1,220 @@
+"""AsyncCheckpointCallback with a real Lightning Trainer on CPU."""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from lightning_async_ckpt import AsyncCheckpointCallback, CheckpointStore, latest_checkpoint
+from lightning_async_ckpt.capture import Fence
+from lightning_async_ckpt.errors import ConfigError, GenerationExistsError
+from tests._lightning_models import BNDropoutModel, assert_same, make_loader, trainer_kwargs
+
+
+def _load(path: str, storage_options: dict | None = None) -> dict:
+    import fsspec
+
+    with fsspec.open(path, "rb", **(storage_options or {})) as f:
+        return torch.load(f, map_location="cpu", weights_only=False)
+
+
+def _without_model_checkpoint_state(ckpt: dict) -> dict:
+    # ModelCheckpoint records the file it is writing (best_model_path, ...) in its own state before dumping, so its
+    # entry differs by construction; every other entry must be identical.
+    ckpt = dict(ckpt)
+    ckpt["callbacks"] = {k: v for k, v in ckpt["callbacks"].items() if not k.startswith("ModelCheckpoint")}
+    return ckpt
+
+
+def _fit(tmp_path, callbacks, *, max_steps=8, accumulate=2, model=None, ckpt_path=None, **kw):
+    pl.seed_everything(7)
+    model = model or BNDropoutModel()
+    trainer = pl.Trainer(
+        max_steps=max_steps, accumulate_grad_batches=accumulate, callbacks=callbacks, **trainer_kwargs(**kw)
+    )
+    trainer.fit(model, make_loader(), ckpt_path=ckpt_path)
+    return trainer, model
+
+
+def test_committed_checkpoint_equals_model_checkpoint_at_every_step(tmp_path):
+    ours = AsyncCheckpointCallback(dirpath=str(tmp_path / "async"), every_n_train_steps=2, save_on_train_end=False)
+    sync = ModelCheckpoint(dirpath=tmp_path / "sync", every_n_train_steps=2, save_top_k=-1, filename="{step}")
+    _fit(tmp_path, [ours, sync])
+
+    store = CheckpointStore(str(tmp_path / "async"), check_writable=False)
+    steps = [g.step for g in store.generations()]
+    assert steps == [2, 4, 6, 8]
+    for step in steps:
+        theirs = _without_model_checkpoint_state(_load(str(tmp_path / "sync" / f"step={step}.ckpt")))
+        mine = _without_model_checkpoint_state(_load(store.url(step, "checkpoint.ckpt")))
+        assert mine["global_step"] == step
+        assert_same(theirs, mine, f"step{step}")
+    # The deferral really happened: parameters and Adam state were staged after the cut, behind the step fence.
+    records = list(ours.checkpointer.records) if ours.checkpointer else []
+    assert ours.committed_step == 8
+    plan_fences = {r["category"]: r["fence"] for r in store.manifest(4).plan["rows"]}
+    assert plan_fences["parameter"] == Fence.OPTIMIZER_STEP.value
+    assert plan_fences["optimizer_state"] == Fence.OPTIMIZER_STEP.value
+    assert plan_fences["buffer"] == Fence.BATCH_START.value
+    assert records == [] or all(r.outcome == "committed" for r in records)
+
+
+def test_resuming_from_ours_continues_like_resuming_from_model_checkpoint(tmp_path):
+    ours = AsyncCheckpointCallback(dirpath=str(tmp_path / "async"), every_n_train_steps=4, save_on_train_end=False)
+    sync = ModelCheckpoint(dirpath=tmp_path / "sync", every_n_train_steps=4, save_top_k=-1, filename="{step}")
+    _fit(tmp_path, [ours, sync], max_steps=4)
+
+    path = latest_checkpoint(str(tmp_path / "async"))
+    assert path is not None and path.endswith("step-00000004/checkpoint.ckpt")
+    _, from_ours = _fit(tmp_path, [], max_steps=10, ckpt_path=path, enable_checkpointing=False)
+    _, from_sync = _fit(
+        tmp_path, [], max_steps=10, ckpt_path=str(tmp_path / "sync" / "step=4.ckpt"), enable_checkpointing=False
+    )
+    assert_same(from_sync.state_dict(), from_ours.state_dict())
+
+
+def test_defer_false_copies_everything_at_the_cut(tmp_path):
+    ours = AsyncCheckpointCallback(dirpath=str(tmp_path), every_n_train_steps=2, defer=False, save_on_train_end=False)
+    _fit(tmp_path, [ours], max_steps=4)
+    rows = CheckpointStore(str(tmp_path), check_writable=False).manifest(4).plan["rows"]
+    assert {r["fence"] for r in rows} == {"cut"}
+
+
+class _WritesAfterBackward(BNDropoutModel):
+    def on_after_backward(self):
+        pass
+
+
+class _Manual(BNDropoutModel):
+    def __init__(self):
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+        loss = super().training_step(batch, batch_idx)
+        opt.zero_grad()
+        self.manual_backward(loss)
+        opt.step()
+        self.lr_schedulers().step()
+        return loss
+
+
+@pytest.mark.parametrize("model_cls", [_WritesAfterBackward, _Manual])
+def test_unproven_deferral_falls_back_to_batch_start_and_stays_equivalent(tmp_path, model_cls):
+    ours = AsyncCheckpointCallback(dirpath=str(tmp_path / "async"), every_n_train_steps=2, save_on_train_end=False)
+    sync = ModelCheckpoint(dirpath=tmp_path / "sync", every_n_train_steps=2, save_top_k=-1, filename="{step}")
+    _fit(tmp_path, [ours, sync], max_steps=4, accumulate=1, model=model_cls())
+    store = CheckpointStore(str(tmp_path / "async"), check_writable=False)
+    manifest = store.manifest(4)
+    fences = {r["category"]: r["fence"] for r in manifest.plan["rows"]}
+    assert fences["parameter"] == "batch_start"
+    assert manifest.plan["failures"]
+    assert_same(
+        _without_model_checkpoint_state(_load(str(tmp_path / "sync" / "step=4.ckpt"))),
+        _without_model_checkpoint_state(_load(store.url(4, "checkpoint.ckpt"))),
+    )
+
+
+def test_progress_is_logged_and_committed_step_is_in_the_progress_bar(tmp_path):
+    ours = AsyncCheckpointCallback(dirpath=str(tmp_path), every_n_train_steps=2)
+    trainer, _ = _fit(tmp_path, [ours], max_steps=6, accumulate=1)
+    assert trainer.callback_metrics["ckpt/requested_step"] >= 4
+    assert "ckpt/committed_step" in trainer.progress_bar_metrics
+    assert ours.committed_step == 6 and ours.requested_step == 6
+
+
+def test_exception_in_training_step_drains_the_save_in_flight(tmp_path):
+    class Boom(BNDropoutModel):
+        def training_step(self, batch, batch_idx):
+            if self.global_step == 5:
+                raise RuntimeError("boom")
+            return super().training_step(batch, batch_idx)
+
+    ours = AsyncCheckpointCallback(dirpath=str(tmp_path), every_n_train_steps=4)
+    with pytest.raises(RuntimeError, match="boom"):
+        _fit(tmp_path, [ours], max_steps=10, accumulate=1, model=Boom())
+    store = CheckpointStore(str(tmp_path), check_writable=False)
+    assert [g.step for g in store.generations()] == [4]
+    assert store.verify(4).ok
+
+
+def test_second_fit_with_a_new_trainer_resumes_and_keeps_retention(tmp_path):
+    ours = AsyncCheckpointCallback(dirpath=str(tmp_path), every_n_train_steps=2, keep_last=2)
+    trainer, model = _fit(tmp_path, [ours], max_steps=4, accumulate=1)
+    trainer2 = pl.Trainer(max_steps=8, callbacks=[ours], **trainer_kwargs())
+    trainer2.fit(model, make_loader(), ckpt_path=latest_checkpoint(str(tmp_path)))
+    store = CheckpointStore(str(tmp_path), check_writable=False)
+    assert [g.step for g in store.generations()] == [6, 8]
+    assert ours.committed_step == 8
+
+
+def test_validate_between_fits_does_not_break(tmp_path):
+    class WithVal(BNDropoutModel):
+        def validation_step(self, batch, batch_idx):
+            self.log("val_loss", super().training_step(batch, batch_idx))
+
+    ours = AsyncCheckpointCallback(dirpath=str(tmp_path), every_n_train_steps=2)
+    model = WithVal()
+    trainer = pl.Trainer(max_steps=4, callbacks=[ours], limit_val_batches=2, **trainer_kwargs())
+    trainer.fit(model, make_loader(), make_loader())
+    trainer.validate(model, make_loader(), verbose=False)
+    trainer.fit_loop.epoch_loop.max_steps = 8
+    trainer.fit(model, make_loader(), make_loader())
+    assert [g.step for g in CheckpointStore(str(tmp_path), check_writable=False).generations()] == [2, 4, 6, 8]
+
+
+def test_new_run_into_a_dirpath_with_committed_steps_is_a_clear_error(tmp_path):
+    _fit(tmp_path, [AsyncCheckpointCallback(dirpath=str(tmp_path), every_n_train_steps=2)], max_steps=2, accumulate=1)
+    with pytest.raises(GenerationExistsError, match="never overwritten"):
+        _fit(
+            tmp_path, [AsyncCheckpointCallback(dirpath=str(tmp_path), every_n_train_steps=2)], max_steps=2, accumulate=1
+        )
+    assert CheckpointStore(str(tmp_path), check_writable=False).verify(2).ok
+
+
+def test_latest_checkpoint_ignores_uncommitted_generations(tmp_path):
+    _fit(tmp_path, [AsyncCheckpointCallback(dirpath=str(tmp_path), every_n_train_steps=2)], max_steps=4, accumulate=1)
+    store = CheckpointStore(str(tmp_path))
+    writer = store.begin(6)
+    writer.write_bytes("checkpoint.ckpt", b"half")
+    assert latest_checkpoint(str(tmp_path)).endswith("step-00000004/checkpoint.ckpt")
+    assert latest_checkpoint(str(tmp_path / "nothing-here")) is None
+
+
+def test_latest_checkpoint_and_resume_on_s3(s3_uri, tmp_path, monkeypatch):
+    uri, options = s3_uri
+    ours = AsyncCheckpointCallback(dirpath=uri, every_n_train_steps=2, storage_options=options)
+    _fit(tmp_path, [ours], max_steps=4, accumulate=1)
+    path = latest_checkpoint(uri, storage_options=options)
+    assert path is not None and path.startswith("s3://") and path.endswith("step-00000004/checkpoint.ckpt")
+    assert _load(path, options)["global_step"] == 4
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"every_n_train_steps": 0}, "every_n_train_steps"),
+        ({"every_n_epochs": -1}, "every_n_epochs"),
+        ({"admission": "later"}, "admission"),
+        ({"max_outstanding": 0}, "max_outstanding"),
+        ({"keep_last": 0}, "keep_last"),
+        ({"host_memory_budget": -5}, "host_memory_budget"),
+        ({"dirpath": ""}, "dirpath"),
+        ({"defer": "yes"}, "defer"),
+        ({"storage_options": "x"}, "storage_options"),
+        ({"on_error": "ignore"}, "on_error"),
+    ],
+)
+def test_bad_arguments_name_the_parameter(kwargs, match):
+    with pytest.raises(ConfigError, match=match):
+        AsyncCheckpointCallback(**kwargs)
+
+
+def test_budget_too_small_fails_before_training(tmp_path):
+    ours = AsyncCheckpointCallback(dirpath=str(tmp_path), every_n_train_steps=2, host_memory_budget=1024)
+    with pytest.raises(Exception, match="host_memory_budget"):
+        _fit(tmp_path, [ours], max_steps=2)
+    assert CheckpointStore(str(tmp_path), check_writable=False).generations() == []
