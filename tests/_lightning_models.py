@@ -68,7 +68,7 @@ def assert_same(a, b, path: str = "") -> None:
             assert_same(a[k], b[k], f"{path}.{k}")
     elif isinstance(a, (list, tuple)):
         assert type(a) is type(b) and len(a) == len(b), f"{path}: {type(a)}[{len(a)}] vs {type(b)}"
-        for i, (x, y) in enumerate(zip(a, b)):
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
             assert_same(x, y, f"{path}[{i}]")
     elif isinstance(a, np.ndarray):
         assert np.array_equal(a, b), f"{path}: arrays differ"
