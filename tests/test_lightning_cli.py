@@ -26,6 +26,7 @@ def test_example_yaml_trains_and_commits(tmp_path, cli_main):
     config = yaml.safe_load((ROOT / "examples" / "async_checkpoint.yaml").read_text())
     config["trainer"]["callbacks"][0]["init_args"]["dirpath"] = str(tmp_path / "ckpt")
     config["trainer"]["max_steps"] = 20
+    config["trainer"]["default_root_dir"] = str(tmp_path)  # SaveConfigCallback writes config.yaml there
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(config))
 
