@@ -27,7 +27,7 @@ def test_example_yaml_trains_and_commits(tmp_path, cli_main):
     config["trainer"]["callbacks"][0]["init_args"]["dirpath"] = str(tmp_path / "ckpt")
     config["trainer"]["max_steps"] = 20
     config["trainer"]["default_root_dir"] = str(tmp_path)  # SaveConfigCallback writes config.yaml there
-    path = tmp_path / "config.yaml"
+    path = tmp_path / "input.yaml"
     path.write_text(yaml.safe_dump(config))
 
     cli = cli_main(["fit", "--config", str(path)])
@@ -42,7 +42,7 @@ def test_example_yaml_trains_and_commits(tmp_path, cli_main):
 def test_cli_rejects_a_bad_value_by_name(tmp_path, cli_main, capsys):
     config = yaml.safe_load((ROOT / "examples" / "async_checkpoint.yaml").read_text())
     config["trainer"]["callbacks"][0]["init_args"]["admission"] = "sometimes"
-    path = tmp_path / "config.yaml"
+    path = tmp_path / "input.yaml"
     path.write_text(yaml.safe_dump(config))
     with pytest.raises(SystemExit):
         cli_main(["fit", "--config", str(path)])
