@@ -169,6 +169,7 @@ class AsyncCheckpointCallback(Checkpoint):
         self._loaded_rng: dict[str, Any] | None = None
         self._committed_before: set[int] = set()
         self._last_cut_step: int | None = None
+        self._fit_closed = True
 
     @property
     def state_key(self) -> str:
@@ -187,6 +188,7 @@ class AsyncCheckpointCallback(Checkpoint):
                 "need every rank to write its shard; use ModelCheckpoint with that strategy's sharded checkpointing"
             )
         self._distributed = trainer.world_size > 1
+        self._fit_closed = False
         if self.dirpath is None:
             self.dirpath = f"{trainer.default_root_dir.rstrip('/')}/checkpoints"
         if self.run_id is None:
@@ -287,24 +289,33 @@ class AsyncCheckpointCallback(Checkpoint):
             )
         self._raise_collectively(trainer, clash)
         self.requested_step = step
-        checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
-        decision = "admit"
-        if self.checkpointer is not None:
-            handle = self.checkpointer.save(
-                step,
-                checkpoint,
-                modules=[pl_module],
-                optimizers=trainer.optimizers,
-                proof=self._proof(trainer, pl_module) if self.defer else None,
-                defer=self.defer,
-                cut={"epoch": trainer.current_epoch, "global_step": step, "world_size": trainer.world_size},
-            )
-            decision = handle.decision.decision
-            if self.verbose:
-                handle.committed.add_done_callback(_log_commit)
+        decision, error = "admit", None
+        try:
+            checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+            if self.checkpointer is not None:
+                handle = self.checkpointer.save(
+                    step,
+                    checkpoint,
+                    modules=[pl_module],
+                    optimizers=trainer.optimizers,
+                    proof=self._proof(trainer, pl_module) if self.defer else None,
+                    defer=self.defer,
+                    cut={"epoch": trainer.current_epoch, "global_step": step, "world_size": trainer.world_size},
+                )
+                decision = handle.decision.decision
+                if self.verbose:
+                    handle.committed.add_done_callback(_log_commit)
+        except Exception as exc:  # noqa: BLE001 - re-raised below, after the other ranks heard of it
+            error = exc
         if self._distributed:
-            # Every rank records the same decision, so requested/skipped counts agree across ranks.
+            # Every rank records the same decision, and a capture failure on one rank fails all of them
+            # instead of leaving the others waiting in the next collective.
             decision = trainer.strategy.broadcast(decision, src=0)
+            failed = trainer.strategy.reduce_boolean_decision(error is not None, all=False)
+            if failed and error is None:
+                error = CheckpointError(f"capturing the checkpoint for step {step} failed on another rank")
+        if error is not None:
+            raise error
         if decision in ("skip", "coalesce"):
             self.skipped += 1
 
@@ -342,16 +353,20 @@ class AsyncCheckpointCallback(Checkpoint):
         )
 
     def _close(self, trainer: pl.Trainer, *, raise_errors: bool) -> None:
-        if self.checkpointer is None or self.checkpointer.closed:
+        # Called from on_train_end and teardown; collective in DDP, so every rank runs it exactly once per fit.
+        if self._fit_closed:
             return
+        self._fit_closed = True
         error: BaseException | None = None
-        try:
-            self.checkpointer.close()
-        except CheckpointError as exc:
-            error = exc
-        self._sync_progress()
+        if self.checkpointer is not None and not self.checkpointer.closed:
+            try:
+                self.checkpointer.close()
+            except CheckpointError as exc:
+                error = exc
+            self._sync_progress()
         if self._distributed:
             failed = trainer.strategy.reduce_boolean_decision(error is not None, all=False)
+            self.committed_step = trainer.strategy.broadcast(self.committed_step, src=0)
             if failed and error is None:
                 error = CheckpointError("a checkpoint save failed on another rank; see that rank's log")
         if error is not None and raise_errors:
