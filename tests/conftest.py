@@ -1,0 +1,127 @@
+"""Shared test fixtures: an S3 endpoint on loopback (moto), fresh buckets and memory roots, and a thread-leak guard.
+
+Fixtures:
+    s3_endpoint: Session-wide moto S3 server on 127.0.0.1 (free port) with dummy AWS credentials; its URL.
+    s3_uri: A fresh bucket per test: ``("s3://<bucket>/ckpt", storage_options)``.
+    memory_uri: A unique ``memory://`` root per test, removed afterwards.
+    no_leaked_threads (autouse): Fails a test that leaves a ``lightning_async_ckpt*`` thread running.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+pytest_plugins = ("pytester",)
+
+# Every thread the library starts is named with this prefix (style: "named threads make it one line").
+THREAD_PREFIX = "lightning_async_ckpt"
+# How long a test's leftover threads get, in total, to finish on their own before the test fails.
+LEAK_JOIN_TIMEOUT_S = 5.0
+
+_AWS_ENV = {
+    "AWS_ACCESS_KEY_ID": "testing",
+    "AWS_SECRET_ACCESS_KEY": "testing",
+    "AWS_SESSION_TOKEN": "testing",
+    "AWS_SECURITY_TOKEN": "testing",
+    "AWS_DEFAULT_REGION": "us-east-1",
+    "AWS_REGION": "us-east-1",
+}
+
+
+def _our_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith(THREAD_PREFIX)]
+
+
+@pytest.fixture(autouse=True)
+def no_leaked_threads() -> Iterator[None]:
+    """Fail the test if it leaves a library thread alive (after a bounded join, never a sleep)."""
+    before = set(_our_threads())
+    yield
+    leaked = [t for t in _our_threads() if t not in before]
+    deadline = time.monotonic() + LEAK_JOIN_TIMEOUT_S
+    for thread in leaked:
+        thread.join(timeout=max(0.0, deadline - time.monotonic()))
+    alive = sorted(t.name for t in leaked if t.is_alive())
+    if alive:
+        pytest.fail(
+            f"test leaked threads {alive} (still alive {LEAK_JOIN_TIMEOUT_S:.0f}s after it ended); "
+            "close() or drain every checkpointer the test starts",
+            pytrace=False,
+        )
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint() -> Iterator[str]:
+    """Start a moto S3 server on a free loopback port for the session; yield its URL.
+
+    Dummy credentials and region are set in the environment (also seen by subprocesses) so nothing can
+    reach a real account.
+    """
+    moto_server = pytest.importorskip("moto.server", reason="moto[server] is needed for S3 tests")
+    pytest.importorskip("s3fs", reason="s3fs is needed for S3 tests")
+    with pytest.MonkeyPatch.context() as mp:
+        for key, value in _AWS_ENV.items():
+            mp.setenv(key, value)
+        for key in ("AWS_PROFILE", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3"):
+            mp.delenv(key, raising=False)
+        # Never pick up a developer's real AWS config, nor route loopback through a proxy.
+        mp.setenv("AWS_CONFIG_FILE", "/nonexistent/lightning_async_ckpt-tests/config")
+        mp.setenv("AWS_SHARED_CREDENTIALS_FILE", "/nonexistent/lightning_async_ckpt-tests/credentials")
+        mp.setenv("NO_PROXY", "127.0.0.1,localhost")
+        mp.setenv("no_proxy", "127.0.0.1,localhost")
+        # werkzeug logs every request to stderr; keep failures readable.
+        logging.getLogger("werkzeug").setLevel(logging.WARNING)
+        server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+        server.start()
+        try:
+            host, port = server.get_host_and_port()
+            yield f"http://{host}:{port}"
+        finally:
+            server.stop()
+
+
+def _clear_s3fs_instances() -> None:
+    import s3fs
+
+    # fsspec caches one filesystem instance per storage_options; a cached instance keeps listing caches
+    # across tests. Each test starts from a new instance.
+    s3fs.S3FileSystem.clear_instance_cache()
+
+
+@pytest.fixture
+def s3_uri(s3_endpoint: str) -> Iterator[tuple[str, dict[str, Any]]]:
+    """A fresh, empty bucket on the moto server: ``(uri, storage_options)`` for ``CheckpointStore``."""
+    import s3fs
+
+    options: dict[str, Any] = {"endpoint_url": s3_endpoint, "key": "testing", "secret": "testing"}
+    bucket = f"lac-test-{uuid.uuid4().hex[:16]}"
+    _clear_s3fs_instances()
+    admin = s3fs.S3FileSystem(skip_instance_cache=True, **options)
+    admin.mkdir(bucket)
+    try:
+        yield f"s3://{bucket}/ckpt", options
+    finally:
+        try:
+            admin.rm(bucket, recursive=True)
+        except FileNotFoundError:
+            pass
+        _clear_s3fs_instances()
+
+
+@pytest.fixture
+def memory_uri() -> Iterator[str]:
+    """A unique ``memory://`` root (fsspec's memory filesystem is process-global), removed afterwards."""
+    from fsspec.implementations.memory import MemoryFileSystem
+
+    root = f"/lac-test-{uuid.uuid4().hex[:16]}"
+    yield f"memory://{root}"
+    fs = MemoryFileSystem()
+    if fs.exists(root):
+        fs.rm(root, recursive=True)
