@@ -16,7 +16,7 @@ FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
 # Sizes above this are not a checkpoint we could have written: a hostile or corrupt manifest.
 _MAX_OBJECT_SIZE = 1 << 50
-_CHECKSUM_RE = re.compile(r"^(crc32|sha256):[0-9a-f]{8,64}$")
+_CHECKSUM_RE = re.compile(r"^(crc32c|crc32|sha256):[0-9a-f]{8,64}$")
 _BAD_NAME_CHARS = re.compile(r"[\\:\x00-\x1f]")
 
 
@@ -161,7 +161,7 @@ class Manifest:
                 raise ManifestError(f"{where}: objects[{i}] size {size} is out of range")
             checksum = _field(raw, "checksum", str, f"{where}: objects[{i}]")
             if not _CHECKSUM_RE.match(checksum):
-                raise ManifestError(f"{where}: objects[{i}] checksum {checksum!r} is not '<crc32|sha256>:<hex>'")
+                raise ManifestError(f"{where}: objects[{i}] checksum {checksum!r} is not '<crc32c|crc32|sha256>:<hex>'")
             if name in seen:
                 raise ManifestError(f"{where}: object {name!r} is listed twice")
             seen.add(name)
