@@ -302,9 +302,7 @@ def _run_mode(mode: str, args: argparse.Namespace, folder: str, model_cls, state
         result.blocking_max_s = max(blocking)
         result.checkpoints = len(blocking)
     sizes = [os.path.getsize(os.path.join(dp, f)) for dp, _, fs in os.walk(target) for f in fs]
-    if mode == "model_checkpoint":
-        result.bytes = max(sizes) if sizes else None
-    elif mode == "async_checkpoint_io":
+    if mode == "model_checkpoint" or mode == "async_checkpoint_io":
         result.bytes = max(sizes) if sizes else None
     elif mode.startswith("dcp"):
         result.bytes = sum(sizes) // max(1, len(ckpt_steps)) if sizes else None
