@@ -127,10 +127,15 @@ class CheckpointOptions:
             raise ConfigError(f"on_error must be 'raise' or 'warn', got {self.on_error!r}")
         if isinstance(self.retries, bool) or not isinstance(self.retries, int) or self.retries < 0:
             raise ConfigError(f"retries must be an int >= 0, got {self.retries!r}")
+        if not isinstance(self.guard, bool):
+            raise ConfigError(f"guard must be True (refuse torn snapshots) or False, got {self.guard!r}")
         for name in ("retry_backoff_s", "drain_timeout_s"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+            # `not value >= 0` also rejects NaN, which compares false with everything.
+            if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
                 raise ConfigError(f"{name} must be a number >= 0, got {value!r}")
+        if self.event_log is not None and (not isinstance(self.event_log, str) or not self.event_log.strip()):
+            raise ConfigError(f"event_log must be None or a non-empty path or URL string, got {self.event_log!r}")
         if self.serializer is not None and not callable(getattr(self.serializer, "write", None)):
             raise ConfigError("serializer must have a write(state, writer) method")
 
@@ -333,6 +338,8 @@ class AsyncCheckpointer:
             decision=decision.decision,
             backlog=decision.backlog,
             committed_step=self.committed_step,
+            arrived=record.t_request,
+            waited_s=decision.waited_s,
         )
         handle = SaveHandle(step=step, record=record, decision=decision)
         if not decision.admitted:
@@ -442,32 +449,39 @@ class AsyncCheckpointer:
         extra: dict[str, Any],
     ) -> None:
         record = handle.record
+
+        def release() -> None:
+            # Before the save's futures resolve: a caller that saw it end (result(), admission wait) may take
+            # the next cut at once, and must find these buffers free, not grow the pool or hit the budget.
+            record.peak_retained_bytes = self.pool.peak_bytes
+            self.pool.release(buffers)
+
         try:
             self._wait_staged(job)
             record.staging_s = job.staging_s
-            record.mark("staging", record.t_request, time.time())
+            record.mark("staging", job.stage_started_wall, job.stage_started_wall + job.staging_s)
             if job.error is not None:
                 raise job.error
             handle.staged.set_result(handle.step)
             self.events.emit("staged", step=handle.step, staging_s=job.staging_s)
             state = plan.materialize(buffers)
             manifest = self._write_with_retries(handle, state, plan, cut, extra)
-            record.outcome = "committed"
-            with self._lock:
-                if self.committed_step is None or manifest.step > self.committed_step:
-                    self.committed_step = manifest.step
-            record.committed_step = self.committed_step
-            record.cut_to_committed_s = time.time() - record.t_request
-            handle.committed.set_result(manifest)
-            self.events.emit("committed", step=handle.step, committed_step=self.committed_step)
-            if self.options.keep_last is not None:
-                self._retain()
         except BaseException as exc:  # noqa: BLE001 - delivered through the futures and raise_pending
+            release()
             self._fail(handle, exc)
-        finally:
-            record.peak_retained_bytes = self.pool.peak_bytes
-            self.pool.release(buffers)
-            self._finish_record(record)
+            return
+        release()
+        record.outcome = "committed"
+        with self._lock:
+            if self.committed_step is None or manifest.step > self.committed_step:
+                self.committed_step = manifest.step
+        record.committed_step = self.committed_step
+        record.cut_to_committed_s = time.time() - record.t_request
+        self.events.emit("committed", step=handle.step, committed_step=self.committed_step)
+        self._finish_record(record)
+        handle.committed.set_result(manifest)
+        if self.options.keep_last is not None:
+            self._retain()
 
     def _wait_staged(self, job: StagingJob) -> None:
         job.done.wait()
@@ -504,6 +518,12 @@ class AsyncCheckpointer:
             except BaseException as exc:
                 if writer is not None:
                     writer.abort()
+                if attempt > 0 and isinstance(exc, GenerationExistsError):
+                    # Attempt 0 found no manifest, so one found now is an earlier attempt's PUT that landed
+                    # although its acknowledgement was lost: the generation is committed, not failed.
+                    landed = self._own_commit(handle.step)
+                    if landed is not None:
+                        return landed
                 if attempt >= self.options.retries or not _is_transient(exc):
                     raise
                 delay = self.options.retry_backoff_s * (2**attempt)
@@ -512,6 +532,15 @@ class AsyncCheckpointer:
                 self.events.emit("retry", step=handle.step, attempt=attempt, error=str(exc))
                 if self._abandon.wait(delay):
                     raise CheckpointError(f"save of step {handle.step} abandoned at close") from exc
+
+    def _own_commit(self, step: int) -> Any:
+        try:
+            manifest = self.store.manifest(step)
+        except ManifestError:
+            return None
+        if manifest.run_id != self.store.run_id or self.store.check_sizes(manifest):
+            return None
+        return manifest
 
     def _fail(self, handle: SaveHandle, exc: BaseException) -> None:
         record = handle.record
@@ -534,9 +563,8 @@ class AsyncCheckpointer:
         record.error = f"{type(exc).__name__}: {exc}"
         record.committed_step = self.committed_step
         self.events.emit("failed", step=handle.step, outcome=record.outcome, error=record.error)
-        for fut in (handle.staged, handle.uploaded, handle.committed):
-            if not fut.done():
-                fut.set_exception(error)
+        # The error is pending (and the record final) before the futures resolve, so a caller that saw the
+        # future fail gets the error at its very next save/wait/poll/drain, never one call late.
         if not torn and record.outcome == "failed":
             if self.options.on_error == "raise":
                 self._errors.append(error)
@@ -544,6 +572,10 @@ class AsyncCheckpointer:
                 _log.warning(
                     "%s (on_error='warn': training continues; last committed step %s)", error, self.committed_step
                 )
+        self._finish_record(record)
+        for fut in (handle.staged, handle.uploaded, handle.committed):
+            if not fut.done():
+                fut.set_exception(error)
 
     def _retain(self) -> None:
         try:

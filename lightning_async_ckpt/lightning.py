@@ -417,9 +417,15 @@ class AsyncCheckpointCallback(Checkpoint):
     # -- checkpoint state --------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         # RNG states at the cut, in a form torch.load(weights_only=True) accepts.
-        return {"rng_states": _portable_rng(_collect_rng_states())}
+        # The run id travels with the checkpoint, so a resumed run keeps it and keep_last reaches across restarts.
+        return {"rng_states": _portable_rng(_collect_rng_states()), "run_id": self.run_id}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        run_id = state_dict.get("run_id")
+        if isinstance(run_id, str) and run_id:
+            self.run_id = run_id
+            if self.store is not None:
+                self.store.run_id = run_id
         self._loaded_rng = state_dict.get("rng_states")
         if self.restore_rng and self._loaded_rng:
             _restore_rng(self._loaded_rng)

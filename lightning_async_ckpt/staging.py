@@ -132,7 +132,8 @@ def _as_bytes(storage: torch.UntypedStorage) -> torch.Tensor:
 
 def _sample_index(nbytes: int, device: torch.device) -> torch.Tensor:
     count = min(nbytes, _FINGERPRINT_SAMPLES)
-    return torch.linspace(0, nbytes - 1, steps=count, device=device).long()
+    # Integer arithmetic: a float32 linspace rounds indices above 2**24 up to `nbytes` (out of bounds).
+    return torch.arange(count, device=device, dtype=torch.int64) * (nbytes - 1) // max(count - 1, 1)
 
 
 @dataclass
@@ -164,6 +165,7 @@ class StagingJob:
         self.torn_categories: set[Category] = set()
         self.staging_s = 0.0
         self.stage_started = 0.0
+        self.stage_started_wall = 0.0
         self.stage_ended = 0.0
         self._fingerprints: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._deferred = [s for s in self.slots if s.fence != Fence.CUT]
@@ -196,6 +198,7 @@ class StagingJob:
     def run(self) -> None:
         """Copy the deferred storages, release fences as their storages land, then check the guard."""
         self.stage_started = time.perf_counter()
+        self.stage_started_wall = time.time()
         try:
             pending = {f: sum(1 for s in self._deferred if s.fence == f) for f in self.fences}
             for slot in self._deferred:

@@ -218,3 +218,14 @@ def test_budget_too_small_fails_before_training(tmp_path):
     with pytest.raises(Exception, match="host_memory_budget"):
         _fit(tmp_path, [ours], max_steps=2)
     assert CheckpointStore(str(tmp_path), check_writable=False).generations() == []
+
+
+def test_resumed_run_keeps_the_run_id_so_retention_reaches_across_restarts(tmp_path):
+    first = AsyncCheckpointCallback(dirpath=str(tmp_path), every_n_train_steps=2, keep_last=2)
+    _fit(tmp_path, [first], max_steps=6, accumulate=1)
+    second = AsyncCheckpointCallback(dirpath=str(tmp_path), every_n_train_steps=2, keep_last=2)
+    _fit(tmp_path, [second], max_steps=10, accumulate=1, ckpt_path=latest_checkpoint(str(tmp_path)))
+    store = CheckpointStore(str(tmp_path), check_writable=False)
+    gens = store.generations()
+    assert [g.step for g in gens] == [8, 10]
+    assert {g.run_id for g in gens} == {first.run_id} and second.run_id == first.run_id
