@@ -191,6 +191,15 @@ def test_latest_checkpoint_and_resume_on_s3(s3_uri, tmp_path, monkeypatch):
     path = latest_checkpoint(uri, storage_options=options)
     assert path is not None and path.startswith("s3://") and path.endswith("step-00000004/checkpoint.ckpt")
     assert _load(path, options)["global_step"] == 4
+    # Lightning's own loader has no storage options: resume from a custom endpoint through the environment.
+    import s3fs
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL", options["endpoint_url"])
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", options["key"])
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", options["secret"])
+    s3fs.S3FileSystem.clear_instance_cache()
+    trainer, _ = _fit(tmp_path, [], max_steps=6, accumulate=1, ckpt_path=path, enable_checkpointing=False)
+    assert trainer.global_step == 6
 
 
 @pytest.mark.parametrize(
