@@ -112,13 +112,15 @@ class CheckpointOptions:
 
     def __post_init__(self) -> None:
         validate_admission(self.admission, self.max_outstanding)
-        resolve_budget(self.host_memory_budget)  # validates
+        resolve_budget(self.host_memory_budget)  # validates the budget; with the reserve below
         if (
             isinstance(self.reserved_host_bytes, bool)
             or not isinstance(self.reserved_host_bytes, int)
             or (self.reserved_host_bytes < 0)
         ):
             raise ConfigError(f"reserved_host_bytes must be an int >= 0, got {self.reserved_host_bytes!r}")
+        if self.host_memory_budget not in (None, "auto"):
+            resolve_budget(self.host_memory_budget, self.reserved_host_bytes)
         if self.keep_last is not None and (
             isinstance(self.keep_last, bool) or not isinstance(self.keep_last, int) or self.keep_last < 1
         ):
@@ -253,6 +255,8 @@ class AsyncCheckpointer:
             store = CheckpointStore(store)
         if not isinstance(store, CheckpointStore):
             raise ConfigError(f"store must be a CheckpointStore or a URL string, got {type(store).__name__}")
+        if options is not None and not isinstance(options, CheckpointOptions):
+            raise ConfigError(f"options must be a CheckpointOptions or None, got {type(options).__name__}")
         if options is None:
             options = CheckpointOptions(**overrides)
         elif overrides:
@@ -409,7 +413,7 @@ class AsyncCheckpointer:
             if oldest is not None:
                 try:
                     oldest.committed.result()
-                except BaseException:  # noqa: BLE001 - its error is delivered through raise_pending
+                except Exception:  # noqa: BLE001 - its error is delivered through raise_pending
                     pass
                 self._reap()
         waited = time.perf_counter() - t0
@@ -665,7 +669,7 @@ class AsyncCheckpointer:
             except FutureTimeout:
                 finished = False
                 break
-            except BaseException:  # noqa: BLE001 - delivered through raise_pending
+            except Exception:  # noqa: BLE001 - delivered through raise_pending
                 pass
         self._reap()
         self.raise_pending()
@@ -720,6 +724,8 @@ class AsyncCheckpointer:
         self._hooks.clear()
         if abandon:
             self._abandon.set()
+            # An upload stuck in storage must not hang close(abandon=True): bound every wait.
+            timeout = self.options.drain_timeout_s if timeout is None else timeout
         error: BaseException | None = None
         try:
             finished = self.drain(timeout)

@@ -43,6 +43,11 @@ def resolve_budget(budget: int | str | None, reserved_bytes: int = 0) -> int | N
         return max(0, int(psutil.virtual_memory().available * AUTO_BUDGET_FRACTION) - reserved_bytes)
     if isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0:
         raise ConfigError(f"host_memory_budget must be a positive number of bytes, 'auto' or None, got {budget!r}")
+    if reserved_bytes >= budget:
+        raise ConfigError(
+            f"reserved_host_bytes ({reserved_bytes:,}) leaves nothing of host_memory_budget ({budget:,}) for staging; "
+            "raise host_memory_budget or lower reserved_host_bytes"
+        )
     return budget - reserved_bytes
 
 

@@ -816,3 +816,11 @@ def test_staged_resolves_before_uploaded_and_committed_and_committed_is_the_mani
     assert ckpt.store.manifest(3).objects == manifest.objects
     assert handle.uploaded.result() == manifest.object(CKPT).size == handle.record.bytes
     assert handle.done
+
+
+def test_reserved_host_bytes_larger_than_the_budget_is_a_clear_error():
+    from lightning_async_ckpt.engine import CheckpointOptions
+    from lightning_async_ckpt.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="reserved_host_bytes"):
+        CheckpointOptions(host_memory_budget=1 << 20, reserved_host_bytes=2 << 20)
