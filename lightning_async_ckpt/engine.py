@@ -10,8 +10,10 @@ Pipeline of one request::
 from __future__ import annotations
 
 import atexit
+import contextlib
 import errno
 import logging
+import os
 import queue
 import threading
 import time
@@ -95,6 +97,7 @@ class CheckpointOptions:
         drain_timeout_s: Bound of the drain at interpreter exit.
         event_log: Path or URL of a JSONL event log; ``None`` keeps events in memory.
         serializer: How the staged state is written; default :class:`TorchSaveSerializer`.
+        upload_nice: Nice value of the upload thread (0-19, Linux): higher lets training threads go first.
     """
 
     max_outstanding: int = 1
@@ -109,6 +112,7 @@ class CheckpointOptions:
     drain_timeout_s: float = 120.0
     event_log: str | None = None
     serializer: Serializer | None = None
+    upload_nice: int = 0
 
     def __post_init__(self) -> None:
         validate_admission(self.admission, self.max_outstanding)
@@ -138,6 +142,14 @@ class CheckpointOptions:
                 raise ConfigError(f"{name} must be a number >= 0, got {value!r}")
         if self.event_log is not None and (not isinstance(self.event_log, str) or not self.event_log.strip()):
             raise ConfigError(f"event_log must be None or a non-empty path or URL string, got {self.event_log!r}")
+        if (
+            isinstance(self.upload_nice, bool)
+            or not isinstance(self.upload_nice, int)
+            or not 0 <= self.upload_nice <= 19
+        ):
+            raise ConfigError(
+                f"upload_nice must be an int from 0 (normal) to 19 (lowest priority), got {self.upload_nice!r}"
+            )
         if self.serializer is not None and not callable(getattr(self.serializer, "write", None)):
             raise ConfigError("serializer must have a write(state, writer) method")
 
@@ -180,10 +192,11 @@ class SaveHandle:
 
 
 class _Worker:
-    """A named daemon thread running submitted callables in order."""
+    """A named daemon thread running submitted callables in order, optionally at a lower CPU priority."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, nice: int = 0) -> None:
         self.name = name
+        self.nice = nice
         self._queue: queue.Queue = queue.Queue()
         self._thread: threading.Thread | None = None
 
@@ -197,6 +210,10 @@ class _Worker:
         return future
 
     def _loop(self) -> None:
+        if self.nice:
+            # Linux threads carry their own nice value: the upload yields the cores to the training threads.
+            with contextlib.suppress(AttributeError, OSError):
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self.nice)
         while (item := self._queue.get()) is not None:
             fn, future = item
             try:
@@ -268,7 +285,7 @@ class AsyncCheckpointer:
         self.events = EventLog(options.event_log)
         self.records: deque[SaveRecord] = deque(maxlen=10_000)
         self._stage = _Worker(f"{_THREAD_PREFIX}-stage")
-        self._upload = _Worker(f"{_THREAD_PREFIX}-upload")
+        self._upload = _Worker(f"{_THREAD_PREFIX}-upload", nice=options.upload_nice)
         self._inflight: deque[SaveHandle] = deque()
         self._errors: deque[BaseException] = deque()
         self._lock = threading.Lock()

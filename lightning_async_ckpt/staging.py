@@ -17,6 +17,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import psutil
 import torch
 
@@ -214,7 +215,9 @@ class StagingJob:
                     with torch.cuda.stream(stream):
                         buf.copy_(_as_bytes(slot.storage), non_blocking=True)
                 else:
-                    buf.copy_(_as_bytes(slot.storage))
+                    # A single-threaded memcpy that releases the GIL: torch's copy_ would start a second OpenMP team
+                    # on this thread, whose spinning workers compete with the training thread's team.
+                    np.copyto(buf.numpy(), _as_bytes(slot.storage).numpy())
                 pending[slot.fence] -= 1
                 if pending[slot.fence] == 0:
                     self._release(slot.fence)

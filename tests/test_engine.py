@@ -567,6 +567,9 @@ def test_reserved_host_bytes_count_against_the_budget(make_ckpt) -> None:
 
 
 BAD_OPTIONS = [
+    ("upload_nice", -1),
+    ("upload_nice", 20),
+    ("upload_nice", True),
     ("max_outstanding", 0),
     ("max_outstanding", -1),
     ("max_outstanding", True),
