@@ -21,7 +21,7 @@ import lightning.pytorch as pl
 import numpy as np
 import torch
 from lightning.fabric.utilities.seed import _collect_rng_states
-from lightning.pytorch.callbacks import Callback, Checkpoint
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.trainer.states import TrainerFn
 
 from lightning_async_ckpt.capture import DeferralProof, Fence, prove_deferral
@@ -65,7 +65,7 @@ _READ_ONLY_CALLBACKS = (
 _OPTIMIZER_STATE_FACTOR = {"Adam": 2, "AdamW": 2, "SGD": 1, "RMSprop": 1, "Adagrad": 1}
 
 
-class AsyncCheckpointCallback(Checkpoint):
+class AsyncCheckpointCallback(ModelCheckpoint):
     """Checkpoints that cost the training loop almost nothing and are never reported before they are recoverable.
 
     At each cut (``on_train_batch_end`` every ``every_n_train_steps`` optimizer steps, or the end of every
@@ -78,6 +78,10 @@ class AsyncCheckpointCallback(Checkpoint):
     Logged through the Trainer's loggers: ``ckpt/requested_step``, ``ckpt/committed_step`` (also in the progress
     bar), ``ckpt/blocked_s``, ``ckpt/staging_s``, ``ckpt/cut_to_committed_s``, ``ckpt/bytes``, ``ckpt/backlog``,
     ``ckpt/skipped``. Only ``committed_step`` is recoverable progress.
+
+    It subclasses ``ModelCheckpoint`` for one reason: Lightning resolves ``trainer.fit(ckpt_path="last")`` only through
+    ``ModelCheckpoint`` instances, and this callback answers that lookup with the newest *committed* checkpoint. Every
+    hook ``ModelCheckpoint`` implements is overridden here, so none of its synchronous saving runs.
 
     Args:
         dirpath: Local folder or fsspec URL (``s3://bucket/prefix``). Default: ``<default_root_dir>/checkpoints``.
@@ -120,7 +124,8 @@ class AsyncCheckpointCallback(Checkpoint):
         restore_rng: bool = False,
         verbose: bool = False,
     ) -> None:
-        super().__init__()
+        # ModelCheckpoint's own saving is disabled (save_top_k=0, no last) and all of its hooks are overridden.
+        super().__init__(save_top_k=0, save_last=False, every_n_epochs=0)
         if dirpath is not None and (not isinstance(dirpath, str) or not dirpath.strip()):
             raise ConfigError(f"dirpath must be a non-empty path or URL string, got {dirpath!r}")
         for name, value in (("every_n_train_steps", every_n_train_steps), ("every_n_epochs", every_n_epochs)):
@@ -152,7 +157,7 @@ class AsyncCheckpointCallback(Checkpoint):
             raise ConfigError(f"storage_options must be a dict or None, got {type(storage_options).__name__}")
         self.dirpath = dirpath
         self.every_n_train_steps = every_n_train_steps
-        self.every_n_epochs = every_n_epochs
+        self._every_n_epochs = every_n_epochs  # read through ModelCheckpoint's `every_n_epochs` property
         self.save_on_train_end = save_on_train_end
         self.defer = defer
         self.storage_options = storage_options
@@ -228,6 +233,19 @@ class AsyncCheckpointCallback(Checkpoint):
                 self.committed_step,
                 self.requested_step,
             )
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """No-op: cuts are taken at training batch and epoch ends only (ModelCheckpoint would save here)."""
+
+    def _find_last_checkpoints(self, trainer: pl.Trainer) -> set[str]:
+        # Lightning's `ckpt_path="last"` lookup (before any hook runs): the newest committed checkpoint only.
+        dirpath = self.dirpath or f"{str(trainer.default_root_dir).rstrip('/')}/checkpoints"
+        try:
+            path = latest_checkpoint(dirpath, self.storage_options)
+        except Exception:  # noqa: BLE001 - "last" falls back to "no checkpoint" with Lightning's own warning
+            _log.warning("could not look up the last committed checkpoint in %s", dirpath, exc_info=True)
+            return set()
+        return {path} if path else set()
 
     # -- fences ------------------------------------------------------------------------------------------
     def on_train_batch_start(

@@ -238,3 +238,31 @@ def test_resumed_run_keeps_the_run_id_so_retention_reaches_across_restarts(tmp_p
     gens = store.generations()
     assert [g.step for g in gens] == [8, 10]
     assert {g.run_id for g in gens} == {first.run_id} and second.run_id == first.run_id
+
+
+def test_ckpt_path_last_resumes_from_the_newest_committed_generation(tmp_path):
+    ours = AsyncCheckpointCallback(dirpath=str(tmp_path), every_n_train_steps=2)
+    _fit(tmp_path, [ours], max_steps=4, accumulate=1)
+    store = CheckpointStore(str(tmp_path))
+    store.begin(6).write_bytes("checkpoint.ckpt", b"uncommitted")  # a newer, uncommitted generation
+    again = AsyncCheckpointCallback(dirpath=str(tmp_path), every_n_train_steps=2)
+    trainer, _ = _fit(tmp_path, [again], max_steps=6, accumulate=1, ckpt_path="last")
+    # Resumed from step 4 (not the uncommitted 6): two more steps, then step 6 committed over the leftover.
+    assert trainer.global_step == 6
+    assert [g.step for g in CheckpointStore(str(tmp_path), check_writable=False).generations()] == [2, 4, 6]
+
+
+def test_every_model_checkpoint_hook_is_overridden():
+    # Pins what ckpt_path="last" support relies on: subclassing ModelCheckpoint must not run any of its saving.
+    from lightning.pytorch.callbacks import Callback
+
+    hooks = [n for n in vars(Callback) if not n.startswith("_") and callable(getattr(Callback, n))]
+    inherited = [
+        h
+        for h in hooks
+        if getattr(AsyncCheckpointCallback, h) is getattr(ModelCheckpoint, h)
+        and getattr(ModelCheckpoint, h) is not getattr(Callback, h)
+    ]
+    assert inherited == []
+    # ...and Lightning still resolves "last" through ModelCheckpoint._find_last_checkpoints.
+    assert callable(getattr(ModelCheckpoint, "_find_last_checkpoints", None))
