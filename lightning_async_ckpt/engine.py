@@ -10,24 +10,19 @@ Pipeline of one request::
 from __future__ import annotations
 
 import atexit
-import contextlib
 import errno
 import logging
-import os
-import queue
 import threading
 import time
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Any
 
 import torch
 
-from lightning_async_ckpt.admission import AdmissionDecision, AdmissionPolicy, validate_admission
+from lightning_async_ckpt.admission import AdmissionDecision
 from lightning_async_ckpt.capture import CapturePlan, Category, DeferralProof, Fence, prove_deferral
 from lightning_async_ckpt.errors import (
     AdmissionError,
@@ -38,6 +33,8 @@ from lightning_async_ckpt.errors import (
     StorageError,
     TornSnapshotError,
 )
+from lightning_async_ckpt.handle import SaveHandle, _Worker
+from lightning_async_ckpt.options import CheckpointOptions, Serializer, TorchSaveSerializer
 from lightning_async_ckpt.staging import BufferPool, StagingJob, resolve_budget
 from lightning_async_ckpt.store import CheckpointStore, GenerationWriter
 from lightning_async_ckpt.telemetry import EventLog, SaveRecord
@@ -46,190 +43,6 @@ __all__ = ["AsyncCheckpointer", "CheckpointOptions", "SaveHandle", "Serializer",
 
 _log = logging.getLogger("lightning_async_ckpt")
 _THREAD_PREFIX = "lightning_async_ckpt"
-
-
-class Serializer(Protocol):
-    """Writes a staged state into a generation.
-
-    Call sequence: the engine calls :meth:`write` once per attempt on the upload thread, with a fresh writer; the
-    serializer opens one or more objects with ``writer.open(name)``, streams into them and closes them. It must
-    not commit: the engine writes the manifest afterwards.
-    """
-
-    def write(self, state: Any, writer: GenerationWriter) -> None:
-        """Write ``state`` (whose tensors are staged host copies) as data objects."""
-        ...
-
-
-@dataclass(frozen=True)
-class TorchSaveSerializer:
-    """One ``torch.save`` stream that ``torch.load`` and Lightning's ``ckpt_path`` read directly.
-
-    Attributes:
-        name: The object's name inside the generation.
-    """
-
-    name: str = "checkpoint.ckpt"
-
-    def write(self, state: Any, writer: GenerationWriter) -> None:
-        """Stream ``torch.save(state)`` into the object ``name``."""
-        with writer.open(self.name) as stream:
-            torch.save(state, stream)
-
-
-@dataclass(frozen=True, kw_only=True)
-class CheckpointOptions:
-    """Engine settings.
-
-    Attributes:
-        max_outstanding: Saves that may be in flight at once (staging or uploading). Default 1.
-        admission: What a request does when ``max_outstanding`` saves are in flight: ``wait``, ``skip``,
-            ``coalesce`` or ``abort``.
-        host_memory_budget: Most host bytes staging buffers may retain: bytes, ``"auto"`` (half the available
-            memory at start) or ``None`` (unbounded).
-        reserved_host_bytes: Host bytes other consumers need (prefetch, optimizer offload, other processes);
-            subtracted from the budget.
-        keep_last: Committed generations to keep (older ones are removed after each commit); ``None`` keeps all.
-        guard: Fingerprint deferred tensors and refuse torn snapshots.
-        on_error: ``raise`` a failed save on the caller thread at the next call, or ``warn`` and keep going.
-        retries: Extra attempts for a failed upload (transient storage errors); ENOSPC is not retried.
-        retry_backoff_s: First backoff; doubles per attempt.
-        drain_timeout_s: Bound of the drain at interpreter exit.
-        event_log: Path or URL of a JSONL event log; ``None`` keeps events in memory.
-        serializer: How the staged state is written; default :class:`TorchSaveSerializer`.
-        upload_nice: Nice value of the upload thread (0-19, Linux): higher lets training threads go first.
-    """
-
-    max_outstanding: int = 1
-    admission: AdmissionPolicy = "wait"
-    host_memory_budget: int | str | None = "auto"
-    reserved_host_bytes: int = 0
-    keep_last: int | None = None
-    guard: bool = True
-    on_error: Literal["raise", "warn"] = "raise"
-    retries: int = 2
-    retry_backoff_s: float = 0.5
-    drain_timeout_s: float = 120.0
-    event_log: str | None = None
-    serializer: Serializer | None = None
-    upload_nice: int = 0
-
-    def __post_init__(self) -> None:
-        validate_admission(self.admission, self.max_outstanding)
-        resolve_budget(self.host_memory_budget)  # validates the budget; with the reserve below
-        if (
-            isinstance(self.reserved_host_bytes, bool)
-            or not isinstance(self.reserved_host_bytes, int)
-            or (self.reserved_host_bytes < 0)
-        ):
-            raise ConfigError(f"reserved_host_bytes must be an int >= 0, got {self.reserved_host_bytes!r}")
-        if self.host_memory_budget not in (None, "auto"):
-            resolve_budget(self.host_memory_budget, self.reserved_host_bytes)
-        if self.keep_last is not None and (
-            isinstance(self.keep_last, bool) or not isinstance(self.keep_last, int) or self.keep_last < 1
-        ):
-            raise ConfigError(f"keep_last must be None (keep all) or an int >= 1, got {self.keep_last!r}")
-        if self.on_error not in ("raise", "warn"):
-            raise ConfigError(f"on_error must be 'raise' or 'warn', got {self.on_error!r}")
-        if isinstance(self.retries, bool) or not isinstance(self.retries, int) or self.retries < 0:
-            raise ConfigError(f"retries must be an int >= 0, got {self.retries!r}")
-        if not isinstance(self.guard, bool):
-            raise ConfigError(f"guard must be True (refuse torn snapshots) or False, got {self.guard!r}")
-        for name in ("retry_backoff_s", "drain_timeout_s"):
-            value = getattr(self, name)
-            # `not value >= 0` also rejects NaN, which compares false with everything.
-            if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
-                raise ConfigError(f"{name} must be a number >= 0, got {value!r}")
-        if self.event_log is not None and (not isinstance(self.event_log, str) or not self.event_log.strip()):
-            raise ConfigError(f"event_log must be None or a non-empty path or URL string, got {self.event_log!r}")
-        if (
-            isinstance(self.upload_nice, bool)
-            or not isinstance(self.upload_nice, int)
-            or not 0 <= self.upload_nice <= 19
-        ):
-            raise ConfigError(
-                f"upload_nice must be an int from 0 (normal) to 19 (lowest priority), got {self.upload_nice!r}"
-            )
-        if self.serializer is not None and not callable(getattr(self.serializer, "write", None)):
-            raise ConfigError("serializer must have a write(state, writer) method")
-
-
-@dataclass(eq=False)
-class SaveHandle:
-    """One save request, with three real futures.
-
-    Attributes:
-        step: The requested step.
-        staged: Resolves when the snapshot no longer aliases application memory (the source may mutate).
-        uploaded: Resolves when every byte is stored under the store's contract.
-        committed: Resolves to the :class:`~lightning_async_ckpt.manifest.Manifest` once it is durably written:
-            only then is the generation recoverable. A skipped or coalesced request's futures are cancelled.
-        record: Telemetry of this save.
-        decision: The admission decision.
-    """
-
-    step: int
-    record: SaveRecord
-    decision: AdmissionDecision
-    staged: Future = field(default_factory=Future)
-    uploaded: Future = field(default_factory=Future)
-    committed: Future = field(default_factory=Future)
-    plan: CapturePlan | None = None
-    _job: StagingJob | None = None
-
-    @property
-    def done(self) -> bool:
-        """Whether the save has ended (committed, failed or cancelled)."""
-        return self.committed.done()
-
-    def wait(self, fence: Fence) -> float:
-        """Block at ``fence`` until this save's storages fenced there are staged; returns seconds blocked."""
-        return self._job.wait(fence) if self._job is not None else 0.0
-
-    def result(self, timeout: float | None = None) -> Any:
-        """The committed manifest (raises the save's error)."""
-        return self.committed.result(timeout)
-
-
-class _Worker:
-    """A named daemon thread running submitted callables in order, optionally at a lower CPU priority."""
-
-    def __init__(self, name: str, nice: int = 0) -> None:
-        self.name = name
-        self.nice = nice
-        self._queue: queue.Queue = queue.Queue()
-        self._thread: threading.Thread | None = None
-
-    def submit(self, fn: Callable[[], Any]) -> Future:
-        if self._thread is None:
-            # Daemon: the interpreter may exit while storage hangs; the atexit drain bounds that wait.
-            self._thread = threading.Thread(target=self._loop, name=self.name, daemon=True)
-            self._thread.start()
-        future: Future = Future()
-        self._queue.put((fn, future))
-        return future
-
-    def _loop(self) -> None:
-        if self.nice:
-            # Linux threads carry their own nice value: the upload yields the cores to the training threads.
-            with contextlib.suppress(AttributeError, OSError):
-                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self.nice)
-        while (item := self._queue.get()) is not None:
-            fn, future = item
-            try:
-                future.set_result(fn())
-            except BaseException as exc:  # noqa: BLE001 - delivered through the future
-                future.set_exception(exc)
-
-    def stop(self, timeout: float | None) -> bool:
-        if self._thread is None:
-            return True
-        self._queue.put(None)
-        self._thread.join(timeout)
-        alive = self._thread.is_alive()
-        if not alive:
-            self._thread = None
-        return not alive
 
 
 def _is_transient(exc: BaseException) -> bool:

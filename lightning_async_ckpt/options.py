@@ -1,0 +1,121 @@
+"""Engine options and the serializer role (what the upload thread writes into a generation)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol
+
+import torch
+
+from lightning_async_ckpt.admission import AdmissionPolicy, validate_admission
+from lightning_async_ckpt.errors import ConfigError
+from lightning_async_ckpt.staging import resolve_budget
+from lightning_async_ckpt.store import GenerationWriter
+
+__all__ = ["CheckpointOptions", "Serializer", "TorchSaveSerializer"]
+
+
+class Serializer(Protocol):
+    """Writes a staged state into a generation.
+
+    Call sequence: the engine calls :meth:`write` once per attempt on the upload thread, with a fresh writer; the
+    serializer opens one or more objects with ``writer.open(name)``, streams into them and closes them. It must
+    not commit: the engine writes the manifest afterwards.
+    """
+
+    def write(self, state: Any, writer: GenerationWriter) -> None:
+        """Write ``state`` (whose tensors are staged host copies) as data objects."""
+        ...
+
+
+@dataclass(frozen=True)
+class TorchSaveSerializer:
+    """One ``torch.save`` stream that ``torch.load`` and Lightning's ``ckpt_path`` read directly.
+
+    Attributes:
+        name: The object's name inside the generation.
+    """
+
+    name: str = "checkpoint.ckpt"
+
+    def write(self, state: Any, writer: GenerationWriter) -> None:
+        """Stream ``torch.save(state)`` into the object ``name``."""
+        with writer.open(self.name) as stream:
+            torch.save(state, stream)
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointOptions:
+    """Engine settings.
+
+    Attributes:
+        max_outstanding: Saves that may be in flight at once (staging or uploading). Default 1.
+        admission: What a request does when ``max_outstanding`` saves are in flight: ``wait``, ``skip``,
+            ``coalesce`` or ``abort``.
+        host_memory_budget: Most host bytes staging buffers may retain: bytes, ``"auto"`` (half the available
+            memory at start) or ``None`` (unbounded).
+        reserved_host_bytes: Host bytes other consumers need (prefetch, optimizer offload, other processes);
+            subtracted from the budget.
+        keep_last: Committed generations to keep (older ones are removed after each commit); ``None`` keeps all.
+        guard: Fingerprint deferred tensors and refuse torn snapshots.
+        on_error: ``raise`` a failed save on the caller thread at the next call, or ``warn`` and keep going.
+        retries: Extra attempts for a failed upload (transient storage errors); ENOSPC is not retried.
+        retry_backoff_s: First backoff; doubles per attempt.
+        drain_timeout_s: Bound of the drain at interpreter exit.
+        event_log: Path or URL of a JSONL event log; ``None`` keeps events in memory.
+        serializer: How the staged state is written; default :class:`TorchSaveSerializer`.
+        upload_nice: Nice value of the upload thread (0-19, Linux): higher lets training threads go first.
+    """
+
+    max_outstanding: int = 1
+    admission: AdmissionPolicy = "wait"
+    host_memory_budget: int | str | None = "auto"
+    reserved_host_bytes: int = 0
+    keep_last: int | None = None
+    guard: bool = True
+    on_error: Literal["raise", "warn"] = "raise"
+    retries: int = 2
+    retry_backoff_s: float = 0.5
+    drain_timeout_s: float = 120.0
+    event_log: str | None = None
+    serializer: Serializer | None = None
+    upload_nice: int = 0
+
+    def __post_init__(self) -> None:
+        validate_admission(self.admission, self.max_outstanding)
+        resolve_budget(self.host_memory_budget)  # validates the budget; with the reserve below
+        if (
+            isinstance(self.reserved_host_bytes, bool)
+            or not isinstance(self.reserved_host_bytes, int)
+            or (self.reserved_host_bytes < 0)
+        ):
+            raise ConfigError(f"reserved_host_bytes must be an int >= 0, got {self.reserved_host_bytes!r}")
+        if self.host_memory_budget not in (None, "auto"):
+            resolve_budget(self.host_memory_budget, self.reserved_host_bytes)
+        if self.keep_last is not None and (
+            isinstance(self.keep_last, bool) or not isinstance(self.keep_last, int) or self.keep_last < 1
+        ):
+            raise ConfigError(f"keep_last must be None (keep all) or an int >= 1, got {self.keep_last!r}")
+        if self.on_error not in ("raise", "warn"):
+            raise ConfigError(f"on_error must be 'raise' or 'warn', got {self.on_error!r}")
+        if isinstance(self.retries, bool) or not isinstance(self.retries, int) or self.retries < 0:
+            raise ConfigError(f"retries must be an int >= 0, got {self.retries!r}")
+        if not isinstance(self.guard, bool):
+            raise ConfigError(f"guard must be True (refuse torn snapshots) or False, got {self.guard!r}")
+        for name in ("retry_backoff_s", "drain_timeout_s"):
+            value = getattr(self, name)
+            # `not value >= 0` also rejects NaN, which compares false with everything.
+            if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
+                raise ConfigError(f"{name} must be a number >= 0, got {value!r}")
+        if self.event_log is not None and (not isinstance(self.event_log, str) or not self.event_log.strip()):
+            raise ConfigError(f"event_log must be None or a non-empty path or URL string, got {self.event_log!r}")
+        if (
+            isinstance(self.upload_nice, bool)
+            or not isinstance(self.upload_nice, int)
+            or not 0 <= self.upload_nice <= 19
+        ):
+            raise ConfigError(
+                f"upload_nice must be an int from 0 (normal) to 19 (lowest priority), got {self.upload_nice!r}"
+            )
+        if self.serializer is not None and not callable(getattr(self.serializer, "write", None)):
+            raise ConfigError("serializer must have a write(state, writer) method")
