@@ -372,6 +372,11 @@ class CheckpointStore:
             raise ConfigError("checksum 'crc32c' needs the crc32c package: pip install crc32c")
         if block_size is not None and (not isinstance(block_size, int) or block_size < 5 << 20):
             raise ConfigError(f"block_size must be an int of at least 5 MiB (S3's part minimum), got {block_size!r}")
+        # A run id the manifest reader rejects would make every generation this store commits untrusted.
+        if run_id is not None and not isinstance(run_id, str):
+            raise ConfigError(f"run_id must be a string or None (a new random id), got {run_id!r}")
+        if not isinstance(check_writable, bool):
+            raise ConfigError(f"check_writable must be True or False, got {check_writable!r}")
         self.uri = uri
         self.storage_options = dict(storage_options or {})
         self.run_id = run_id or self.new_run_id()
