@@ -11,7 +11,8 @@ PUT, and around retention's deletes. Then, in this process:
 * its step is at most the last step the run requested, and at least the newest step it reported committed;
 * no reported commit was lost, except those retention legitimately removed (at least ``keep_last`` newer
   committed generations exist);
-* ``latest_checkpoint`` names it and a new run resumes from it in the same dirpath and commits further steps.
+* ``latest_checkpoint`` names it and a new run resumes from it in the same dirpath, commits its next cut, and
+  retention then keeps exactly the newest ``keep_last`` generations (the resumed run continues the run id).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import pytest
 
 from lightning_async_ckpt import AsyncCheckpointCallback, CheckpointStore, latest_checkpoint
 from lightning_async_ckpt.lightning import CHECKPOINT_NAME
+from lightning_async_ckpt.testing import FaultyFileSystem
 from tests._lightning_models import BNDropoutModel, make_loader, trainer_kwargs
 
 pytestmark = pytest.mark.slow
@@ -157,6 +159,10 @@ def _events(path: Path) -> list[dict]:
 
 
 def test_matrix_covers_every_phase():
+    # Importing lightning_async_ckpt.testing registered faulty:// (the resumed runs use it, as the crashed ones did).
+    import fsspec
+
+    assert fsspec.get_filesystem_class("faulty") is FaultyFileSystem
     phases = {phase for phase, _, _ in POINTS}
     assert phases == {"capture", "staging", "upload", "manifest", "retention"}
     assert len(POINTS) >= 30
@@ -197,7 +203,7 @@ def test_sigkill_loses_nothing_committed(zygote, base, calls, phase, name, kill,
 
 
 def _resume_and_continue(dirpath: str, ckpt_path: str | None, start: int, before: list[int]) -> None:
-    """A new run resumes from the newest commit in the same dirpath and commits its next cut."""
+    """A new run resumes from the newest commit in the same dirpath, commits its next cut and retires the rest."""
     pl.seed_everything(7)
     # The same dirpath URL and storage options as the crashed run, so Lightning restores the callback's state too.
     callback = AsyncCheckpointCallback(
@@ -211,5 +217,7 @@ def _resume_and_continue(dirpath: str, ckpt_path: str | None, start: int, before
     assert trainer.global_step == start + EVERY
     store = CheckpointStore(dirpath, check_writable=False)
     steps = [g.step for g in store.generations()]
-    assert start + EVERY in steps and set(before) <= set(steps), (before, steps)
+    # The resumed run continues the crashed run (its run id travels in the checkpoint), so its retention keeps
+    # exactly the newest KEEP_LAST generations of the two together.
+    assert steps == sorted({*before, start + EVERY})[-KEEP_LAST:], (before, steps)
     assert store.verify(start + EVERY).ok

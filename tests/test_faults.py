@@ -266,3 +266,72 @@ def test_lightning_transient_errors_commit_every_cut(backend):
     trainer, callback = _fit(backend, faults, max_steps=4, retries=2)
     assert callback.committed_step == 4
     assert backend.manifests() == [2, 4]
+
+
+# -- the wrapper itself ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"op": "frobnicate", "error": "oserror"}, "Fault.op"),
+        ({"op": "write", "at": 0, "error": "oserror"}, "Fault.at"),
+        ({"op": "write", "times": 0, "error": "oserror"}, "Fault.times"),
+        ({"op": "write", "error": "eperm"}, "Fault.error"),
+        ({"op": "write", "stall": object()}, "Fault.stall"),
+        ({"op": "write", "stall": threading.Event(), "stall_timeout_s": -1}, "stall_timeout_s"),
+        ({"op": "write", "callback": 5}, "Fault.callback"),
+        ({"op": "write"}, "would do nothing"),
+    ],
+)
+def test_fault_rejects_bad_plans(kwargs, match):
+    from lightning_async_ckpt.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=match):
+        Fault(**kwargs)
+
+
+def test_wrapper_around_an_instance_counts_and_fires_in_order(memory_uri):
+    import fsspec
+
+    from lightning_async_ckpt.testing import FaultyFileSystem
+
+    calls = []
+    inner = fsspec.filesystem("memory")
+    fs = FaultyFileSystem(
+        inner,
+        faults=[
+            Fault(op="pipe_file", at=2, times=2, error="oserror"),
+            Fault(op="info", path="b", callback=calls.append, after=True),
+        ],
+    )
+    root = memory_uri.removeprefix("memory://")
+    fs.pipe_file(f"{root}/a", b"1")
+    for _ in range(2):
+        with pytest.raises(OSError, match="injected I/O error"):
+            fs.pipe_file(f"{root}/b", b"2")
+    fs.pipe_file(f"{root}/b", b"3")
+    assert inner.cat_file(f"{root}/b") == b"3"
+    assert fs.info(f"{root}/b")["size"] == 1 and [c.op for c in calls] == ["info"]
+    assert fs.count("pipe_file") == 4 and fs.count("pipe_file", "/b") == 3
+    assert [(c.op, c.count) for c in fs.fired] == [("pipe_file", 2), ("pipe_file", 3), ("info", 1)]
+
+
+def test_bandwidth_cap_slows_writes(tmp_path):
+    import fsspec
+
+    fs, path = fsspec.core.url_to_fs(f"faulty://{tmp_path}/x", bandwidth_bps=64 * 1024)
+    t0 = time.monotonic()
+    with fs.open(f"{path}/blob", "wb") as f:
+        for _ in range(4):
+            f.write(b"\0" * 4096)
+    assert time.monotonic() - t0 >= 4 * 4096 / (64 * 1024)
+    assert (tmp_path / "x" / "blob").stat().st_size == 4 * 4096
+
+
+def test_fresh_counters_for_every_store_opened_from_the_same_options(tmp_path):
+    options = {"target_protocol": "file", "faults": [Fault(op="open", path="checkpoint.ckpt", error="oserror")]}
+    for _ in range(2):  # the same plan object: each store's filesystem fails its own first open
+        with AsyncCheckpointer(CheckpointStore(f"faulty://{tmp_path}", options), retries=0) as ckpt:
+            with pytest.raises(CheckpointError):
+                ckpt.save(1, STATE).result(timeout=30)
+            with pytest.raises(CheckpointError):
+                ckpt.poll()
