@@ -169,7 +169,7 @@ def test_matrix_covers_every_phase():
 
 
 @pytest.mark.parametrize(("phase", "name", "kill"), POINTS, ids=[f"{p}-{n}" for p, n, _ in POINTS])
-def test_sigkill_loses_nothing_committed(zygote, base, calls, phase, name, kill, tmp_path):
+def test_sigkill_loses_nothing_committed(zygote, base, calls, phase, name, kill):
     if "fault" in kill and callable(kill["fault"]["at"]):
         kill = {"fault": {**kill["fault"], "at": kill["fault"]["at"](calls["write"])}}
     sc = _scenario(base, f"{phase}-{name}".replace("#", "").replace("@", "-"), kill)
