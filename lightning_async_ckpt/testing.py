@@ -376,5 +376,5 @@ class _FaultyFile:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._raw, name)
 
-
-fsspec.register_implementation("faulty", FaultyFileSystem, clobber=True)
+# The "faulty://" protocol is registered through the package's `fsspec.specs` entry point (pyproject.toml), so
+# nothing is registered at import time.
