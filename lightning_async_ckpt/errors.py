@@ -13,6 +13,7 @@ __all__ = [
     "GenerationExistsError",
     "HostMemoryBudgetError",
     "ManifestError",
+    "ManifestVersionError",
     "StorageError",
     "TornSnapshotError",
 ]
@@ -36,6 +37,10 @@ class GenerationExistsError(StorageError):
 
 class ManifestError(StorageError):
     """A manifest is missing, malformed, hostile or from a newer format version."""
+
+
+class ManifestVersionError(ManifestError):
+    """A manifest was written by a newer format version than this library reads: upgrade to read it."""
 
 
 class TornSnapshotError(CheckpointError):

@@ -7,7 +7,7 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from lightning_async_ckpt.errors import ManifestError
+from lightning_async_ckpt.errors import ManifestError, ManifestVersionError
 
 __all__ = ["FORMAT_NAME", "FORMAT_VERSION", "Manifest", "ObjectEntry", "validate_object_name"]
 
@@ -136,7 +136,7 @@ class Manifest:
             raise ManifestError(f"{where}: 'format' is {body.get('format')!r}, expected {FORMAT_NAME!r}")
         version = _field(body, "format_version", int, where)
         if version > FORMAT_VERSION:
-            raise ManifestError(
+            raise ManifestVersionError(
                 f"{where}: format_version {version} is newer than this library reads ({FORMAT_VERSION}); "
                 "upgrade lightning_async_ckpt to read it"
             )

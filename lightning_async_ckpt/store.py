@@ -29,7 +29,13 @@ from typing import IO, Any
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-from lightning_async_ckpt.errors import ConfigError, GenerationExistsError, ManifestError, StorageError
+from lightning_async_ckpt.errors import (
+    ConfigError,
+    GenerationExistsError,
+    ManifestError,
+    ManifestVersionError,
+    StorageError,
+)
 from lightning_async_ckpt.manifest import MANIFEST_NAME, Manifest, ObjectEntry, validate_object_name
 
 __all__ = ["CheckpointStore", "GenerationInfo", "GenerationWriter", "VerifyResult"]
@@ -99,6 +105,7 @@ class GenerationInfo:
         committed: Whether a valid manifest exists.
         manifest: The parsed manifest, when committed.
         error: Why a present manifest was rejected, if it was.
+        newer_format: The manifest was written by a newer format version (never deleted or overwritten).
         mtime: Newest modification time seen, when the filesystem reports one.
     """
 
@@ -108,6 +115,7 @@ class GenerationInfo:
     manifest: Manifest | None = None
     error: str | None = None
     mtime: float | None = None
+    newer_format: bool = False
 
     @property
     def run_id(self) -> str | None:
@@ -425,7 +433,7 @@ class CheckpointStore:
         try:
             self._invalidate()
             manifest_path = f"{self._gen_path(step)}/{MANIFEST_NAME}"
-            if self.fs.exists(manifest_path):
+            if self._holds_manifest(step, manifest_path):
                 raise GenerationExistsError(
                     f"generation step {step} is already committed at {self.url(step)}; committed checkpoints are "
                     "never overwritten: use another dirpath, or remove it with `lightning-async-ckpt gc`"
@@ -441,6 +449,29 @@ class CheckpointStore:
             self._end_write(step)
             raise StorageError(f"could not prepare generation {self.url(step)}: {exc}") from exc
         return GenerationWriter(self, step, self.checksum)
+
+    def _holds_manifest(self, step: int, manifest_path: str) -> bool:
+        """Whether ``step`` has a manifest that must not be overwritten (valid, or from a newer format version).
+
+        A manifest that cannot be parsed (a torn write on a filesystem without atomic puts) never made the
+        generation recoverable: the generation is treated as an uncommitted leftover.
+        """
+        try:
+            data = self.fs.cat_file(manifest_path)
+        except FileNotFoundError:
+            return False
+        try:
+            manifest = Manifest.from_json(data, where=f"{self.url(step)}/{MANIFEST_NAME}")
+            if manifest.step != step:
+                raise ManifestError(f"manifest of folder step {step} says step {manifest.step}")
+        except ManifestVersionError:
+            return True
+        except ManifestError as exc:
+            _log.warning(
+                "generation %s has a corrupt manifest and was never recoverable; rewriting it (%s)", self.url(step), exc
+            )
+            return False
+        return True
 
     def _end_write(self, step: int) -> None:
         with self._lock:
@@ -484,7 +515,8 @@ class CheckpointStore:
             if manifest.step != step:
                 raise ManifestError(f"manifest of folder step {step} says step {manifest.step}")
         except ManifestError as exc:
-            return GenerationInfo(step=step, path=self.url(step), committed=False, error=str(exc))
+            newer = isinstance(exc, ManifestVersionError)
+            return GenerationInfo(step=step, path=self.url(step), committed=False, error=str(exc), newer_format=newer)
         return GenerationInfo(
             step=step, path=self.url(step), committed=True, manifest=manifest, mtime=manifest.committed_at
         )
@@ -626,7 +658,10 @@ class CheckpointStore:
         for g in gens:
             if g.step in keep or g.step in writing:
                 continue
-            if g.committed and (all_runs or g.run_id == self.run_id) or not g.committed and g.step < newest:
+            # A rejected manifest never made its generation recoverable: collected like a leftover, unless it was
+            # written by a newer version of this library (an upgrade can read it).
+            leftover = not g.committed and not g.newer_format and g.step < newest
+            if g.committed and (all_runs or g.run_id == self.run_id) or leftover:
                 doomed.append(g)
         if dry_run:
             return [g.step for g in doomed]

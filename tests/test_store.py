@@ -423,13 +423,27 @@ def test_hostile_manifest_falls_back_to_previous_generation(location: Location, 
     with pytest.raises(ManifestError):
         store.manifest(2)
     assert not store.verify(2).ok
-    # Whatever sits in that manifest, the step is never silently overwritten...
-    with pytest.raises(GenerationExistsError):
-        store.begin(2)
-    # ...but gc collects the untrusted generation once it is older than the newest commit.
     _commit(store, 3)
+    if case == "newer format":
+        # Written by a newer version of the library: never overwritten, never collected (an upgrade reads it).
+        with pytest.raises(GenerationExistsError):
+            store.begin(2)
+        assert 2 not in store.gc(keep_last=1)
+        return
+    # A rejected manifest never made the generation recoverable: gc collects it once a newer commit exists...
     assert 2 in store.gc(keep_last=1)
     assert _steps(store, include_uncommitted=True) == [(3, True)]
+
+
+@pytest.mark.parametrize("case", sorted(set(_HOSTILE_MANIFESTS) - {"newer format"}))
+def test_a_step_with_a_rejected_manifest_can_be_written_again(tmp_path: Path, case: str) -> None:
+    # ...and a writer of that step (a run resumed from an earlier generation) rewrites it instead of failing.
+    store = CheckpointStore(str(tmp_path / "ckpt"))
+    _commit(store, 1)
+    _commit(store, 2)
+    store.fs.pipe_file(_manifest_url(store, 2), _HOSTILE_MANIFESTS[case](_good_manifest_body(store, 2)))
+    _commit(store, 2)
+    assert store.verify(2).ok and store.verify(1).ok
 
 
 def test_manifest_that_is_not_a_file_is_untrusted(tmp_path: Path) -> None:
@@ -726,3 +740,27 @@ def test_thread_leak_guard_fails_only_leaking_tests(pytester: pytest.Pytester) -
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
     result.assert_outcomes(passed=3, errors=1)
     result.stdout.fnmatch_lines(["*ERROR at teardown of test_leaks_a_library_thread*", "*lightning_async_ckpt-leaky*"])
+
+
+def test_begin_rewrites_a_generation_whose_manifest_is_torn_but_never_one_from_a_newer_version(tmp_path) -> None:
+    import json
+
+    from lightning_async_ckpt.manifest import FORMAT_VERSION
+
+    store = CheckpointStore(str(tmp_path))
+    gen = tmp_path / "step-00000003"
+    gen.mkdir()
+    (gen / MANIFEST_NAME).write_text('{"format": "lightning_async_ckpt", "step": 3, "obj')  # a torn write
+    writer = store.begin(3)
+    writer.write_bytes(CKPT, b"fresh")
+    writer.commit()
+    assert store.verify(3).ok
+
+    newer = tmp_path / "step-00000004"
+    newer.mkdir()
+    body = json.loads((gen / MANIFEST_NAME).read_text())
+    body.update(step=4, format_version=FORMAT_VERSION + 1)
+    (newer / MANIFEST_NAME).write_text(json.dumps(body))
+    with pytest.raises(GenerationExistsError):
+        store.begin(4)
+    assert (newer / MANIFEST_NAME).exists()
