@@ -99,6 +99,7 @@ class AsyncCheckpointCallback(ModelCheckpoint):
         on_error: ``raise`` a failed save on the training thread at the next hook, or ``warn`` and keep training.
         retries: Extra upload attempts on transient storage errors.
         drain_timeout_s: Bound on draining at exceptions and interpreter exit.
+        upload_nice: Nice value (0-19, Linux) of the upload thread; higher lets the training threads go first.
         event_log: Path or URL of a JSONL event log (for ``lightning-async-ckpt timeline`` / ``plan``).
         restore_rng: Restore the RNG states captured at the cut when resuming (Lightning itself does not).
         verbose: Log every committed generation at INFO level.
@@ -120,6 +121,7 @@ class AsyncCheckpointCallback(ModelCheckpoint):
         on_error: Literal["raise", "warn"] = "raise",
         retries: int = 2,
         drain_timeout_s: float = 120.0,
+        upload_nice: int = 0,
         event_log: str | None = None,
         restore_rng: bool = False,
         verbose: bool = False,
@@ -151,6 +153,7 @@ class AsyncCheckpointCallback(ModelCheckpoint):
             on_error=on_error,
             retries=retries,
             drain_timeout_s=drain_timeout_s,
+            upload_nice=upload_nice,
             event_log=event_log,
         )
         if storage_options is not None and not isinstance(storage_options, dict):

@@ -146,6 +146,7 @@ CALLBACK_CASES = [
     ("event_log", ""),
     ("restore_rng", None),
     ("verbose", "loud"),
+    ("upload_nice", 25),
 ]
 
 
