@@ -12,9 +12,12 @@ fsynced, ``os.replace``-d into place and the folder fsynced; on any other filesy
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import hashlib
 import importlib.metadata
 import logging
+import mmap
 import os
 import re
 import threading
@@ -89,6 +92,79 @@ class _Checksum:
         if self._sha is not None:
             return f"sha256:{self._sha.hexdigest()}"
         return f"{self.algorithm}:{self._value:08x}"
+
+
+_DIRECT_ALIGN = 4096
+_DIRECT_BUFFER = 8 << 20
+
+
+class _DirectFile:
+    """A write-only local file that bypasses the page cache (``O_DIRECT``) through an aligned buffer.
+
+    Writing a checkpoint through the page cache makes the kernel copy every byte and then throttle on writeback,
+    which on the machines we measured stalled the training threads for seconds per GB; direct writes go from one
+    aligned buffer to the disk. The unaligned tail is written after clearing ``O_DIRECT``. ``fsync`` still runs
+    at close (for the file's metadata).
+    """
+
+    def __init__(self, fd: int) -> None:
+        self._fd = fd
+        self._buf = mmap.mmap(-1, _DIRECT_BUFFER)
+        self._view = memoryview(self._buf)
+        self._fill = 0
+        self.closed = False
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        total = len(view)
+        while view:
+            n = min(len(view), _DIRECT_BUFFER - self._fill)
+            self._view[self._fill : self._fill + n] = view[:n]
+            self._fill += n
+            view = view[n:]
+            if self._fill == _DIRECT_BUFFER:
+                self._drain(self._fill)
+        return total
+
+    def _drain(self, nbytes: int) -> None:
+        done = 0
+        while done < nbytes:
+            done += os.write(self._fd, self._view[done:nbytes])
+        self._fill = 0
+
+    def flush(self) -> None:
+        """Write what is buffered: the aligned part directly, the tail through the page cache."""
+        aligned = self._fill - self._fill % _DIRECT_ALIGN
+        tail = bytes(self._view[aligned : self._fill])
+        if aligned:
+            self._drain(aligned)
+        self._fill = 0
+        if tail:
+            flags = fcntl.fcntl(self._fd, fcntl.F_GETFL)
+            fcntl.fcntl(self._fd, fcntl.F_SETFL, flags & ~os.O_DIRECT)
+            os.write(self._fd, tail)
+
+    def fileno(self) -> int:
+        return self._fd
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self._view.release()
+            self._buf.close()
+            os.close(self._fd)
+
+
+def _open_local(path: str, direct_io: bool) -> IO[bytes] | _DirectFile:
+    if direct_io and hasattr(os, "O_DIRECT"):
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:  # EINVAL: this filesystem (tmpfs, ...) has no direct I/O
+                raise
+        else:
+            return _DirectFile(fd)
+    return open(path, "wb")  # noqa: SIM115 - closed by _ObjectStream.close
 
 
 def _checksum_algorithm(checksum: str) -> str:
@@ -250,7 +326,7 @@ class GenerationWriter:
         try:
             if self.store.is_local:
                 os.makedirs(os.path.dirname(path), exist_ok=True)
-                raw: IO[bytes] = open(path, "wb")  # noqa: SIM115 - closed by _ObjectStream.close
+                raw: IO[bytes] = _open_local(path, self.store.direct_io)
             else:
                 if "/" in name:
                     fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
@@ -353,6 +429,9 @@ class CheckpointStore:
             (zlib) or ``"sha256"``.
         block_size: Multipart block size for object stores, in bytes (default 32 MiB).
         check_writable: Probe that the location is writable at construction (local and memory only).
+        direct_io: On local disks, write data objects with ``O_DIRECT`` where the filesystem supports it
+            (bypassing the page cache keeps checkpoint writes from stalling training); falls back to buffered
+            writes elsewhere.
 
     Raises:
         ConfigError: Unknown scheme, missing optional dependency (names the extra to install), a location that
@@ -368,6 +447,7 @@ class CheckpointStore:
         checksum: str | None = None,
         block_size: int | None = None,
         check_writable: bool = True,
+        direct_io: bool = True,
     ) -> None:
         if not isinstance(uri, str) or not uri.strip():
             raise ConfigError(f"uri must be a non-empty path or URL string, got {uri!r}")
@@ -385,6 +465,9 @@ class CheckpointStore:
             raise ConfigError(f"run_id must be a string or None (a new random id), got {run_id!r}")
         if not isinstance(check_writable, bool):
             raise ConfigError(f"check_writable must be True or False, got {check_writable!r}")
+        if not isinstance(direct_io, bool):
+            raise ConfigError(f"direct_io must be True or False, got {direct_io!r}")
+        self.direct_io = direct_io
         self.uri = uri
         self.storage_options = dict(storage_options or {})
         self.run_id = run_id or self.new_run_id()
