@@ -182,6 +182,7 @@ class GenerationInfo:
         manifest: The parsed manifest, when committed.
         error: Why a present manifest was rejected, if it was.
         newer_format: The manifest was written by a newer format version (never deleted or overwritten).
+        unreadable: The manifest exists but could not be read (a storage error); retention leaves it alone.
         mtime: Newest modification time seen, when the filesystem reports one.
     """
 
@@ -192,6 +193,7 @@ class GenerationInfo:
     error: str | None = None
     mtime: float | None = None
     newer_format: bool = False
+    unreadable: bool = False
 
     @property
     def run_id(self) -> str | None:
@@ -259,6 +261,10 @@ class _ObjectStream:
         """Make the object durable and record it in the generation; idempotent."""
         if self.closed:
             return
+        if self.failure is not None:
+            # A write failed but the serializer carried on: the object is incomplete, never record it.
+            self.abandon()
+            raise self.failure
         self.closed = True
         try:
             if self._local:
@@ -380,6 +386,7 @@ class GenerationWriter:
         try:
             if self.store.is_local:
                 _atomic_local_write(path, data)
+                _fsync_dir(self.store.root)  # the generation folder's own entry
             else:
                 self.store.fs.pipe_file(path, data)
         except Exception as exc:
@@ -592,7 +599,10 @@ class CheckpointStore:
         except FileNotFoundError:
             return GenerationInfo(step=step, path=self.url(step), committed=False, mtime=self._mtime(path))
         except Exception as exc:  # noqa: BLE001 - an unreadable manifest makes the generation untrusted, not fatal
-            return GenerationInfo(step=step, path=self.url(step), committed=False, error=f"unreadable manifest: {exc}")
+            # Present but unreadable right now (a transient storage error): never treated as a leftover.
+            return GenerationInfo(
+                step=step, path=self.url(step), committed=False, error=f"unreadable manifest: {exc}", unreadable=True
+            )
         try:
             manifest = Manifest.from_json(data, where=f"{self.url(step)}/{MANIFEST_NAME}")
             if manifest.step != step:
@@ -734,7 +744,10 @@ class CheckpointStore:
         if not committed:
             return []
         newest = committed[-1].step
-        keep = {g.step for g in committed[-keep_last:]}
+        # keep_last counts the generations gc may delete: this run's (or all runs' with all_runs), so another run's
+        # newer commits never push this run's own out.
+        mine = [g for g in committed if all_runs or g.run_id == self.run_id]
+        keep = {g.step for g in mine[-keep_last:]}
         with self._lock:
             writing = set(self._writing)
         doomed = []
@@ -743,7 +756,7 @@ class CheckpointStore:
                 continue
             # A rejected manifest never made its generation recoverable: collected like a leftover, unless it was
             # written by a newer version of this library (an upgrade can read it).
-            leftover = not g.committed and not g.newer_format and g.step < newest
+            leftover = not g.committed and not g.newer_format and not g.unreadable and g.step < newest
             if g.committed and (all_runs or g.run_id == self.run_id) or leftover:
                 doomed.append(g)
         if dry_run:

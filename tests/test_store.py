@@ -764,3 +764,35 @@ def test_begin_rewrites_a_generation_whose_manifest_is_torn_but_never_one_from_a
     with pytest.raises(GenerationExistsError):
         store.begin(4)
     assert (newer / MANIFEST_NAME).exists()
+
+
+def test_keep_last_counts_this_runs_generations_so_another_runs_newer_commits_do_not_evict_them(tmp_path) -> None:
+    old = CheckpointStore(str(tmp_path), run_id="old-run")
+    for step in (9000, 10000):
+        _commit(old, step)
+    new = CheckpointStore(str(tmp_path), run_id="new-run")
+    _commit(new, 100)
+    assert new.gc(keep_last=2) == []
+    _commit(new, 200)
+    _commit(new, 300)
+    assert new.gc(keep_last=2) == [100]
+    assert [g.step for g in new.generations()] == [200, 300, 9000, 10000]
+
+
+def test_gc_never_deletes_a_generation_whose_manifest_cannot_be_read_right_now(tmp_path) -> None:
+    store = CheckpointStore(str(tmp_path))
+    for step in (1, 2, 3):
+        _commit(store, step)
+    real_cat = store.fs.cat_file
+
+    def flaky(path, *args, **kwargs):
+        if "step-00000001" in str(path):
+            raise OSError("503 SlowDown")
+        return real_cat(path, *args, **kwargs)
+
+    store.fs.cat_file = flaky
+    try:
+        assert store.gc(keep_last=1) == [2]
+    finally:
+        del store.fs.cat_file
+    assert [g.step for g in store.generations()] == [1, 3]
