@@ -364,9 +364,18 @@ def _classify_live(modules: Sequence[torch.nn.Module], optimizers: Sequence[Any]
     def key(t: torch.Tensor) -> tuple:
         return (t.device, t.untyped_storage().data_ptr())
 
+    owned = {
+        id(p)
+        for opt in optimizers
+        for group in getattr(getattr(opt, "optimizer", opt), "param_groups", ())
+        for p in group["params"]
+    }
     for module in modules:
         for p in module.parameters():
-            known[key(p)] = Category.PARAMETER
+            # Only the optimizer's parameters follow the optimizer's mutation rule; a frozen or hand-updated one
+            # (an EMA teacher) is unknown and copied at the cut.
+            if id(p) in owned:
+                known[key(p)] = Category.PARAMETER
         for b in module.buffers():
             known[key(b)] = Category.BUFFER
     for opt in optimizers:

@@ -108,6 +108,7 @@ class AsyncCheckpointer:
         self._abandon = threading.Event()
         self._closed = False
         self.committed_step: int | None = None
+        self.last_committed: SaveRecord | None = None
         self.requested_step: int | None = None
         self.pending_coalesce: int | None = None
         self.skipped = 0
@@ -311,9 +312,13 @@ class AsyncCheckpointer:
                 self.committed_step = manifest.step
         record.committed_step = self.committed_step
         record.cut_to_committed_s = time.time() - record.t_request
-        self.events.emit("committed", step=handle.step, committed_step=self.committed_step)
-        self._finish_record(record)
-        handle.committed.set_result(manifest)
+        self.last_committed = record
+        try:
+            self.events.emit("committed", step=handle.step, committed_step=self.committed_step)
+            self._finish_record(record)
+        finally:
+            # Whatever telemetry does, the committed future resolves: drain and close() must never hang on it.
+            handle.committed.set_result(manifest)
         if self.options.keep_last is not None:
             self._retain()
 
@@ -396,20 +401,23 @@ class AsyncCheckpointer:
                 error.__cause__ = exc
         record.error = f"{type(exc).__name__}: {exc}"
         record.committed_step = self.committed_step
-        self.events.emit("failed", step=handle.step, outcome=record.outcome, error=record.error)
-        # The error is pending (and the record final) before the futures resolve, so a caller that saw the
-        # future fail gets the error at its very next save/wait/poll/drain, never one call late.
-        if not torn and record.outcome == "failed":
-            if self.options.on_error == "raise":
-                self._errors.append(error)
-            else:
-                _log.warning(
-                    "%s (on_error='warn': training continues; last committed step %s)", error, self.committed_step
-                )
-        self._finish_record(record)
-        for fut in (handle.staged, handle.uploaded, handle.committed):
-            if not fut.done():
-                fut.set_exception(error)
+        try:
+            self.events.emit("failed", step=handle.step, outcome=record.outcome, error=record.error)
+            # The error is pending (and the record final) before the futures resolve, so a caller that saw the
+            # future fail gets the error at its very next save/wait/poll/drain, never one call late.
+            if not torn and record.outcome == "failed":
+                if self.options.on_error == "raise":
+                    with self._lock:
+                        self._errors.append(error)
+                else:
+                    _log.warning(
+                        "%s (on_error='warn': training continues; last committed step %s)", error, self.committed_step
+                    )
+            self._finish_record(record)
+        finally:
+            for fut in (handle.staged, handle.uploaded, handle.committed):
+                if not fut.done():
+                    fut.set_exception(error)
 
     def _retain(self) -> None:
         try:
@@ -462,14 +470,15 @@ class AsyncCheckpointer:
     def raise_pending(self) -> None:
         """Re-raise the oldest background error once (then it is cleared)."""
         if self._errors:
-            error = self._errors.popleft()
-            self._errors.clear()
-            raise error
+            error = self.take_pending_error()
+            if error is not None:
+                raise error
 
     def take_pending_error(self) -> BaseException | None:
         """Remove and return the pending background error, if any (for callers that raise it collectively)."""
-        error = self._errors.popleft() if self._errors else None
-        self._errors.clear()
+        with self._lock:
+            error = self._errors.popleft() if self._errors else None
+            self._errors.clear()
         return error
 
     @property

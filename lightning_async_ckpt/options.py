@@ -105,8 +105,8 @@ class CheckpointOptions:
         for name in ("retry_backoff_s", "drain_timeout_s"):
             value = getattr(self, name)
             # `not value >= 0` also rejects NaN, which compares false with everything.
-            if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
-                raise ConfigError(f"{name} must be a number >= 0, got {value!r}")
+            if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < float("inf"):
+                raise ConfigError(f"{name} must be a finite number >= 0, got {value!r}")
         if self.event_log is not None and (not isinstance(self.event_log, str) or not self.event_log.strip()):
             raise ConfigError(f"event_log must be None or a non-empty path or URL string, got {self.event_log!r}")
         if (

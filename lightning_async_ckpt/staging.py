@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -85,13 +86,13 @@ class BufferPool:
         out: list[torch.Tensor] = []
         with self._lock:
             needed = sum(s.nbytes for s in slots)
-            reusable = sum(
-                len(self._free.get((s.nbytes, _pin(s)), ())) * s.nbytes
-                for s in {(s.nbytes, _pin(s)): s for s in slots}.values()
-            )
-            grow = max(0, needed - reusable)
+            wanted = Counter((s.nbytes, _pin(s)) for s in slots)
+            # Only as many free buffers of a size as the plan needs count as reusable.
+            reusable = sum(min(len(self._free.get(key, ())), count) * key[0] for key, count in wanted.items())
+            grow = needed - reusable
             if self.budget_bytes is not None and self.retained_bytes + grow > self.budget_bytes:
-                self._trim(self.retained_bytes + grow - self.budget_bytes)
+                # Drop free buffers this plan will not reuse, then check again.
+                self._trim(self.retained_bytes + grow - self.budget_bytes, keep=wanted)
             if self.budget_bytes is not None and self.retained_bytes + grow > self.budget_bytes:
                 raise HostMemoryBudgetError(
                     f"staging needs {grow:,} more bytes but {self.retained_bytes:,} are retained of a "
@@ -115,12 +116,14 @@ class BufferPool:
                 self._free.setdefault((buf.numel(), buf.is_pinned()), []).append(buf)
                 self.in_use_bytes -= buf.numel()
 
-    def _trim(self, excess: int) -> None:
+    def _trim(self, excess: int, keep: Counter | None = None) -> None:
         for key in list(self._free):
-            while self._free[key] and excess > 0:
+            spare = len(self._free[key]) - (keep or Counter())[key]
+            while spare > 0 and excess > 0:
                 buf = self._free[key].pop()
                 self.retained_bytes -= buf.numel()
                 excess -= buf.numel()
+                spare -= 1
 
     def clear(self) -> None:
         """Drop the free buffers."""

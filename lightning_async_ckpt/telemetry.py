@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import threading
 import time
 from dataclasses import asdict, dataclass, field
@@ -11,6 +13,8 @@ from typing import IO, Any
 import fsspec
 
 __all__ = ["EventLog", "SaveRecord"]
+
+_log = logging.getLogger("lightning_async_ckpt")
 
 
 @dataclass
@@ -97,8 +101,16 @@ class EventLog:
             if len(self.events) > self.keep:
                 del self.events[: len(self.events) - self.keep]
             if self._file is not None:
-                self._file.write(json.dumps(record, default=str) + "\n")
-                self._file.flush()
+                try:
+                    self._file.write(json.dumps(record, default=str) + "\n")
+                    self._file.flush()
+                except Exception:  # noqa: BLE001 - telemetry must never break a save (e.g. ENOSPC on the log's disk)
+                    _log.warning(
+                        "event log %s failed; events are kept in memory only from now on", self.path, exc_info=True
+                    )
+                    with contextlib.suppress(Exception):
+                        self._file.close()
+                    self._file = None
 
     def close(self) -> None:
         """Close the file; idempotent."""

@@ -126,7 +126,10 @@ def test_proven_plan_defers_parameters_and_optimizer_state_to_the_optimizer_step
 
 def test_demoted_category_is_copied_at_the_cut_even_when_proven() -> None:
     model = _model()
-    plan = CapturePlan.build({"model": model.state_dict()}, modules=[model], proof=PROVEN, demoted=[Category.PARAMETER])
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    plan = CapturePlan.build(
+        {"model": model.state_dict()}, modules=[model], optimizers=[opt], proof=PROVEN, demoted=[Category.PARAMETER]
+    )
     fences = _fences(plan)
     assert fences[Category.PARAMETER] == {Fence.CUT}
     assert fences[Category.BUFFER] == {Fence.BATCH_START}
@@ -147,7 +150,7 @@ def test_tied_weights_and_views_are_staged_once() -> None:
     model = _Tied()
     base = torch.arange(20, dtype=torch.float32)
     state = {"model": model.state_dict(), "base": base, "window": base[4:9], "grid_t": base.view(4, 5).t()}
-    plan = CapturePlan.build(state, modules=[model])
+    plan = CapturePlan.build(state, modules=[model], optimizers=[torch.optim.SGD(model.parameters(), lr=0.1)])
 
     assert len(plan.slots) == 2
     by_name = {name: slot.index for slot in plan.slots for name in slot.names}
@@ -335,3 +338,16 @@ def test_optimizer_state_on_another_device_than_its_parameter_is_offloaded_state
     (slot,) = plan.slots
     assert slot.category is Category.OFFLOADED_OPTIMIZER_STATE
     assert slot.fence is Fence.CUT
+
+
+def test_parameters_no_optimizer_owns_are_unknown_and_copied_at_the_cut() -> None:
+    # A frozen or hand-updated parameter (an EMA teacher) does not follow the optimizer's mutation rule.
+    student, teacher = nn.Linear(4, 4), nn.Linear(4, 4)
+    teacher.requires_grad_(False)
+    model = nn.ModuleDict({"student": student, "teacher": teacher})
+    opt = torch.optim.SGD(student.parameters(), lr=0.1)
+    plan = CapturePlan.build({"model": model.state_dict()}, modules=[model], optimizers=[opt], proof=PROVEN)
+    by_name = {name: slot for slot in plan.slots for name in slot.names}
+    assert by_name["model.student.weight"].fence == Fence.OPTIMIZER_STEP
+    assert by_name["model.teacher.weight"].category == Category.UNKNOWN
+    assert by_name["model.teacher.weight"].fence == Fence.CUT

@@ -22,7 +22,8 @@ def _plan(weight: torch.Tensor, running: torch.Tensor, counter: torch.Tensor) ->
     module.weight = torch.nn.Parameter(weight)
     module.register_buffer("running", running)
     state = {"weight": module.weight, "running": module.running, "counter": counter}
-    return CapturePlan.build(state, modules=[module], proof=DEFER_ALL)
+    opt = torch.optim.SGD([module.weight], lr=0.1)
+    return CapturePlan.build(state, modules=[module], optimizers=[opt], proof=DEFER_ALL)
 
 
 def _job(plan: CapturePlan, pool: BufferPool | None = None, *, guard: bool = True) -> StagingJob:
