@@ -162,6 +162,8 @@ class _StepTimer:
         timer = self
 
         class _Cb(Callback):
+            lightning_async_ckpt_read_only = True  # it only reads the clock
+
             def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
                 timer.starts.append(time.perf_counter())
 

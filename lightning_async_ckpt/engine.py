@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from lightning_async_ckpt.admission import AdmissionDecision
+from lightning_async_ckpt.admission import POLICIES, AdmissionDecision
 from lightning_async_ckpt.capture import CapturePlan, Category, DeferralProof, Fence, prove_deferral
 from lightning_async_ckpt.errors import (
     AdmissionError,
@@ -128,6 +128,7 @@ class AsyncCheckpointer:
         defer: bool = True,
         cut: dict[str, Any] | None = None,
         extra: dict[str, Any] | None = None,
+        admission: str | None = None,
     ) -> SaveHandle:
         """Request a checkpoint of ``state`` at the cut ``step``.
 
@@ -145,6 +146,8 @@ class AsyncCheckpointer:
             defer: ``False`` copies everything at the cut.
             cut: Extra cut metadata for the manifest (epoch, ...).
             extra: Free-form JSON metadata for the manifest.
+            admission: Policy for this request only (e.g. ``"wait"`` for a final checkpoint that must not be
+                skipped); default: the configured one.
 
         Returns:
             The save's handle; for a skipped or coalesced request its futures are cancelled.
@@ -160,7 +163,9 @@ class AsyncCheckpointer:
         self.raise_pending()
         t0 = time.perf_counter()
         record = SaveRecord(requested_step=step)
-        decision = self._admit(step)
+        if admission is not None and admission not in POLICIES:
+            raise ConfigError(f"admission must be one of {', '.join(POLICIES)} or None, got {admission!r}")
+        decision = self._admit(step, admission or self.options.admission)
         record.decision, record.backlog, record.admission_wait_s = (
             decision.decision,
             decision.backlog,
@@ -216,9 +221,8 @@ class AsyncCheckpointer:
         self._upload.submit(lambda: self._persist(handle, job, plan, buffers, cut_meta, extra or {}))
         return handle
 
-    def _admit(self, step: int) -> AdmissionDecision:
+    def _admit(self, step: int, policy: str) -> AdmissionDecision:
         backlog = self.outstanding
-        policy = self.options.admission
         if backlog < self.options.max_outstanding:
             if self.pending_coalesce is not None:
                 self.pending_coalesce = None

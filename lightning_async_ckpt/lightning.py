@@ -27,16 +27,43 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning_async_ckpt.capture import DeferralProof, Fence, prove_deferral
 from lightning_async_ckpt.engine import AsyncCheckpointer, CheckpointOptions
 from lightning_async_ckpt.errors import CheckpointError, ConfigError, GenerationExistsError
-from lightning_async_ckpt.staging import BufferPool, resolve_budget
 from lightning_async_ckpt.store import CheckpointStore
 
 __all__ = ["CHECKPOINT_NAME", "AsyncCheckpointCallback", "latest_checkpoint"]
 
 _log = logging.getLogger("lightning_async_ckpt")
 CHECKPOINT_NAME = "checkpoint.ckpt"
-# Hooks that run between the cut and the optimizer update; a user override may write parameters there.
-_MODULE_HOOKS_BEFORE_STEP = (
+# Hooks that run between the cut and this callback's batch-start fence (the rest of the batch end, validation,
+# epoch boundaries, the end of training, other callbacks' batch start). A user override there may write any state
+# before any fence: everything is then copied at the cut.
+_MODULE_HOOKS_BEFORE_BATCH_FENCE = (
     "on_train_batch_end",
+    "on_train_epoch_end",
+    "on_train_epoch_start",
+    "on_validation_start",
+    "on_validation_epoch_start",
+    "on_validation_batch_start",
+    "on_validation_batch_end",
+    "on_validation_epoch_end",
+    "on_validation_end",
+    "on_validation_model_eval",
+    "on_validation_model_train",
+)
+_CALLBACK_HOOKS_BEFORE_BATCH_FENCE = (
+    "on_train_batch_start",
+    "on_train_epoch_end",
+    "on_train_epoch_start",
+    "on_validation_start",
+    "on_validation_epoch_start",
+    "on_validation_batch_start",
+    "on_validation_batch_end",
+    "on_validation_epoch_end",
+    "on_validation_end",
+    "on_train_end",
+)
+# Hooks between the batch-start fence and the optimizer update: parameters and optimizer state fall back to the
+# batch-start fence when one is overridden.
+_MODULE_HOOKS_BEFORE_STEP = (
     "on_train_batch_start",
     "on_before_backward",
     "on_after_backward",
@@ -44,12 +71,12 @@ _MODULE_HOOKS_BEFORE_STEP = (
     "on_before_zero_grad",
 )
 _CALLBACK_HOOKS_BEFORE_STEP = (
-    "on_train_batch_start",
     "on_before_backward",
     "on_after_backward",
     "on_before_optimizer_step",
 )
-# Lightning callbacks known to read parameters only.
+# Lightning callbacks known to read parameters only. A callback of your own can declare the same with a class
+# attribute `lightning_async_ckpt_read_only = True`.
 _READ_ONLY_CALLBACKS = (
     "ProgressBar",
     "ModelSummary",
@@ -178,6 +205,9 @@ class AsyncCheckpointCallback(ModelCheckpoint):
         self._committed_before: set[int] = set()
         self._last_cut_step: int | None = None
         self._fit_closed = True
+        self._last_admitted_step: int | None = None
+        self._coalesce_pending = False
+        self._coalesce_polled: int | None = None
 
     @property
     def state_key(self) -> str:
@@ -203,20 +233,39 @@ class AsyncCheckpointCallback(ModelCheckpoint):
             # One run id across ranks and across fit() calls of this callback, so retention sees one run.
             run_id = CheckpointStore.new_run_id()
             self.run_id = trainer.strategy.broadcast(run_id, src=0) if self._distributed else run_id
+        error = None
         if trainer.is_global_zero and (self.checkpointer is None or self.checkpointer.closed):
-            self.store = CheckpointStore(self.dirpath, self.storage_options, run_id=self.run_id)
-            self.checkpointer = AsyncCheckpointer(self.store, self.options)
-            self.checkpointer.declare_fences({Fence.BATCH_START, Fence.OPTIMIZER_STEP})
-            self._committed_before = {g.step for g in self.store.generations()}
+            try:
+                self.store = CheckpointStore(self.dirpath, self.storage_options, run_id=self.run_id)
+                self.checkpointer = AsyncCheckpointer(self.store, self.options)
+                self.checkpointer.declare_fences({Fence.BATCH_START, Fence.OPTIMIZER_STEP})
+                self._committed_before = {g.step for g in self.store.generations()}
+            except Exception as exc:  # noqa: BLE001 - raised below on every rank
+                error = exc
+        self._all_ranks_raise(trainer, error, "setting up checkpointing")
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # Like ModelCheckpoint: no cut at the step training starts from (fresh: 0; resumed: the restored step).
         self._last_cut_step = trainer.global_step
-        if self.checkpointer is None:
-            return
-        # The budget is checked before the first step: optimizer state does not exist yet, so it is estimated.
-        estimate = _estimate_checkpoint_bytes(pl_module, trainer.optimizers)
-        BufferPool(resolve_budget(self.options.host_memory_budget, self.options.reserved_host_bytes)).check(estimate)
+        self._last_admitted_step = trainer.global_step
+        self._coalesce_pending = False
+        error = None
+        if self.checkpointer is not None:
+            # The budget is checked before the first step: optimizer state does not exist yet, so it is estimated.
+            try:
+                self.checkpointer.pool.check(_estimate_checkpoint_bytes(pl_module, trainer.optimizers))
+            except Exception as exc:  # noqa: BLE001 - raised below on every rank
+                error = exc
+        self._all_ranks_raise(trainer, error, "checking the host-memory budget")
+
+    def _all_ranks_raise(self, trainer: pl.Trainer, error: BaseException | None, doing: str) -> None:
+        """Raise ``error`` here and a matching error on every other rank (a collective in DDP)."""
+        if self._distributed:
+            failed = trainer.strategy.reduce_boolean_decision(error is not None, all=False)
+            if failed and error is None:
+                error = CheckpointError(f"{doing} failed on another rank; see that rank's log")
+        if error is not None:
+            raise error
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage == "fit":
@@ -270,10 +319,13 @@ class AsyncCheckpointCallback(ModelCheckpoint):
             return
         step = trainer.global_step
         due = self.every_n_train_steps is not None and step % self.every_n_train_steps == 0
-        if self.checkpointer is not None and self.checkpointer.coalesce_due:
-            due = True
-        if self._distributed and self.options.admission == "coalesce":
-            due = bool(trainer.strategy.broadcast(due, src=0))
+        if not due and self._coalesce_pending and self._coalesce_polled != step:
+            # A coalesced request takes a fresh cut once the backlog drained; polled once per step, and every
+            # rank knows a coalesce is pending (the decision was broadcast), so all of them poll together.
+            self._coalesce_polled = step
+            due = self.checkpointer is not None and self.checkpointer.coalesce_due
+            if self._distributed:
+                due = bool(trainer.strategy.broadcast(due, src=0))
         if due:
             self._cut(trainer, pl_module, step)
         self._log_progress(pl_module)
@@ -285,8 +337,10 @@ class AsyncCheckpointCallback(ModelCheckpoint):
             self._cut(trainer, pl_module, trainer.global_step)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self.save_on_train_end and not trainer.fast_dev_run and self._last_cut_step != trainer.global_step:
-            self._cut(trainer, pl_module, trainer.global_step)
+        # The final cut is taken unless that very step was admitted already (a skipped or coalesced request at the
+        # last step does not count); it waits for admission whatever the policy, so training ends recoverable.
+        if self.save_on_train_end and not trainer.fast_dev_run and self._last_admitted_step != trainer.global_step:
+            self._cut(trainer, pl_module, trainer.global_step, final=True)
         self._close(trainer, raise_errors=True)
 
     def _skip(self, trainer: pl.Trainer) -> bool:
@@ -297,8 +351,8 @@ class AsyncCheckpointCallback(ModelCheckpoint):
             or self._last_cut_step == trainer.global_step
         )
 
-    def _cut(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int) -> None:
-        if self._last_cut_step == step:
+    def _cut(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int, *, final: bool = False) -> None:
+        if self._last_cut_step == step and not final:
             return
         self._last_cut_step = step
         clash = None
@@ -322,6 +376,7 @@ class AsyncCheckpointCallback(ModelCheckpoint):
                     proof=self._proof(trainer, pl_module) if self.defer else None,
                     defer=self.defer,
                     cut={"epoch": trainer.current_epoch, "global_step": step, "world_size": trainer.world_size},
+                    admission="wait" if final else None,
                 )
                 decision = handle.decision.decision
                 if self.verbose:
@@ -339,6 +394,9 @@ class AsyncCheckpointCallback(ModelCheckpoint):
             raise error
         if decision in ("skip", "coalesce"):
             self.skipped += 1
+        else:
+            self._last_admitted_step = step
+        self._coalesce_pending = decision == "coalesce" or (self._coalesce_pending and decision == "skip")
 
     def _raise_collectively(self, trainer: pl.Trainer, local: BaseException | None = None) -> None:
         if not self._distributed:
@@ -356,21 +414,30 @@ class AsyncCheckpointCallback(ModelCheckpoint):
             raise CheckpointError("a checkpoint save failed on another rank; see that rank's log")
 
     def _proof(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> DeferralProof:
-        failures = []
+        before_batch_fence, before_step = [], []
+        for hook in _MODULE_HOOKS_BEFORE_BATCH_FENCE:
+            if _overrides(pl_module, pl.LightningModule, hook):
+                before_batch_fence.append(f"the LightningModule overrides {hook}, which runs before any fence")
         for hook in _MODULE_HOOKS_BEFORE_STEP:
             if _overrides(pl_module, pl.LightningModule, hook):
-                failures.append(f"the LightningModule overrides {hook}, which runs before the next update")
+                before_step.append(f"the LightningModule overrides {hook}, which runs before the next update")
         for cb in trainer.callbacks:
-            if cb is self or any(k.__name__ in _READ_ONLY_CALLBACKS for k in type(cb).__mro__):
+            if cb is self or _read_only(cb):
                 continue
+            for hook in _CALLBACK_HOOKS_BEFORE_BATCH_FENCE:
+                if _overrides(cb, Callback, hook):
+                    before_batch_fence.append(f"callback {type(cb).__name__} overrides {hook}, before any fence")
             for hook in _CALLBACK_HOOKS_BEFORE_STEP:
                 if _overrides(cb, Callback, hook):
-                    failures.append(f"callback {type(cb).__name__} overrides {hook}")
+                    before_step.append(f"callback {type(cb).__name__} overrides {hook}")
+        if before_batch_fence:
+            # No fence can protect state that user code may write right after the cut: copy it all at the cut.
+            return DeferralProof(fences={}, rules=(), failures=tuple(before_batch_fence))
         return prove_deferral(
             [pl_module],
             trainer.optimizers,
             automatic_optimization=pl_module.automatic_optimization,
-            extra_failures=failures,
+            extra_failures=before_step,
         )
 
     def _close(self, trainer: pl.Trainer, *, raise_errors: bool) -> None:
@@ -382,7 +449,7 @@ class AsyncCheckpointCallback(ModelCheckpoint):
         if self.checkpointer is not None and not self.checkpointer.closed:
             try:
                 self.checkpointer.close()
-            except CheckpointError as exc:
+            except Exception as exc:  # noqa: BLE001 - raised below, after every rank took part in the collective
                 error = exc
             self._sync_progress()
         if self._distributed:
@@ -412,7 +479,7 @@ class AsyncCheckpointCallback(ModelCheckpoint):
             "ckpt/backlog": ck.outstanding,
             "ckpt/skipped": self.skipped,
         }
-        last = next((r for r in reversed(ck.records) if r.outcome == "committed"), None)
+        last = ck.last_committed
         if last is not None:
             metrics.update(
                 {
@@ -472,6 +539,12 @@ def latest_checkpoint(dirpath: str, storage_options: dict[str, Any] | None = Non
             continue
         return store.url(info.step, CHECKPOINT_NAME)
     return None
+
+
+def _read_only(callback: Callback) -> bool:
+    if getattr(callback, "lightning_async_ckpt_read_only", False):
+        return True
+    return any(k.__name__ in _READ_ONLY_CALLBACKS for k in type(callback).__mro__)
 
 
 def _overrides(obj: Any, base: type, hook: str) -> bool:

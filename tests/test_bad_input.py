@@ -44,6 +44,7 @@ STORE_CASES = [
     ({"run_id": 123}, "run_id"),
     ({"run_id": ["a"]}, "run_id"),
     ({"check_writable": "no"}, "check_writable"),
+    ({"direct_io": "yes"}, "direct_io"),
 ]
 
 

@@ -81,7 +81,7 @@ TRANSIENT = [
     ("close", "checkpoint.ckpt", "oserror"),
     ("pipe_file", "manifest.json", "timeout"),
     ("pipe_file", "manifest.json", "oserror"),
-    ("exists", "manifest.json", "oserror"),
+    ("cat_file", "manifest.json", "oserror"),  # the committed-step check when a generation begins
 ]
 
 

@@ -266,3 +266,62 @@ def test_every_model_checkpoint_hook_is_overridden():
     assert inherited == []
     # ...and Lightning still resolves "last" through ModelCheckpoint._find_last_checkpoints.
     assert callable(getattr(ModelCheckpoint, "_find_last_checkpoints", None))
+
+
+class _WritesWeightsInValidation(pl.Callback):
+    """Like Lightning's WeightAveraging/SWA: writes the live weights in place between the cut and the next batch."""
+
+    def on_validation_epoch_start(self, trainer, pl_module):
+        with torch.no_grad():
+            for p in pl_module.parameters():
+                p.mul_(1.0)
+
+
+class _ReadsOnly(pl.Callback):
+    lightning_async_ckpt_read_only = True
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        pass
+
+
+def test_a_callback_hook_between_the_cut_and_the_next_batch_puts_everything_at_the_cut(tmp_path):
+    ours = AsyncCheckpointCallback(dirpath=str(tmp_path), every_n_train_steps=2, save_on_train_end=False)
+    _fit(tmp_path, [_WritesWeightsInValidation(), ours], max_steps=4, accumulate=1)
+    manifest = CheckpointStore(str(tmp_path), check_writable=False).manifest(4)
+    assert {r["fence"] for r in manifest.plan["rows"]} == {"cut"}
+    assert any("on_validation_epoch_start" in f for f in manifest.plan["failures"])
+
+
+def test_a_callback_declared_read_only_keeps_the_deferral(tmp_path):
+    ours = AsyncCheckpointCallback(dirpath=str(tmp_path), every_n_train_steps=2, save_on_train_end=False)
+    _fit(tmp_path, [_ReadsOnly(), ours], max_steps=4, accumulate=1)
+    fences = {
+        r["category"]: r["fence"] for r in CheckpointStore(str(tmp_path), check_writable=False).manifest(4).plan["rows"]
+    }
+    assert fences["parameter"] == "optimizer_step"
+
+
+def test_final_checkpoint_is_taken_even_when_the_last_cuts_were_skipped(tmp_path):
+    import threading
+
+    from lightning_async_ckpt.testing import Fault
+
+    release = threading.Event()
+
+    class ReleaseAtTrainEnd(pl.Callback):
+        lightning_async_ckpt_read_only = True
+
+        def on_train_end(self, trainer, pl_module):  # runs before the checkpoint callback's own on_train_end
+            release.set()
+
+    stall_first = Fault(op="pipe_file", path="step-00000001/manifest.json", stall=release)
+    ours = AsyncCheckpointCallback(
+        dirpath=f"faulty://{tmp_path}",
+        storage_options={"target_protocol": "file", "faults": [stall_first]},
+        every_n_train_steps=1,
+        admission="skip",
+    )
+    _fit(tmp_path, [ReleaseAtTrainEnd(), ours], max_steps=4, accumulate=1)
+    assert ours.skipped == 3  # steps 2-4 arrived while step 1 was still uploading
+    steps = [g.step for g in CheckpointStore(str(tmp_path), check_writable=False).generations()]
+    assert steps == [1, 4] and ours.committed_step == 4
