@@ -1,0 +1,98 @@
+"""Module-level API of the saving side: :func:`attach` and :func:`save_state`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning_async_ckpt.accelerate._checkpointer import AccelerateCheckpointer
+from lightning_async_ckpt.accelerate._layout import _ATTR, _check_supported
+from lightning_async_ckpt.engine import CheckpointOptions, SaveHandle
+from lightning_async_ckpt.errors import ConfigError
+
+
+# -- module-level API --------------------------------------------------------------------------------------
+def attach(
+    accelerator: Any,
+    uri: str | None = None,
+    *,
+    storage_options: dict[str, Any] | None = None,
+    defer: bool = True,
+    **options: Any,
+) -> AccelerateCheckpointer:
+    """Make ``accelerator.save_state`` asynchronous for the weights, and enable :func:`save_state` to ``uri``.
+
+    Call it on every process, after ``accelerator.prepare``: the fences go on the prepared optimizers, and
+    :attr:`AccelerateCheckpointer.step` counts their updates from here on (optimizers prepared later are fenced at
+    the next save). Calling it again with no arguments (or the same ``uri``) returns the attached checkpointer.
+
+    Args:
+        accelerator: An ``accelerate.Accelerator`` (single device or DDP; not FSDP, DeepSpeed, Megatron-LM, XLA).
+        uri: Store of the fully asynchronous path (local folder or fsspec URL such as ``s3://bucket/run``);
+            ``None`` for the hook path only.
+        storage_options: fsspec options for ``uri``.
+        defer: ``False`` copies everything at the cut (no staging behind the optimizer-step fence).
+        **options: :class:`~lightning_async_ckpt.engine.CheckpointOptions` fields (``max_outstanding``,
+            ``admission`` in ``wait``/``skip``/``abort``, ``host_memory_budget``, ``keep_last`` for ``uri``, ...).
+
+    Returns:
+        The checkpointer; ``close()`` it on every process to drain.
+
+    Raises:
+        ConfigError: Unsupported distributed type, bad options, or already attached with other settings.
+    """
+    existing = getattr(accelerator, _ATTR, None)
+    if existing is not None and not existing.closed:
+        if (uri is None or uri == existing.uri) and not options and storage_options is None and defer:
+            return existing
+        raise ConfigError(
+            f"this accelerator already has a checkpointer attached (uri={existing.uri!r}); close() it first or "
+            "call attach(accelerator) without arguments to get it"
+        )
+    if not callable(getattr(accelerator, "register_save_state_pre_hook", None)):
+        raise ConfigError(f"attach needs an accelerate.Accelerator, got {type(accelerator).__name__}")
+    _check_supported(accelerator)
+    if not isinstance(defer, bool):
+        raise ConfigError(f"defer must be True or False, got {defer!r}")
+    opts = CheckpointOptions(**options)
+    if opts.admission == "coalesce":
+        raise ConfigError("admission='coalesce' is not supported with Accelerate; use 'wait', 'skip' or 'abort'")
+    if opts.serializer is not None:
+        raise ConfigError("serializer cannot be set: the Accelerate integration writes accelerate's own file layout")
+    if uri is not None and (not isinstance(uri, str) or not uri.strip()):
+        raise ConfigError(f"uri must be None or a non-empty path or URL string, got {uri!r}")
+    project = accelerator.project_configuration
+    limit = project.total_limit if project.automatic_checkpoint_naming else None
+    if limit is not None and limit <= opts.max_outstanding:
+        raise ConfigError(
+            f"ProjectConfiguration(total_limit={limit}) would let accelerate delete a folder that is still being "
+            f"written (max_outstanding={opts.max_outstanding}): use total_limit >= max_outstanding + 1"
+        )
+    checkpointer = AccelerateCheckpointer(accelerator, uri, storage_options=storage_options, defer=defer, options=opts)
+    setattr(accelerator, _ATTR, checkpointer)
+    return checkpointer
+
+
+def save_state(accelerator: Any, uri: str, step: int | None = None, **options: Any) -> SaveHandle:
+    """Asynchronously save everything ``accelerator.save_state`` would, as one committed generation under ``uri``.
+
+    Uses the checkpointer attached for ``uri`` (attaching one with ``options`` on first use). Collective: every
+    process must call it. Close with ``attach(accelerator).close()``.
+
+    Args:
+        accelerator: The ``Accelerator``.
+        uri: Local folder or fsspec URL; the generation is ``<uri>/step-XXXXXXXX/``.
+        step: Generation step; default: optimizer updates seen by the checkpointer.
+        **options: Options for :func:`attach` on first use.
+
+    Returns:
+        The save's :class:`~lightning_async_ckpt.engine.SaveHandle`.
+    """
+    existing = getattr(accelerator, _ATTR, None)
+    if existing is None or existing.closed:
+        existing = attach(accelerator, uri, **options)
+    elif existing.uri != uri or options:
+        raise ConfigError(
+            f"a checkpointer with uri={existing.uri!r} is attached; pass uri and options to attach() once, "
+            "then call save_state(accelerator, that uri)"
+        )
+    return existing.save_state(step)

@@ -1,0 +1,438 @@
+"""The :class:`AccelerateCheckpointer`: hooks on the ``Accelerator``, optimizer-step fences and collectives."""
+
+from __future__ import annotations
+
+import atexit
+import concurrent.futures
+import json
+import os
+import weakref
+from collections import deque
+from typing import Any
+
+from lightning_async_ckpt.accelerate._folder import _FolderSave, _FolderStore, _release_unsettled
+from lightning_async_ckpt.accelerate._layout import (
+    _ATTR,
+    INCOMPLETE_MARKER,
+    _clean,
+    _expected_sync_files,
+    _indexed,
+    _layout_state,
+    _LayoutSerializer,
+    _log,
+    _rng_state,
+)
+from lightning_async_ckpt.capture import DeferralProof, Fence, prove_deferral
+from lightning_async_ckpt.engine import AsyncCheckpointer, CheckpointOptions, SaveHandle
+from lightning_async_ckpt.errors import CheckpointError, ConfigError
+from lightning_async_ckpt.manifest import MANIFEST_NAME, Manifest
+from lightning_async_ckpt.store import CheckpointStore, _fsync_dir
+from lightning_async_ckpt.telemetry import SaveRecord
+
+
+# -- the checkpointer --------------------------------------------------------------------------------------
+class AccelerateCheckpointer:
+    """Asynchronous checkpoints for one ``Accelerator``; create it with :func:`attach` on every process.
+
+    Thread-safety: every method and hook runs on the training thread. In multi-process runs, ``save_state``,
+    ``close``, ``accelerator.save_state``/``load_state`` and the first optimizer step after a save are collectives:
+    every process must reach them, and errors are raised on every process at once.
+
+    Attributes:
+        step: Optimizer updates seen (of the first prepared optimizer), restored from a manifest on load; the
+            default step of :meth:`save_state` and the manifest step of hook-path folders.
+        uri: Store of the fully asynchronous path, or ``None``.
+        handles: Recent save handles of this process (hook path and fully asynchronous path).
+    """
+
+    def __init__(
+        self,
+        accelerator: Any,
+        uri: str | None,
+        *,
+        storage_options: dict[str, Any] | None,
+        defer: bool,
+        options: CheckpointOptions,
+    ) -> None:
+        self.accelerator = accelerator
+        self.uri = uri
+        self.storage_options = storage_options
+        self.defer = defer
+        self.options = options
+        self.step = 0
+        self.handles: deque[SaveHandle] = deque(maxlen=100)
+        self._multi = accelerator.num_processes > 1
+        self._main = accelerator.is_main_process
+        on_each_node = accelerator.project_configuration.save_on_each_node
+        self._folder_writer = accelerator.is_local_main_process if on_each_node else self._main
+        self._engine: AsyncCheckpointer | None = None
+        self._folder_engine: AsyncCheckpointer | None = None
+        self._folder_store: _FolderStore | None = None
+        self._unsettled: list[_FolderSave] = []
+        self._pending_settle = False
+        self._mirrors: dict[int, SaveHandle] = {}
+        self._reportable: deque[SaveHandle] = deque()
+        self._fences: dict[int, Any] = {}
+        self._counted: Any = None
+        self._closed = False
+        self.run_id = self._collective(payload=CheckpointStore.new_run_id())[0]
+        self._hooks = [
+            accelerator.register_save_state_pre_hook(self._on_save_state),
+            accelerator.register_load_state_pre_hook(self._on_load_state),
+        ]
+        self._install_fences()
+        self._atexit = _make_atexit(weakref.ref(self))
+        atexit.register(self._atexit)
+        # Dropped without close(): no upload thread may wait forever for a confirmation that cannot come.
+        self._finalizer = weakref.finalize(self, _release_unsettled, self._unsettled, self._multi)
+
+    # -- public -------------------------------------------------------------------------------------------
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called."""
+        return self._closed
+
+    @property
+    def committed_step(self) -> int | None:
+        """Newest step committed by the fully asynchronous path on this process (main process only)."""
+        return self._engine.committed_step if self._engine is not None else None
+
+    def save_state(self, step: int | None = None) -> SaveHandle:
+        """Capture everything ``accelerator.save_state`` would save and write it as generation ``step`` of ``uri``.
+
+        Collective: every process must call it. Weights and optimizer state are staged in the background behind
+        the optimizer-step fence when proven; buffers, RNG, schedulers, scaler, sampler/dataloader and custom state
+        are copied at the cut. Only the main process writes: the other processes' RNG states are gathered to it
+        at the cut, so the manifest is written once, after every file of every rank.
+
+        Args:
+            step: Generation step; default :attr:`step`.
+
+        Returns:
+            The save's handle. On other processes ``staged`` resolves at the cut and ``uploaded``/``committed`` at
+            the next collective call (``save_state``, ``close``, a save via ``accelerator.save_state``).
+        """
+        self._check_open()
+        if self.uri is None:
+            raise ConfigError("this checkpointer has no uri: attach(accelerator, uri=...) to use save_state")
+        step = self.step if step is None else step
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ConfigError(f"step must be a non-negative int, got {step!r}")
+        self._install_fences()
+        rngs = self._settle_collectively(payload=_rng_state(self.accelerator))
+        handle: SaveHandle | None = None
+        error: BaseException | None = None
+        if self._main:
+            try:
+                state = _layout_state(self.accelerator, rngs)
+                handle = self._save(self._get_engine(), step, state, extra={"layout": "accelerate"})
+                self._reportable.append(handle)
+            except Exception as exc:  # noqa: BLE001 - raised on every process by the collective below
+                error = exc
+        decision = self._collective(error, payload=handle.decision if handle is not None else None)[0]
+        if handle is None:
+            # This process wrote nothing: its handle mirrors the main process's save (resolved at collectives).
+            handle = SaveHandle(step=step, record=SaveRecord(requested_step=step), decision=decision)
+            if decision.admitted:
+                handle.staged.set_result(step)
+                self._mirrors[step] = handle
+            else:
+                for fut in (handle.staged, handle.uploaded, handle.committed):
+                    fut.cancel()
+            self.handles.append(handle)
+        return handle
+
+    def wait(self) -> float:
+        """Block until every outstanding save's deferred state is staged (what the step fence does)."""
+        return sum(e.wait(Fence.OPTIMIZER_STEP, raise_errors=not self._multi) for e in self._engines())
+
+    def close(self, timeout: float | None = None) -> None:
+        """Confirm pending hook-path folders, drain every save, remove the hooks; collective, idempotent.
+
+        Raises:
+            CheckpointError: A save failed (on any process).
+        """
+        if self._closed:
+            return
+        self._closed = True
+        atexit.unregister(self._atexit)
+        self._finalizer.detach()
+        error: BaseException | None = None
+        try:
+            self._settle_collectively()
+        except Exception as exc:  # noqa: BLE001 - the engines still drain; raised below, on every process
+            error = exc
+        for engine in self._engines():
+            try:
+                engine.close(timeout)
+            except CheckpointError as exc:
+                error = error or exc
+        for save in self._unsettled:
+            save.abandon()
+        for hook in [*self._hooks, *self._fences.values()]:
+            hook.remove()
+        self._hooks, self._fences = [], {}
+        if getattr(self.accelerator, _ATTR, None) is self:
+            delattr(self.accelerator, _ATTR)
+        try:
+            self._collective(error)
+        finally:
+            for handle in self._mirrors.values():
+                for fut in (handle.uploaded, handle.committed):
+                    fut.cancel()
+            self._mirrors.clear()
+
+    def __enter__(self) -> AccelerateCheckpointer:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            try:
+                self.close(timeout=self.options.drain_timeout_s)
+            except Exception:  # noqa: BLE001 - the body's exception wins; this one is logged
+                _log.warning("checkpoint error while unwinding", exc_info=True)
+
+    # -- hooks (training thread) ----------------------------------------------------------------------------
+    def _on_save_state(self, models: list, weights: list, output_dir: str) -> None:
+        if len(weights) < len(models):
+            raise ConfigError(
+                f"accelerate passed {len(weights)} state dicts for {len(models)} models to the save_state pre-hook "
+                f"(distributed_type={self.accelerator.distributed_type}): FSDP, DeepSpeed and Megatron-LM models "
+                "are saved by accelerate before the hook runs, or a pre-hook registered earlier took over weight "
+                "saving. lightning_async_ckpt supports single-device and DDP models: do not attach() here."
+            )
+        taken = list(weights)
+        weights.clear()  # we take over weight saving; accelerate writes the rest synchronously after this hook
+        self._install_fences()
+        self._settle_collectively()
+        error: BaseException | None = None
+        self._pending_settle = True
+        if self._folder_writer:
+            try:
+                self._save_folder(os.path.abspath(os.fspath(output_dir)), taken)
+            except Exception as exc:  # noqa: BLE001 - raised on every process by the collective below
+                error = exc
+        self._collective(error)
+
+    def _on_load_state(self, models: list, input_dir: str) -> None:
+        self._settle_collectively()
+        self.wait()
+        folder = os.path.abspath(os.fspath(input_dir))
+        error: BaseException | None = None
+        for save in list(self._folder_store.saves.values()) if self._folder_store else []:
+            if save.folder == folder and save.handle is not None:
+                try:
+                    save.handle.committed.result()
+                except Exception as exc:  # noqa: BLE001 - raised on every process by the collective below
+                    error = exc
+        self._collective(error)
+        manifest_path = os.path.join(folder, MANIFEST_NAME)
+        if os.path.exists(manifest_path):
+            with open(manifest_path, "rb") as f:
+                self.step = Manifest.from_json(f.read(), where=manifest_path).step
+        elif os.path.exists(os.path.join(folder, INCOMPLETE_MARKER)):
+            raise CheckpointError(
+                f"{folder} is an uncommitted asynchronous save (its manifest was never written): some of its files "
+                "may be missing or partial; load an older checkpoint"
+            )
+
+    def _on_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if optimizer is self._counted:
+            self.step += 1
+        if self._pending_settle:
+            self._settle_collectively()
+        self.wait()
+
+    # -- internals -----------------------------------------------------------------------------------------
+    def _save_folder(self, folder: str, weights: list[dict]) -> None:
+        store, engine = self._get_folder_engine()
+        # A save still in flight into this folder (or at this step) ends before the folder is rewritten.
+        saves = list(store.saves.values())  # a snapshot: the upload thread removes saves as they end
+        concurrent.futures.wait(
+            [s.handle.committed for s in saves if s.handle and (s.folder == folder or s.step == self.step)]
+        )
+        os.makedirs(folder, exist_ok=True)
+        with open(os.path.join(folder, INCOMPLETE_MARKER), "wb") as f:
+            f.write(json.dumps({"step": self.step, "run_id": self.run_id}).encode())
+            f.flush()
+            os.fsync(f.fileno())
+        if os.path.exists(os.path.join(folder, MANIFEST_NAME)):
+            os.unlink(os.path.join(folder, MANIFEST_NAME))  # the folder is being rewritten: un-commit it first
+        _fsync_dir(folder)
+        state = {_indexed("model", i, ".safetensors"): ("safetensors", _clean(sd)) for i, sd in enumerate(weights)}
+        save = _FolderSave(folder=folder, step=self.step, expected=_expected_sync_files(self.accelerator))
+        store.saves[self.step] = save
+        try:
+            save.handle = self._save(engine, self.step, state, extra={"layout": "accelerate", "output_dir": folder})
+        except BaseException:
+            store.saves.pop(self.step, None)
+            raise
+        save.handle.committed.add_done_callback(
+            lambda _: store.saves.pop(save.step) if store.saves.get(save.step) is save else None
+        )
+        self._unsettled.append(save)
+
+    def _save(self, engine: AsyncCheckpointer, step: int, state: dict, extra: dict[str, Any]) -> SaveHandle:
+        acc = self.accelerator
+        handle = engine.save(
+            step,
+            state,
+            modules=acc._models,
+            optimizers=acc._optimizers,
+            proof=self._proof() if self.defer else None,
+            defer=self.defer,
+            cut={"accelerator_step": acc.step, "num_processes": acc.num_processes},
+            extra=extra,
+        )
+        self.handles.append(handle)
+        return handle
+
+    def _proof(self) -> DeferralProof:
+        failures = []
+        for model in self.accelerator._models:
+            for name, sub in model.named_modules():
+                if getattr(sub, "_hf_hook", None) is not None:
+                    failures.append(f"module {name or type(sub).__name__} has an accelerate hook that may move weights")
+                    break
+        return prove_deferral(
+            self.accelerator._models,
+            self.accelerator._optimizers,
+            has_optimizer_step_fence=True,
+            has_batch_start_fence=False,
+            extra_failures=failures,
+        )
+
+    def _install_fences(self) -> None:
+        for i, opt in enumerate(self.accelerator._optimizers):
+            inner = getattr(opt, "optimizer", opt)
+            if i == 0 and self._counted is None:
+                self._counted = inner
+            if id(inner) not in self._fences:
+                self._fences[id(inner)] = inner.register_step_pre_hook(self._on_optimizer_step)
+
+    def _get_engine(self) -> AsyncCheckpointer:
+        if self._engine is None:
+            store = CheckpointStore(self.uri, self.storage_options, run_id=self.run_id)
+            self._engine = self._new_engine(store, self.options)
+        return self._engine
+
+    def _get_folder_engine(self) -> tuple[_FolderStore, AsyncCheckpointer]:
+        if self._folder_engine is None:
+            # Skipping would leave a folder accelerate cannot load: the hook path waits (or aborts).
+            admission = "abort" if self.options.admission == "abort" else "wait"
+            opts = CheckpointOptions(**{**self.options.__dict__, "admission": admission, "keep_last": None})
+            store = _FolderStore(self.run_id)
+            self._folder_store, self._folder_engine = store, self._new_engine(store, opts)
+        return self._folder_store, self._folder_engine  # type: ignore[return-value]
+
+    def _new_engine(self, store: CheckpointStore, options: CheckpointOptions) -> AsyncCheckpointer:
+        engine = AsyncCheckpointer(store, options, serializer=_LayoutSerializer())
+        engine.declare_fences({Fence.OPTIMIZER_STEP})
+        # Our exit handler must run before the engine's (atexit is LIFO): it confirms pending folders first.
+        atexit.unregister(self._atexit)
+        atexit.register(self._atexit)
+        return engine
+
+    def _engines(self) -> list[AsyncCheckpointer]:
+        return [e for e in (self._folder_engine, self._engine) if e is not None]
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise CheckpointError("this AccelerateCheckpointer is closed; attach() a new one")
+
+    def _take_pending(self) -> BaseException | None:
+        errors = [e.take_pending_error() for e in self._engines()]
+        return next((e for e in errors if e is not None), None)
+
+    def _settle_collectively(self, payload: Any = None) -> list[Any]:
+        """Collective: every process returned from earlier ``save_state`` calls; raise pending errors everywhere."""
+        return self._collective(self._take_pending(), payload=payload, agreed=self._mark_settled)
+
+    def _mark_settled(self) -> None:
+        self._pending_settle = False
+        for save in self._unsettled:
+            save.settle()
+        self._unsettled.clear()
+
+    def _collective(
+        self, local_error: BaseException | None = None, payload: Any = None, *, agreed: Any = None
+    ) -> list[Any]:
+        """Share each process's error and payload; raise the same failure on every process.
+
+        ``agreed`` runs once every process reached this point (before any error is raised).
+        """
+        gathered = [{"error": None, "payload": payload}]
+        if self._multi:
+            from accelerate.utils import gather_object
+
+            message = None if local_error is None else f"{type(local_error).__name__}: {local_error}"
+            gathered = gather_object([{"error": message, "payload": payload, "report": self._report()}])
+            self._absorb(gathered[0]["report"])
+        if agreed is not None:
+            agreed()
+        if local_error is not None:
+            raise local_error
+        for rank, item in enumerate(gathered):
+            if item["error"]:
+                raise CheckpointError(f"a checkpoint operation failed on process {rank}: {item['error']}")
+        return [item["payload"] for item in gathered]
+
+    def _report(self) -> list[tuple[int, str, Any]]:
+        """The main process's ended fully asynchronous saves, so the other processes can resolve their handles."""
+        out: list[tuple[int, str, Any]] = []
+        while self._main and self._reportable and self._reportable[0].done:
+            handle = self._reportable.popleft()
+            fut = handle.committed
+            if fut.cancelled():
+                out.append((handle.step, "cancelled", None))
+            elif fut.exception() is not None:
+                out.append((handle.step, "failed", str(fut.exception())))
+            else:
+                out.append((handle.step, "committed", fut.result()))
+        return out
+
+    def _absorb(self, report: list[tuple[int, str, Any]]) -> None:
+        if self._main:
+            return
+        for step, outcome, value in report:
+            handle = self._mirrors.pop(step, None)
+            if handle is None:
+                continue
+            if outcome == "committed":
+                handle.uploaded.set_result(value.total_bytes)
+                handle.committed.set_result(value)
+            elif outcome == "failed":
+                error = CheckpointError(f"checkpoint for step {step} failed on the main process: {value}")
+                handle.uploaded.set_exception(error)
+                handle.committed.set_exception(error)
+            else:
+                handle.uploaded.cancel()
+                handle.committed.cancel()
+
+    def _exit(self) -> None:
+        if self._closed:
+            return
+        if self._multi:
+            # No collective at interpreter exit: folders not confirmed on every process stay uncommitted.
+            for save in self._unsettled:
+                save.abandon()
+            if self._unsettled:
+                _log.warning(
+                    "interpreter exit without close(): %d save_state folder(s) left uncommitted", len(self._unsettled)
+                )
+            return
+        try:
+            self.close(timeout=self.options.drain_timeout_s)
+        except Exception:  # noqa: BLE001 - nothing can be raised at exit; it is logged
+            _log.warning("checkpoint error at interpreter exit", exc_info=True)
+
+
+def _make_atexit(ref: weakref.ReferenceType) -> Any:
+    def _at_exit() -> None:
+        checkpointer = ref()
+        if checkpointer is not None:
+            checkpointer._exit()
+
+    return _at_exit
