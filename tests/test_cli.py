@@ -156,8 +156,8 @@ def test_gc_with_several_runs_asks_which(store_dir: Path, capsys: pytest.Capture
     assert rc == 0 and "step 10" not in out and "would remove step 5" in out  # run-b's only step is kept
 
     rc, out, _ = _run(capsys, "gc", str(store_dir), "--keep-last", "2", "--run-id", "run-a")
-    assert rc == 0
-    assert [g.step for g in CheckpointStore(str(store_dir)).generations()] == [30, 40]
+    assert rc == 0  # keep_last counts run-a's own generations: run-b's newer commit does not evict them
+    assert [g.step for g in CheckpointStore(str(store_dir)).generations()] == [20, 30, 40]
 
     rc, out, _ = _run(capsys, "gc", str(store_dir), "--keep-last", "1", "--all-runs")
     assert rc == 0 and "committed steps kept: [40]" in out
