@@ -28,8 +28,8 @@ test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow"
 
 lint: $(STAMP)
-	$(BIN)/ruff check lightning_async_ckpt tests examples
-	$(BIN)/ruff format --check lightning_async_ckpt tests examples
+	$(BIN)/ruff check lightning_async_ckpt tests examples benchmarks
+	$(BIN)/ruff format --check lightning_async_ckpt tests examples benchmarks
 
 bench: $(STAMP)
 	$(BIN)/lightning-async-ckpt bench

@@ -376,5 +376,6 @@ class _FaultyFile:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._raw, name)
 
+
 # The "faulty://" protocol is registered through the package's `fsspec.specs` entry point (pyproject.toml), so
 # nothing is registered at import time.
