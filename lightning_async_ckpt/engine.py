@@ -33,7 +33,7 @@ from lightning_async_ckpt.errors import (
     StorageError,
     TornSnapshotError,
 )
-from lightning_async_ckpt.handle import SaveHandle, _Worker
+from lightning_async_ckpt.handle import DrainOnExit, SaveHandle, _Worker
 from lightning_async_ckpt.options import CheckpointOptions, Serializer, TorchSaveSerializer
 from lightning_async_ckpt.staging import BufferPool, StagingJob, resolve_budget
 from lightning_async_ckpt.store import CheckpointStore, GenerationWriter
@@ -56,7 +56,7 @@ def _is_transient(exc: BaseException) -> bool:
     return isinstance(exc, OSError | StorageError | TimeoutError | ConnectionError)
 
 
-class AsyncCheckpointer:
+class AsyncCheckpointer(DrainOnExit):
     """Framework-free asynchronous checkpointing into a :class:`CheckpointStore`.
 
     Thread-safety: ``save``, ``wait``, ``poll``, ``drain`` and ``close`` are called from one training thread; the
@@ -592,19 +592,6 @@ class AsyncCheckpointer:
             return self.drain(timeout)
         except Exception:  # noqa: BLE001 - used on shutdown paths where the error was already reported
             return not self._inflight
-
-    def __enter__(self) -> AsyncCheckpointer:
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is None:
-            self.close()
-        else:
-            # The body failed: drain so the in-flight save lands, but keep the body's exception.
-            try:
-                self.close(timeout=self.options.drain_timeout_s)
-            except Exception:  # noqa: BLE001 - the body's exception wins; this one is logged
-                _log.warning("checkpoint error while unwinding", exc_info=True)
 
     def __del__(self) -> None:
         if not getattr(self, "_closed", True) and getattr(self, "_inflight", None):

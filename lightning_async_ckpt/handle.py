@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import queue
 import threading
@@ -16,7 +17,7 @@ from lightning_async_ckpt.capture import CapturePlan, Fence
 from lightning_async_ckpt.staging import StagingJob
 from lightning_async_ckpt.telemetry import SaveRecord
 
-__all__ = ["SaveHandle"]
+__all__ = ["DrainOnExit", "SaveHandle"]
 
 
 @dataclass(eq=False)
@@ -95,3 +96,28 @@ class _Worker:
         if not alive:
             self._thread = None
         return not alive
+
+
+class DrainOnExit:
+    """Context-manager behaviour shared by the checkpointers: ``close()`` on exit.
+
+    When the body raised, the drain is bounded by ``options.drain_timeout_s`` so the in-flight save lands, and a
+    checkpoint error met while unwinding is logged rather than replacing the body's exception.
+    """
+
+    options: Any
+
+    def close(self, timeout: float | None = None) -> None:  # pragma: no cover - provided by the subclass
+        raise NotImplementedError
+
+    def __enter__(self) -> Any:
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is None:
+            self.close()
+            return
+        try:
+            self.close(timeout=self.options.drain_timeout_s)
+        except Exception:  # noqa: BLE001 - the body's exception wins; this one is logged
+            logging.getLogger("lightning_async_ckpt").warning("checkpoint error while unwinding", exc_info=True)

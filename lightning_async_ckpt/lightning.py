@@ -36,8 +36,7 @@ CHECKPOINT_NAME = "checkpoint.ckpt"
 # Hooks that run between the cut and this callback's batch-start fence (the rest of the batch end, validation,
 # epoch boundaries, the end of training, other callbacks' batch start). A user override there may write any state
 # before any fence: everything is then copied at the cut.
-_MODULE_HOOKS_BEFORE_BATCH_FENCE = (
-    "on_train_batch_end",
+_BETWEEN_EPOCHS_AND_VALIDATION = (
     "on_train_epoch_end",
     "on_train_epoch_start",
     "on_validation_start",
@@ -46,21 +45,14 @@ _MODULE_HOOKS_BEFORE_BATCH_FENCE = (
     "on_validation_batch_end",
     "on_validation_epoch_end",
     "on_validation_end",
+)
+_MODULE_HOOKS_BEFORE_BATCH_FENCE = (
+    "on_train_batch_end",
+    *_BETWEEN_EPOCHS_AND_VALIDATION,
     "on_validation_model_eval",
     "on_validation_model_train",
 )
-_CALLBACK_HOOKS_BEFORE_BATCH_FENCE = (
-    "on_train_batch_start",
-    "on_train_epoch_end",
-    "on_train_epoch_start",
-    "on_validation_start",
-    "on_validation_epoch_start",
-    "on_validation_batch_start",
-    "on_validation_batch_end",
-    "on_validation_epoch_end",
-    "on_validation_end",
-    "on_train_end",
-)
+_CALLBACK_HOOKS_BEFORE_BATCH_FENCE = ("on_train_batch_start", *_BETWEEN_EPOCHS_AND_VALIDATION, "on_train_end")
 # Hooks between the batch-start fence and the optimizer update: parameters and optimizer state fall back to the
 # batch-start fence when one is overridden.
 _MODULE_HOOKS_BEFORE_STEP = (

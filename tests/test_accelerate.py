@@ -9,7 +9,6 @@ import copy
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import threading
@@ -31,6 +30,7 @@ from lightning_async_ckpt import CheckpointStore  # noqa: E402
 from lightning_async_ckpt.accelerate import INCOMPLETE_MARKER, attach, load_state, save_state  # noqa: E402
 from lightning_async_ckpt.errors import CheckpointError, ConfigError, ManifestError, TornSnapshotError  # noqa: E402
 from lightning_async_ckpt.staging import StagingJob  # noqa: E402
+from tests._dist import free_port, rank_env  # noqa: E402
 from tests._lightning_models import assert_same  # noqa: E402
 
 
@@ -352,28 +352,12 @@ def test_full_async_save_to_s3_loads_back(tmp_path, s3_uri):
 
 
 # -- two processes -----------------------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launch(out: Path, mode: str) -> list[dict[str, Any]]:
     """Run this file as two ranks (gloo on CPU); return each rank's JSON result line."""
-    port = _free_port()
+    port = free_port()
     procs = []
     for rank in range(2):
-        env = dict(
-            os.environ,
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-            WORLD_SIZE="2",
-            RANK=str(rank),
-            LOCAL_RANK=str(rank),
-            LOCAL_WORLD_SIZE="2",
-            OMP_NUM_THREADS="1",
-            PYTHONUNBUFFERED="1",
-        )
+        env = rank_env(rank, port)
         procs.append(
             subprocess.Popen(
                 [sys.executable, __file__, str(out), mode],

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -12,32 +10,17 @@ from pathlib import Path
 import pytest
 
 from lightning_async_ckpt import CheckpointStore
+from tests._dist import free_port, rank_env
 
 WORKER = Path(__file__).with_name("_ddp_worker.py")
 pytestmark = pytest.mark.slow
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launch(dirpath: str, mode: str, timeout: float = 120) -> list[subprocess.CompletedProcess]:
-    port = _free_port()
+    port = free_port()
     procs = []
     for rank in range(2):
-        env = dict(
-            os.environ,
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-            WORLD_SIZE="2",
-            RANK=str(rank),
-            LOCAL_RANK=str(rank),
-            NODE_RANK="0",
-            OMP_NUM_THREADS="1",
-            PYTHONUNBUFFERED="1",
-        )
+        env = rank_env(rank, port)
         procs.append(
             subprocess.Popen(
                 [sys.executable, str(WORKER), dirpath, mode],

@@ -25,13 +25,14 @@ from lightning_async_ckpt.accelerate._layout import (
 from lightning_async_ckpt.capture import DeferralProof, Fence, prove_deferral
 from lightning_async_ckpt.engine import AsyncCheckpointer, CheckpointOptions, SaveHandle
 from lightning_async_ckpt.errors import CheckpointError, ConfigError
+from lightning_async_ckpt.handle import DrainOnExit
 from lightning_async_ckpt.manifest import MANIFEST_NAME, Manifest
 from lightning_async_ckpt.store import CheckpointStore, _fsync_dir
 from lightning_async_ckpt.telemetry import SaveRecord
 
 
 # -- the checkpointer --------------------------------------------------------------------------------------
-class AccelerateCheckpointer:
+class AccelerateCheckpointer(DrainOnExit):
     """Asynchronous checkpoints for one ``Accelerator``; create it with :func:`attach` on every process.
 
     Thread-safety: every method and hook runs on the training thread. In multi-process runs, ``save_state``,
@@ -181,18 +182,6 @@ class AccelerateCheckpointer:
                 for fut in (handle.uploaded, handle.committed):
                     fut.cancel()
             self._mirrors.clear()
-
-    def __enter__(self) -> AccelerateCheckpointer:
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is None:
-            self.close()
-        else:
-            try:
-                self.close(timeout=self.options.drain_timeout_s)
-            except Exception:  # noqa: BLE001 - the body's exception wins; this one is logged
-                _log.warning("checkpoint error while unwinding", exc_info=True)
 
     # -- hooks (training thread) ----------------------------------------------------------------------------
     def _on_save_state(self, models: list, weights: list, output_dir: str) -> None:
