@@ -137,6 +137,23 @@ def prove_deferral(
             if torch.nn.utils.parametrize.is_parametrized(sub):
                 failures.append(f"module {name or type(sub).__name__} is parametrized")
                 break
+        for name, p in module.named_parameters():
+            # Optimizer-in-backward: a post-accumulate-grad hook can step the optimizer during backward.
+            if getattr(p, "_post_accumulate_grad_hooks", None):
+                failures.append(f"parameter {name} has a post-accumulate-grad hook (it may update during backward)")
+                break
+    global_hooks = [
+        getattr(torch.nn.modules.module, attr, {})
+        for attr in (
+            "_global_forward_pre_hooks",
+            "_global_forward_hooks",
+            "_global_backward_hooks",
+            "_global_backward_pre_hooks",
+        )
+    ]
+    count = sum(1 for hooks in global_hooks for h in hooks.values() if not (ignore_hooks and ignore_hooks(h)))
+    if count:
+        failures.append(f"{count} global module hook(s) are registered")
     if not has_optimizer_step_fence:
         failures.append("no fence before the optimizer update")
 

@@ -351,3 +351,23 @@ def test_parameters_no_optimizer_owns_are_unknown_and_copied_at_the_cut() -> Non
     assert by_name["model.student.weight"].fence == Fence.OPTIMIZER_STEP
     assert by_name["model.teacher.weight"].category == Category.UNKNOWN
     assert by_name["model.teacher.weight"].fence == Fence.CUT
+
+
+def test_optimizer_in_backward_and_global_hooks_demote_the_deferral() -> None:
+    model = nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    assert prove_deferral([model], [opt]).fences[Category.PARAMETER] == Fence.OPTIMIZER_STEP
+
+    handle = model.weight.register_post_accumulate_grad_hook(lambda p: None)
+    proof = prove_deferral([model], [opt])
+    assert proof.fences[Category.PARAMETER] == Fence.BATCH_START
+    assert any("post-accumulate-grad" in f for f in proof.failures)
+    handle.remove()
+
+    handle = torch.nn.modules.module.register_module_forward_hook(lambda *args: None)
+    try:
+        proof = prove_deferral([model], [opt])
+    finally:
+        handle.remove()
+    assert proof.fences[Category.PARAMETER] == Fence.BATCH_START
+    assert any("global module hook" in f for f in proof.failures)
