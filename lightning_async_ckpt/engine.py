@@ -569,16 +569,24 @@ class AsyncCheckpointer(DrainOnExit):
             self._abandon.set()
             # An upload stuck in storage must not hang close(abandon=True): bound every wait.
             timeout = self.options.drain_timeout_s if timeout is None else timeout
+        # One deadline for the whole close: the drain and the thread joins share it.
+        deadline = None if timeout is None else time.monotonic() + timeout
+
+        def remaining() -> float | None:
+            return None if deadline is None else max(0.0, deadline - time.monotonic())
+
         error: BaseException | None = None
         try:
-            finished = self.drain(timeout)
+            finished = self.drain(remaining())
         except CheckpointError as exc:
             error = exc
-            finished = self.drain_quietly(timeout)
+            finished = self.drain_quietly(remaining())
         if not finished:
             self._abandon.set()
             _log.warning("close: saves still outstanding after %ss were abandoned; no manifest for them", timeout)
-        stopped = self._stage.stop(timeout) & self._upload.stop(timeout)
+        # Drained threads are idle and exit at once; after a timed-out drain only what is left of the bound is given.
+        join = None if finished else remaining()
+        stopped = self._stage.stop(join) & self._upload.stop(join)
         if not stopped:
             _log.warning("close: a checkpoint thread is still blocked in storage; it was left to the interpreter")
         self.events.close()
