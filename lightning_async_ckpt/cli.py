@@ -380,9 +380,6 @@ def _cmd_timeline(args: argparse.Namespace) -> int:
 
 
 def _bench(argv: list[str]) -> int:
-    if importlib.util.find_spec("lightning_async_ckpt.bench") is None:
-        print(f"{PROG} bench: not available in this install (module lightning_async_ckpt.bench)", file=sys.stderr)
-        return 2
     try:
         result = importlib.import_module("lightning_async_ckpt.bench").main(argv)
     except SystemExit as exc:  # its own argparse: --help, or a usage error it already printed

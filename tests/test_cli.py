@@ -268,11 +268,9 @@ def test_bench_passes_remaining_argv(monkeypatch: pytest.MonkeyPatch) -> None:
     assert main(["bench", "--help"]) == 3
 
 
-def test_bench_missing_is_a_clear_message(capsys: pytest.CaptureFixture[str]) -> None:
-    if importlib.util.find_spec("lightning_async_ckpt.bench") is not None:
-        pytest.skip("lightning_async_ckpt.bench exists in this checkout")
-    rc, _, err = _run(capsys, "bench")
-    assert rc == 2 and "not available" in err
+def test_bench_rejects_unknown_modes_with_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    rc, _, err = _run(capsys, "bench", "--modes", "none,teleport")
+    assert rc == 2 and "teleport" in err and "Traceback" not in err
 
 
 # -- bad input ------------------------------------------------------------------------------------------------
