@@ -307,6 +307,10 @@ class AsyncCheckpointCallback(ModelCheckpoint):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        if self.options.event_log is not None and self.checkpointer is not None:
+            # Training progress beside the checkpoint events, for `lightning-async-ckpt timeline` (only when an
+            # event log is configured: one JSON line per batch).
+            self.checkpointer.events.emit("train_step", step=trainer.global_step, batch_idx=batch_idx)
         if self._skip(trainer):
             return
         step = trainer.global_step

@@ -325,3 +325,20 @@ def test_final_checkpoint_is_taken_even_when_the_last_cuts_were_skipped(tmp_path
     assert ours.skipped == 3  # steps 2-4 arrived while step 1 was still uploading
     steps = [g.step for g in CheckpointStore(str(tmp_path), check_writable=False).generations()]
     assert steps == [1, 4] and ours.committed_step == 4
+
+
+def test_event_log_of_a_run_draws_a_timeline(tmp_path):
+    import json
+
+    from lightning_async_ckpt.cli import main
+
+    log = tmp_path / "events.jsonl"
+    ours = AsyncCheckpointCallback(dirpath=str(tmp_path / "ckpt"), every_n_train_steps=2, event_log=str(log))
+    _fit(tmp_path, [ours], max_steps=6, accumulate=1)
+    events = [json.loads(line) for line in log.read_text().splitlines()]
+    kinds = {e["event"] for e in events}
+    assert {"train_step", "request", "staged", "uploaded", "committed", "save"} <= kinds
+    assert sorted({e["step"] for e in events if e["event"] == "committed"}) == [2, 4, 6]
+    png = tmp_path / "timeline.png"
+    assert main(["timeline", str(log), "-o", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
