@@ -306,10 +306,6 @@ class CapturePlan:
         """Bytes of all distinct tensor storages."""
         return sum(s.nbytes for s in self.slots)
 
-    def slots_at(self, fence: Fence) -> list[StorageSlot]:
-        """Slots whose staging wait sits at ``fence``."""
-        return [s for s in self.slots if s.fence == fence]
-
     def materialize(self, buffers: Sequence[torch.Tensor]) -> Any:
         """Rebuild the state with each tensor a view of its slot's staged buffer (sharing preserved)."""
 

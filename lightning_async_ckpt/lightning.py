@@ -193,7 +193,6 @@ class AsyncCheckpointCallback(ModelCheckpoint):
         self.skipped = 0
         self._logged: tuple = ()
         self._distributed = False
-        self._loaded_rng: dict[str, Any] | None = None
         self._committed_before: set[int] = set()
         self._last_cut_step: int | None = None
         self._fit_closed = True
@@ -510,9 +509,9 @@ class AsyncCheckpointCallback(ModelCheckpoint):
             self.run_id = run_id
             if self.store is not None:
                 self.store.run_id = run_id
-        self._loaded_rng = state_dict.get("rng_states")
-        if self.restore_rng and self._loaded_rng:
-            _restore_rng(self._loaded_rng)
+        rng_states = state_dict.get("rng_states")
+        if self.restore_rng and rng_states:
+            _restore_rng(rng_states)
 
 
 def latest_checkpoint(dirpath: str, storage_options: dict[str, Any] | None = None) -> str | None:

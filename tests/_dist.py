@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+import subprocess
 
 
 def free_port() -> int:
@@ -27,3 +28,30 @@ def rank_env(rank: int, port: int, world_size: int = 2) -> dict[str, str]:
         OMP_NUM_THREADS="1",
         PYTHONUNBUFFERED="1",
     )
+
+
+def launch_ranks(argv: list[str], *, timeout: float, world_size: int = 2) -> list[subprocess.CompletedProcess]:
+    """Run ``argv`` once per rank, wait for all; a rank that hangs past ``timeout`` fails the test (all are killed)."""
+    import pytest
+
+    port = free_port()
+    procs = [
+        subprocess.Popen(
+            argv,
+            env=rank_env(rank, port, world_size),
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        for rank in range(world_size)
+    ]
+    results = []
+    for proc in procs:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                p.kill()
+            pytest.fail("a rank hung instead of finishing or failing")
+        results.append(subprocess.CompletedProcess(proc.args, proc.returncode, out, err))
+    return results

@@ -9,7 +9,6 @@ import copy
 import json
 import os
 import shutil
-import subprocess
 import sys
 import threading
 from dataclasses import dataclass
@@ -30,7 +29,7 @@ from lightning_async_ckpt import CheckpointStore  # noqa: E402
 from lightning_async_ckpt.accelerate import INCOMPLETE_MARKER, attach, load_state, save_state  # noqa: E402
 from lightning_async_ckpt.errors import CheckpointError, ConfigError, ManifestError, TornSnapshotError  # noqa: E402
 from lightning_async_ckpt.staging import StagingJob  # noqa: E402
-from tests._dist import free_port, rank_env  # noqa: E402
+from tests._dist import launch_ranks  # noqa: E402
 from tests._lightning_models import assert_same  # noqa: E402
 
 
@@ -354,29 +353,10 @@ def test_full_async_save_to_s3_loads_back(tmp_path, s3_uri):
 # -- two processes -----------------------------------------------------------------------------------------
 def _launch(out: Path, mode: str) -> list[dict[str, Any]]:
     """Run this file as two ranks (gloo on CPU); return each rank's JSON result line."""
-    port = free_port()
-    procs = []
-    for rank in range(2):
-        env = rank_env(rank, port)
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, __file__, str(out), mode],
-                env=env,
-                text=True,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-            )
-        )
     results = []
-    for proc in procs:
-        try:
-            stdout, stderr = proc.communicate(timeout=90)
-        except subprocess.TimeoutExpired:
-            for p in procs:
-                p.kill()
-            pytest.fail("a rank hung instead of finishing or failing")
-        assert proc.returncode == 0, stderr[-3000:]
-        results.append(json.loads(next(line for line in stdout.splitlines() if line.startswith("{"))))
+    for proc in launch_ranks([sys.executable, __file__, str(out), mode], timeout=90):
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        results.append(json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("{"))))
     return results
 
 

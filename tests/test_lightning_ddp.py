@@ -10,36 +10,14 @@ from pathlib import Path
 import pytest
 
 from lightning_async_ckpt import CheckpointStore
-from tests._dist import free_port, rank_env
+from tests._dist import launch_ranks
 
 WORKER = Path(__file__).with_name("_ddp_worker.py")
 pytestmark = pytest.mark.slow
 
 
 def _launch(dirpath: str, mode: str, timeout: float = 120) -> list[subprocess.CompletedProcess]:
-    port = free_port()
-    procs = []
-    for rank in range(2):
-        env = rank_env(rank, port)
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, str(WORKER), dirpath, mode],
-                env=env,
-                text=True,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-            )
-        )
-    results = []
-    for proc in procs:
-        try:
-            out, err = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            for p in procs:
-                p.kill()
-            pytest.fail("a rank hung instead of failing")
-        results.append(subprocess.CompletedProcess(proc.args, proc.returncode, out, err))
-    return results
+    return launch_ranks([sys.executable, str(WORKER), dirpath, mode], timeout=timeout)
 
 
 def _result(proc: subprocess.CompletedProcess) -> dict:
