@@ -39,9 +39,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_async_ckpt.capture import Fence
-from lightning_async_ckpt.engine import AsyncCheckpointer
-from lightning_async_ckpt.store import CheckpointStore
+from lightning_async_ckpt.core.capture import Fence
+from lightning_async_ckpt.core.engine import AsyncCheckpointer
+from lightning_async_ckpt.storage.store import CheckpointStore
 
 MB = 1_000_000
 GB = 1_000_000_000

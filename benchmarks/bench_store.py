@@ -26,7 +26,7 @@ import time
 import zlib
 from collections.abc import Callable
 
-from lightning_async_ckpt.store import CheckpointStore
+from lightning_async_ckpt.storage.store import CheckpointStore
 
 MIB = 1 << 20
 # Distinct chunks cycled to make up the object: random enough that nothing can compress or deduplicate a

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from lightning_async_ckpt.cli import main
+from lightning_async_ckpt.tools.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -27,8 +27,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from lightning_async_ckpt import CheckpointStore  # noqa: E402
 from lightning_async_ckpt.accelerate import INCOMPLETE_MARKER, attach, load_state, save_state  # noqa: E402
+from lightning_async_ckpt.core.staging import StagingJob  # noqa: E402
 from lightning_async_ckpt.errors import CheckpointError, ConfigError, ManifestError, TornSnapshotError  # noqa: E402
-from lightning_async_ckpt.staging import StagingJob  # noqa: E402
 from tests._dist import launch_ranks  # noqa: E402
 from tests._lightning_models import assert_same  # noqa: E402
 

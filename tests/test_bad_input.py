@@ -20,9 +20,9 @@ from lightning_async_ckpt import (
     CheckpointStore,
     latest_checkpoint,
 )
+from lightning_async_ckpt.core.options import CheckpointOptions
 from lightning_async_ckpt.errors import CheckpointError, ConfigError, GenerationExistsError, StorageError
-from lightning_async_ckpt.manifest import MANIFEST_NAME
-from lightning_async_ckpt.options import CheckpointOptions
+from lightning_async_ckpt.storage.manifest import MANIFEST_NAME
 from tests._lightning_models import BNDropoutModel, make_loader, trainer_kwargs
 
 STATE = {"w": torch.arange(256, dtype=torch.float32)}

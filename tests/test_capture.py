@@ -11,9 +11,9 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_async_ckpt.capture import CapturePlan, Category, DeferralProof, Fence, prove_deferral
-from lightning_async_ckpt.engine import AsyncCheckpointer
-from lightning_async_ckpt.store import CheckpointStore
+from lightning_async_ckpt.core.capture import CapturePlan, Category, DeferralProof, Fence, prove_deferral
+from lightning_async_ckpt.core.engine import AsyncCheckpointer
+from lightning_async_ckpt.storage.store import CheckpointStore
 
 PROVEN = DeferralProof(
     fences={

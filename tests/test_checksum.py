@@ -8,7 +8,7 @@ import crc32c
 import pytest
 
 from lightning_async_ckpt.errors import ConfigError
-from lightning_async_ckpt.store import CheckpointStore
+from lightning_async_ckpt.storage.store import CheckpointStore
 
 
 @pytest.mark.parametrize(

@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from lightning_async_ckpt.cli import main
-from lightning_async_ckpt.store import CheckpointStore
+from lightning_async_ckpt.storage.store import CheckpointStore
+from lightning_async_ckpt.tools.cli import main
 
 CKPT = "checkpoint.ckpt"
 
@@ -193,7 +193,7 @@ def _engine_log(tmp_path: Path) -> Path:
     """A real event log: a few saves through the engine, with train_step events from the 'loop'."""
     import torch
 
-    from lightning_async_ckpt.engine import AsyncCheckpointer
+    from lightning_async_ckpt.core.engine import AsyncCheckpointer
 
     log = tmp_path / "events.jsonl"
     model = torch.nn.Linear(8, 4)
@@ -254,10 +254,10 @@ def test_timeline_synthetic_log_with_failures_and_skips(tmp_path: Path, capsys: 
 # -- bench dispatch -------------------------------------------------------------------------------------------
 def test_bench_passes_remaining_argv(monkeypatch: pytest.MonkeyPatch) -> None:
     seen: list[list[str]] = []
-    fake = types.ModuleType("lightning_async_ckpt.bench")
-    fake.__spec__ = importlib.machinery.ModuleSpec("lightning_async_ckpt.bench", loader=None)
+    fake = types.ModuleType("lightning_async_ckpt_bench")
+    fake.__spec__ = importlib.machinery.ModuleSpec("lightning_async_ckpt_bench", loader=None)
     fake.main = lambda argv: seen.append(argv) or 0  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "lightning_async_ckpt.bench", fake)
+    monkeypatch.setitem(sys.modules, "lightning_async_ckpt_bench", fake)
     assert main(["bench", "--size", "1MB", "--json"]) == 0
     assert seen == [["--size", "1MB", "--json"]]
 

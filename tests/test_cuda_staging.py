@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_async_ckpt.capture import Fence
-from lightning_async_ckpt.engine import AsyncCheckpointer
-from lightning_async_ckpt.store import CheckpointStore
+from lightning_async_ckpt.core.capture import Fence
+from lightning_async_ckpt.core.engine import AsyncCheckpointer
+from lightning_async_ckpt.storage.store import CheckpointStore
 
 pytestmark = [
     pytest.mark.cuda,

@@ -21,8 +21,9 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_async_ckpt.capture import Category, DeferralProof, Fence
-from lightning_async_ckpt.engine import AsyncCheckpointer, CheckpointOptions, TorchSaveSerializer
+from lightning_async_ckpt.core.capture import Category, DeferralProof, Fence
+from lightning_async_ckpt.core.engine import AsyncCheckpointer, CheckpointOptions, TorchSaveSerializer
+from lightning_async_ckpt.core.staging import StagingJob
 from lightning_async_ckpt.errors import (
     AdmissionError,
     CheckpointError,
@@ -31,9 +32,8 @@ from lightning_async_ckpt.errors import (
     ManifestError,
     TornSnapshotError,
 )
-from lightning_async_ckpt.manifest import Manifest
-from lightning_async_ckpt.staging import StagingJob
-from lightning_async_ckpt.store import CheckpointStore, GenerationWriter
+from lightning_async_ckpt.storage.manifest import Manifest
+from lightning_async_ckpt.storage.store import CheckpointStore, GenerationWriter
 
 CKPT = "checkpoint.ckpt"
 THREAD_PREFIX = "lightning_async_ckpt"
@@ -822,7 +822,7 @@ def test_staged_resolves_before_uploaded_and_committed_and_committed_is_the_mani
 
 
 def test_reserved_host_bytes_larger_than_the_budget_is_a_clear_error():
-    from lightning_async_ckpt.engine import CheckpointOptions
+    from lightning_async_ckpt.core.engine import CheckpointOptions
     from lightning_async_ckpt.errors import ConfigError
 
     with pytest.raises(ConfigError, match="reserved_host_bytes"):

@@ -20,7 +20,7 @@ import torch
 
 from lightning_async_ckpt import AsyncCheckpointCallback, AsyncCheckpointer, CheckpointStore
 from lightning_async_ckpt.errors import CheckpointError
-from lightning_async_ckpt.manifest import Manifest
+from lightning_async_ckpt.storage.manifest import Manifest
 from lightning_async_ckpt.testing import Fault
 from tests._lightning_models import BNDropoutModel, make_loader, trainer_kwargs
 

@@ -8,7 +8,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_async_ckpt import AsyncCheckpointCallback, CheckpointStore, latest_checkpoint
-from lightning_async_ckpt.capture import Fence
+from lightning_async_ckpt.core.capture import Fence
 from lightning_async_ckpt.errors import ConfigError, GenerationExistsError
 from tests._lightning_models import BNDropoutModel, assert_same, make_loader, trainer_kwargs
 
@@ -331,7 +331,7 @@ def test_final_checkpoint_is_taken_even_when_the_last_cuts_were_skipped(tmp_path
 def test_event_log_of_a_run_draws_a_timeline(tmp_path):
     import json
 
-    from lightning_async_ckpt.cli import main
+    from lightning_async_ckpt.tools.cli import main
 
     log = tmp_path / "events.jsonl"
     ours = AsyncCheckpointCallback(dirpath=str(tmp_path / "ckpt"), every_n_train_steps=2, event_log=str(log))

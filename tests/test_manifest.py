@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from lightning_async_ckpt.errors import ManifestError, StorageError
-from lightning_async_ckpt.manifest import (
+from lightning_async_ckpt.storage.manifest import (
     FORMAT_NAME,
     FORMAT_VERSION,
     MANIFEST_NAME,

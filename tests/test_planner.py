@@ -8,15 +8,15 @@ from pathlib import Path
 
 import pytest
 
+from lightning_async_ckpt.core.telemetry import EventLog
 from lightning_async_ckpt.errors import ConfigError
-from lightning_async_ckpt.planner import (
+from lightning_async_ckpt.tools.planner import (
     HEADROOM_UTILIZATION,
     plan_from_bytes,
     plan_from_events,
     plan_from_rates,
     read_events,
 )
-from lightning_async_ckpt.telemetry import EventLog
 
 
 # -- the worked cases (docs/backlog-model.md) -------------------------------------------------------------

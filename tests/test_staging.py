@@ -7,9 +7,9 @@ import threading
 import pytest
 import torch
 
-from lightning_async_ckpt.capture import CapturePlan, Category, DeferralProof, Fence
+from lightning_async_ckpt.core.capture import CapturePlan, Category, DeferralProof, Fence
+from lightning_async_ckpt.core.staging import BufferPool, StagingJob, resolve_budget
 from lightning_async_ckpt.errors import ConfigError, HostMemoryBudgetError, TornSnapshotError
-from lightning_async_ckpt.staging import BufferPool, StagingJob, resolve_budget
 
 DEFER_ALL = DeferralProof(
     fences={Category.PARAMETER: Fence.OPTIMIZER_STEP, Category.BUFFER: Fence.BATCH_START}, rules=("test",)

@@ -27,8 +27,8 @@ import pytest
 import torch
 
 from lightning_async_ckpt.errors import ConfigError, GenerationExistsError, ManifestError, StorageError
-from lightning_async_ckpt.manifest import FORMAT_VERSION, MANIFEST_NAME
-from lightning_async_ckpt.store import CheckpointStore
+from lightning_async_ckpt.storage.manifest import FORMAT_VERSION, MANIFEST_NAME
+from lightning_async_ckpt.storage.store import CheckpointStore
 
 CKPT = "checkpoint.ckpt"
 EXTRA = "extra/notes.bin"
@@ -355,7 +355,7 @@ def test_gc_interrupted_after_the_manifest_leaves_an_uncommitted_leftover(
     _commit(store, 2)
     with monkeypatch.context() as patch:
         _DeleteRecorder(store, patch, fail_rm=True)
-        with caplog.at_level(logging.WARNING, logger="lightning_async_ckpt.store"):
+        with caplog.at_level(logging.WARNING, logger="lightning_async_ckpt.storage.store"):
             assert store.gc(keep_last=1) == []  # best effort: the failure is logged, not raised
     assert "could not remove generation" in caplog.text
     # Never a manifest without data: step 1 lost its manifest first and keeps its data as a leftover.
@@ -595,7 +595,7 @@ _CRASH_WRITER = textwrap.dedent(
 
     import torch
 
-    from lightning_async_ckpt.store import CheckpointStore
+    from lightning_async_ckpt.storage.store import CheckpointStore
 
     uri, options, phase = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
     store = CheckpointStore(uri, options or None, run_id="crashed-run", block_size=5 << 20)
@@ -745,7 +745,7 @@ def test_thread_leak_guard_fails_only_leaking_tests(pytester: pytest.Pytester) -
 def test_begin_rewrites_a_generation_whose_manifest_is_torn_but_never_one_from_a_newer_version(tmp_path) -> None:
     import json
 
-    from lightning_async_ckpt.manifest import FORMAT_VERSION
+    from lightning_async_ckpt.storage.manifest import FORMAT_VERSION
 
     store = CheckpointStore(str(tmp_path))
     gen = tmp_path / "step-00000003"

@@ -19,7 +19,7 @@ def test_s3_without_s3fs_names_the_extra():
             return real_import(name, *args, **kwargs)
         builtins.__import__ = no_s3fs
         from lightning_async_ckpt.errors import ConfigError
-        from lightning_async_ckpt.store import CheckpointStore
+        from lightning_async_ckpt.storage.store import CheckpointStore
         try:
             CheckpointStore("s3://bucket/prefix")
         except ConfigError as exc:

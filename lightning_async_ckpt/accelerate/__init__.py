@@ -9,12 +9,12 @@ Two paths, both driven by an :class:`AccelerateCheckpointer` that :func:`attach`
   ``output_dir`` is one generation: ``manifest.json`` is written in it last, once both parts are complete.
 * **Fully asynchronous path**: :func:`save_state` (or :meth:`AccelerateCheckpointer.save_state`) captures everything
   accelerate would save at the cut and writes the same layout as one generation ``<uri>/step-XXXXXXXX/`` of a
-  :class:`~lightning_async_ckpt.store.CheckpointStore` (local or ``s3://``). :func:`load_state` restores the newest
+  :class:`~lightning_async_ckpt.storage.store.CheckpointStore` (local or ``s3://``). :func:`load_state` restores the newest
   committed generation with ``accelerator.load_state``.
 
 Fences: an optimizer step pre-hook on each prepared optimizer's inner ``torch.optim.Optimizer`` sits right before the
 update; parameters (and, in the second path, optimizer state) are staged behind it when
-:func:`~lightning_async_ckpt.capture.prove_deferral` holds. Buffers, RNG, counters and Python state are copied at
+:func:`~lightning_async_ckpt.core.capture.prove_deferral` holds. Buffers, RNG, counters and Python state are copied at
 the cut.
 
 When is the hook path's folder complete? The pre-hook runs *before* accelerate writes its files, and accelerate has

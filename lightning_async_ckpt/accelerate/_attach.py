@@ -6,7 +6,7 @@ from typing import Any
 
 from lightning_async_ckpt.accelerate._checkpointer import AccelerateCheckpointer
 from lightning_async_ckpt.accelerate._layout import _ATTR, _check_supported
-from lightning_async_ckpt.engine import CheckpointOptions, SaveHandle
+from lightning_async_ckpt.core.engine import CheckpointOptions, SaveHandle
 from lightning_async_ckpt.errors import ConfigError
 
 
@@ -31,7 +31,7 @@ def attach(
             ``None`` for the hook path only.
         storage_options: fsspec options for ``uri``.
         defer: ``False`` copies everything at the cut (no staging behind the optimizer-step fence).
-        **options: :class:`~lightning_async_ckpt.engine.CheckpointOptions` fields (``max_outstanding``,
+        **options: :class:`~lightning_async_ckpt.core.engine.CheckpointOptions` fields (``max_outstanding``,
             ``admission`` in ``wait``/``skip``/``abort``, ``host_memory_budget``, ``keep_last`` for ``uri``, ...).
 
     Returns:
@@ -85,7 +85,7 @@ def save_state(accelerator: Any, uri: str, step: int | None = None, **options: A
         **options: Options for :func:`attach` on first use.
 
     Returns:
-        The save's :class:`~lightning_async_ckpt.engine.SaveHandle`.
+        The save's :class:`~lightning_async_ckpt.core.engine.SaveHandle`.
     """
     existing = getattr(accelerator, _ATTR, None)
     if existing is None or existing.closed:

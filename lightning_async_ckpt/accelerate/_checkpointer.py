@@ -22,13 +22,13 @@ from lightning_async_ckpt.accelerate._layout import (
     _log,
     _rng_state,
 )
-from lightning_async_ckpt.capture import DeferralProof, Fence, prove_deferral
-from lightning_async_ckpt.engine import AsyncCheckpointer, CheckpointOptions, SaveHandle
+from lightning_async_ckpt.core.capture import DeferralProof, Fence, prove_deferral
+from lightning_async_ckpt.core.engine import AsyncCheckpointer, CheckpointOptions, SaveHandle
+from lightning_async_ckpt.core.handle import DrainOnExit
+from lightning_async_ckpt.core.telemetry import SaveRecord
 from lightning_async_ckpt.errors import CheckpointError, ConfigError
-from lightning_async_ckpt.handle import DrainOnExit
-from lightning_async_ckpt.manifest import MANIFEST_NAME, Manifest
-from lightning_async_ckpt.store import CheckpointStore, _fsync_dir
-from lightning_async_ckpt.telemetry import SaveRecord
+from lightning_async_ckpt.storage.manifest import MANIFEST_NAME, Manifest
+from lightning_async_ckpt.storage.store import CheckpointStore, _fsync_dir
 
 
 # -- the checkpointer --------------------------------------------------------------------------------------

@@ -9,10 +9,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lightning_async_ckpt.accelerate._layout import _ARCHIVE_RE, INCOMPLETE_MARKER, _log
-from lightning_async_ckpt.engine import SaveHandle
+from lightning_async_ckpt.core.engine import SaveHandle
 from lightning_async_ckpt.errors import CheckpointError, GenerationExistsError, ManifestError
-from lightning_async_ckpt.manifest import MANIFEST_NAME, Manifest, ObjectEntry, validate_object_name
-from lightning_async_ckpt.store import CheckpointStore, GenerationWriter, _Checksum, _fsync_dir
+from lightning_async_ckpt.storage.manifest import MANIFEST_NAME, Manifest, ObjectEntry, validate_object_name
+from lightning_async_ckpt.storage.store import CheckpointStore, GenerationWriter, _Checksum, _fsync_dir
 
 
 # -- folder generations (hook path) ------------------------------------------------------------------------

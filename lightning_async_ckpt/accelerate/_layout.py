@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from lightning_async_ckpt.errors import CheckpointError, ConfigError
-from lightning_async_ckpt.store import GenerationWriter
+from lightning_async_ckpt.storage.store import GenerationWriter
 
 _log = logging.getLogger("lightning_async_ckpt")
 _ATTR = "_lightning_async_ckpt"

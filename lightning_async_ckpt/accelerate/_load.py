@@ -11,8 +11,8 @@ from fsspec.implementations.local import LocalFileSystem
 
 from lightning_async_ckpt.accelerate._layout import _ATTR, _RNG_FILE_RE
 from lightning_async_ckpt.errors import CheckpointError, ManifestError
-from lightning_async_ckpt.manifest import MANIFEST_NAME, Manifest
-from lightning_async_ckpt.store import CheckpointStore, _Checksum
+from lightning_async_ckpt.storage.manifest import MANIFEST_NAME, Manifest
+from lightning_async_ckpt.storage.store import CheckpointStore, _Checksum
 
 
 def load_state(

@@ -22,7 +22,7 @@ import numpy as np
 import psutil
 import torch
 
-from lightning_async_ckpt.capture import Category, Fence, StorageSlot
+from lightning_async_ckpt.core.capture import Category, Fence, StorageSlot
 from lightning_async_ckpt.errors import ConfigError, HostMemoryBudgetError, TornSnapshotError
 
 __all__ = ["AUTO_BUDGET_FRACTION", "BufferPool", "StagingJob", "resolve_budget"]

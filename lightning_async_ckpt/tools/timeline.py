@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_async_ckpt.errors import ConfigError
-from lightning_async_ckpt.planner import read_events
+from lightning_async_ckpt.tools.planner import read_events
 
 __all__ = ["plot_timeline"]
 
@@ -46,7 +46,7 @@ def plot_timeline(events_path: str | os.PathLike[str], out_png: str | os.PathLik
     """Render the timeline of the event log at ``events_path`` into ``out_png``.
 
     Args:
-        events_path: A JSONL event log written by :class:`~lightning_async_ckpt.telemetry.EventLog` (local path
+        events_path: A JSONL event log written by :class:`~lightning_async_ckpt.core.telemetry.EventLog` (local path
             or fsspec URL). Unknown event kinds are ignored.
         out_png: Where to write the PNG (local path; its folder must exist).
 

@@ -7,10 +7,10 @@ from typing import Any, Literal, Protocol
 
 import torch
 
-from lightning_async_ckpt.admission import AdmissionPolicy, validate_admission
+from lightning_async_ckpt.core.admission import AdmissionPolicy, validate_admission
+from lightning_async_ckpt.core.staging import resolve_budget
 from lightning_async_ckpt.errors import ConfigError
-from lightning_async_ckpt.staging import resolve_budget
-from lightning_async_ckpt.store import GenerationWriter
+from lightning_async_ckpt.storage.store import GenerationWriter
 
 __all__ = ["CheckpointOptions", "Serializer", "TorchSaveSerializer"]
 

@@ -39,7 +39,7 @@ from lightning_async_ckpt.errors import (
     ManifestVersionError,
     StorageError,
 )
-from lightning_async_ckpt.manifest import MANIFEST_NAME, Manifest, ObjectEntry, validate_object_name
+from lightning_async_ckpt.storage.manifest import MANIFEST_NAME, Manifest, ObjectEntry, validate_object_name
 
 __all__ = ["CheckpointStore", "GenerationInfo", "GenerationWriter", "VerifyResult"]
 

@@ -12,10 +12,10 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-from lightning_async_ckpt.admission import AdmissionDecision
-from lightning_async_ckpt.capture import CapturePlan, Fence
-from lightning_async_ckpt.staging import StagingJob
-from lightning_async_ckpt.telemetry import SaveRecord
+from lightning_async_ckpt.core.admission import AdmissionDecision
+from lightning_async_ckpt.core.capture import CapturePlan, Fence
+from lightning_async_ckpt.core.staging import StagingJob
+from lightning_async_ckpt.core.telemetry import SaveRecord
 
 __all__ = ["DrainOnExit", "SaveHandle"]
 
@@ -28,7 +28,7 @@ class SaveHandle:
         step: The requested step.
         staged: Resolves when the snapshot no longer aliases application memory (the source may mutate).
         uploaded: Resolves when every byte is stored under the store's contract.
-        committed: Resolves to the :class:`~lightning_async_ckpt.manifest.Manifest` once it is durably written:
+        committed: Resolves to the :class:`~lightning_async_ckpt.storage.manifest.Manifest` once it is durably written:
             only then is the generation recoverable. A skipped or coalesced request's futures are cancelled.
         record: Telemetry of this save.
         decision: The admission decision.

@@ -22,8 +22,12 @@ from typing import Any
 
 import torch
 
-from lightning_async_ckpt.admission import POLICIES, AdmissionDecision
-from lightning_async_ckpt.capture import CapturePlan, Category, DeferralProof, Fence, prove_deferral
+from lightning_async_ckpt.core.admission import POLICIES, AdmissionDecision
+from lightning_async_ckpt.core.capture import CapturePlan, Category, DeferralProof, Fence, prove_deferral
+from lightning_async_ckpt.core.handle import DrainOnExit, SaveHandle, _Worker
+from lightning_async_ckpt.core.options import CheckpointOptions, Serializer, TorchSaveSerializer
+from lightning_async_ckpt.core.staging import BufferPool, StagingJob, resolve_budget
+from lightning_async_ckpt.core.telemetry import EventLog, SaveRecord
 from lightning_async_ckpt.errors import (
     AdmissionError,
     CheckpointError,
@@ -33,11 +37,7 @@ from lightning_async_ckpt.errors import (
     StorageError,
     TornSnapshotError,
 )
-from lightning_async_ckpt.handle import DrainOnExit, SaveHandle, _Worker
-from lightning_async_ckpt.options import CheckpointOptions, Serializer, TorchSaveSerializer
-from lightning_async_ckpt.staging import BufferPool, StagingJob, resolve_budget
-from lightning_async_ckpt.store import CheckpointStore, GenerationWriter
-from lightning_async_ckpt.telemetry import EventLog, SaveRecord
+from lightning_async_ckpt.storage.store import CheckpointStore, GenerationWriter
 
 __all__ = ["AsyncCheckpointer", "CheckpointOptions", "SaveHandle", "Serializer", "TorchSaveSerializer"]
 

@@ -221,7 +221,7 @@ def plan_from_bytes(
 
 
 def plan_from_events(events: Iterable[Mapping[str, Any]], *, horizon: float | None = None) -> BacklogPlan:
-    """Measure lambda, mu and the backlog from an event log (see :class:`~lightning_async_ckpt.telemetry.EventLog`).
+    """Measure lambda, mu and the backlog from an event log (see :class:`~lightning_async_ckpt.core.telemetry.EventLog`).
 
     * arrival: mean bytes per checkpoint over the mean interval between ``request`` events, where the interval
       counts training time only (the span minus the time checkpoints blocked training, which under

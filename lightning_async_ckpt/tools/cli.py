@@ -344,7 +344,7 @@ def _cmd_gc(args: argparse.Namespace) -> int:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    from lightning_async_ckpt.planner import plan_from_bytes, plan_from_events, plan_from_rates, read_events
+    from lightning_async_ckpt.tools.planner import plan_from_bytes, plan_from_events, plan_from_rates, read_events
 
     rate_mode = args.arrival_rate is not None or args.drain_rate is not None
     byte_mode = any(v is not None for v in (args.bytes, args.interval, args.bandwidth))
@@ -372,7 +372,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 
 def _cmd_timeline(args: argparse.Namespace) -> int:
-    from lightning_async_ckpt.timeline import plot_timeline
+    from lightning_async_ckpt.tools.timeline import plot_timeline
 
     out = plot_timeline(args.events, args.output)
     print(f"wrote {out}")
@@ -381,10 +381,29 @@ def _cmd_timeline(args: argparse.Namespace) -> int:
 
 def _bench(argv: list[str]) -> int:
     try:
-        result = importlib.import_module("lightning_async_ckpt.bench").main(argv)
+        result = _load_bench().main(argv)
     except SystemExit as exc:  # its own argparse: --help, or a usage error it already printed
         return _exit_code(exc)
     return int(result or 0)
+
+
+_BENCH_MODULE = "lightning_async_ckpt_bench"
+
+
+def _load_bench() -> Any:
+    """The benchmark lives beside the other benchmarks in the source checkout (``benchmarks/bench.py``)."""
+    if _BENCH_MODULE in sys.modules:
+        return sys.modules[_BENCH_MODULE]
+    path = os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, "benchmarks", "bench.py")
+    if not os.path.isfile(path):
+        raise ConfigError(
+            "bench ships with the source checkout (benchmarks/bench.py): run it from a clone of the repository"
+        )
+    spec = importlib.util.spec_from_file_location(_BENCH_MODULE, os.path.normpath(path))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[_BENCH_MODULE] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def _exit_code(exc: SystemExit) -> int:
@@ -395,7 +414,7 @@ def _exit_code(exc: SystemExit) -> int:
 
 # -- helpers ---------------------------------------------------------------------------------------------
 def _open_store(args: argparse.Namespace, run_id: str | None = None) -> Any:
-    from lightning_async_ckpt.store import CheckpointStore
+    from lightning_async_ckpt.storage.store import CheckpointStore
 
     return CheckpointStore(args.uri, _storage_options(args.storage_option), run_id=run_id, check_writable=False)
 

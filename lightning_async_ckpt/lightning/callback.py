@@ -24,10 +24,10 @@ from lightning.fabric.utilities.seed import _collect_rng_states
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.trainer.states import TrainerFn
 
-from lightning_async_ckpt.capture import DeferralProof, Fence, prove_deferral
-from lightning_async_ckpt.engine import AsyncCheckpointer, CheckpointOptions
+from lightning_async_ckpt.core.capture import DeferralProof, Fence, prove_deferral
+from lightning_async_ckpt.core.engine import AsyncCheckpointer, CheckpointOptions
 from lightning_async_ckpt.errors import CheckpointError, ConfigError, GenerationExistsError
-from lightning_async_ckpt.store import CheckpointStore
+from lightning_async_ckpt.storage.store import CheckpointStore
 
 __all__ = ["CHECKPOINT_NAME", "AsyncCheckpointCallback", "latest_checkpoint"]
 
