@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import threading
 import time
 from dataclasses import asdict, dataclass, field
@@ -12,7 +13,9 @@ from typing import IO, Any
 
 import fsspec
 
-__all__ = ["EventLog", "SaveRecord"]
+from lightning_async_ckpt.errors import ConfigError
+
+__all__ = ["EventLog", "SaveRecord", "read_events"]
 
 _log = logging.getLogger("lightning_async_ckpt")
 
@@ -118,3 +121,39 @@ class EventLog:
             if self._file is not None:
                 self._file.close()
                 self._file = None
+
+
+def read_events(path: str) -> list[dict[str, Any]]:
+    """Read a JSONL event log (local path or fsspec URL) into a list of dicts.
+
+    A torn last line (a run killed mid-write) is dropped; any other line that is not a JSON object with an
+    ``event`` name and a numeric ``t`` is an error.
+
+    Raises:
+        ConfigError: The file is missing, unreadable or malformed (names the line).
+    """
+    try:
+        with fsspec.open(path, "r", encoding="utf-8") as f:
+            text = f.read()
+    except FileNotFoundError as exc:
+        raise ConfigError(f"event log {path!r} does not exist") from exc
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"could not read event log {path!r}: {exc}") from exc
+    lines = text.split("\n")
+    events = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except (ValueError, RecursionError) as exc:
+            if number == len(lines):  # no trailing newline: the writer died mid-line
+                break
+            raise ConfigError(f"event log {path!r} line {number} is not valid JSON ({exc})") from exc
+        if not isinstance(record, dict) or not isinstance(record.get("event"), str):
+            raise ConfigError(f"event log {path!r} line {number} is not an object with an 'event' name")
+        t = record.get("t")
+        if isinstance(t, bool) or not isinstance(t, int | float) or not math.isfinite(t):
+            raise ConfigError(f"event log {path!r} line {number} has no numeric time 't'")
+        events.append(record)
+    return events
