@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# The GPU check (issue 16), one prepared command of at most ~8 minutes on one H200:
+#   1. the CUDA tests (staging into pinned buffers, fences as stream waits, GPU equivalence vs ModelCheckpoint);
+#   2. the side-by-side bench on CUDA (2.4 GB per checkpoint, a cut every 40 steps), JSON + markdown table.
+# Runs from a plain checkout: the GPU machine has torch, lightning and accelerate but no package registry, so
+# this package's other wheels (crc32c, ...) travel in .whl/ (see /work/.library/device/README.md) and the
+# checkout is put on PYTHONPATH instead of being installed.
+#
+# Usage: benchmarks/gpu_check.sh [OUTDIR]      (default: $OUT when set, else ./gpu-check)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${1:-${OUT:-gpu-check}}
+mkdir -p "$out"
+site=/tmp/lightning_async_ckpt-site
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" .whl/*.whl \
+    || { echo "installing the carried wheels failed" >&2; exit 2; }
+  export PYTHONPATH="$PWD:$site"
+else
+  export PYTHONPATH="$PWD"
+fi
+export PYTHONUNBUFFERED=1
+rc=0
+{
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
+  python3 -c "import torch, lightning; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'lightning', lightning.__version__, 'gpu', torch.cuda.get_device_name() if torch.cuda.is_available() else None)"
+  nproc; free -g | head -2; df -h /tmp | tail -1
+} >"$out/env.txt" 2>&1
+cat "$out/env.txt"
+
+echo "== CUDA tests"
+timeout 150 python3 -m pytest -q -p no:cacheprovider -o addopts="" \
+  tests/test_cuda_staging.py tests/test_cuda_equivalence.py 2>&1 | tee "$out/cuda-tests.log" || rc=1
+
+echo "== bench (CUDA, 2.4 GB per checkpoint)"
+timeout 300 python3 -m lightning_async_ckpt bench --device cuda --param-mb 1000 --width 8192 --batch 4096 \
+  --steps 130 --every 40 --json "$out/bench.json" --markdown "$out/bench.md" 2>&1 | tee "$out/bench.log" || rc=1
+exit $rc
