@@ -19,8 +19,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from lightning_async_ckpt.core.telemetry import read_events
 from lightning_async_ckpt.errors import ConfigError
-from lightning_async_ckpt.tools.planner import read_events
 
 __all__ = ["plot_timeline"]
 

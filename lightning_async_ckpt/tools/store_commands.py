@@ -1,0 +1,181 @@
+"""The store commands of the command line: ``ls``, ``verify`` and ``gc``.
+
+Each takes the parsed arguments and returns the exit status; bad input raises :class:`UsageError` (or a
+library ``ConfigError``/``CheckpointError``), which ``cli.main`` prints as one line with exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Any
+
+from lightning_async_ckpt.errors import ConfigError
+from lightning_async_ckpt.tools.fmt import fmt_age, fmt_bytes, one_line, print_table
+
+__all__ = ["PROG", "UsageError", "cmd_gc", "cmd_ls", "cmd_verify", "open_store", "storage_options"]
+
+PROG = "lightning-async-ckpt"
+
+
+class UsageError(Exception):
+    """Bad input found after parsing; the command line exits 2 with the message."""
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    """``ls``: list generations (committed or not) with step, size, age and run."""
+    store = open_store(args)
+    gens = store.generations(include_uncommitted=True)
+    now = time.time()
+    rows = []
+    for g in gens:
+        rows.append(
+            {
+                "step": g.step,
+                "committed": g.committed,
+                "bytes": g.manifest.total_bytes if g.manifest else None,
+                "objects": len(g.manifest.objects) if g.manifest else None,
+                "run_id": g.run_id,
+                "committed_at": g.manifest.committed_at if g.manifest else None,
+                "age_s": (now - g.mtime) if g.mtime else None,
+                "path": g.path,
+                "error": g.error,
+            }
+        )
+    if args.json:
+        print(json.dumps(rows, indent=1))
+        return 0
+    if not rows:
+        print(f"no generations at {args.uri}", file=sys.stderr)
+        return 0
+    table = [("STEP", "STATE", "SIZE", "OBJECTS", "AGE", "RUN", "PATH")]
+    for r in rows:
+        state = "committed" if r["committed"] else ("INVALID" if r["error"] else "uncommitted")
+        table.append(
+            (
+                str(r["step"]),
+                state,
+                fmt_bytes(r["bytes"]),
+                str(r["objects"]) if r["objects"] is not None else "-",
+                fmt_age(r["age_s"]),
+                r["run_id"] or "-",
+                r["path"],
+            )
+        )
+    print_table(table)
+    for r in rows:
+        if r["error"]:
+            print(f"step {r['step']}: manifest rejected: {one_line(r['error'])}")
+    committed = [r for r in rows if r["committed"]]
+    total = sum(r["bytes"] for r in committed)
+    print(f"{len(committed)} committed ({fmt_bytes(total)}), {len(rows) - len(committed)} not committed")
+    return 0
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    """``verify``: re-read generations and check sizes and checksums; 1 when any failed."""
+    store = open_store(args)
+    gens = {g.step: g for g in store.generations(include_uncommitted=True)}
+    skipped = []
+    if args.step:
+        missing = [s for s in args.step if s not in gens]
+        if missing:
+            steps = ", ".join(str(s) for s in sorted(gens)) or "none"
+            raise UsageError(f"no generation for step(s) {missing} at {args.uri} (steps there: {steps})")
+        targets = list(dict.fromkeys(args.step))
+    else:
+        targets = [s for s, g in sorted(gens.items()) if g.committed or g.error]
+        skipped = [s for s, g in sorted(gens.items()) if not g.committed and not g.error]
+        if not targets:
+            raise UsageError(
+                f"no committed generations at {args.uri}"
+                + (f" (only uncommitted leftovers: {skipped})" if skipped else "; check the path")
+            )
+    results = [store.verify(step) for step in targets]
+    failed = [r for r in results if not r.ok]
+    if args.json:
+        body = [
+            {
+                "step": r.step,
+                "ok": r.ok,
+                "problems": list(r.problems),
+                "bytes": gens[r.step].manifest.total_bytes if gens[r.step].manifest else None,
+            }
+            for r in results
+        ]
+        print(json.dumps({"ok": not failed, "results": body, "skipped_uncommitted": skipped}, indent=1))
+    else:
+        for r in results:
+            g = gens[r.step]
+            if r.ok and g.manifest is not None:
+                print(f"step {r.step}: OK ({len(g.manifest.objects)} objects, {fmt_bytes(g.manifest.total_bytes)})")
+            else:
+                print(f"step {r.step}: FAILED")
+                for problem in r.problems:
+                    print(f"  {one_line(problem)}")
+        if skipped:
+            print(f"skipped uncommitted (no manifest; in progress or a crashed write): steps {skipped}")
+        print(f"{len(results) - len(failed)} ok, {len(failed)} failed")
+    if failed:
+        print(f"{PROG} verify: {len(failed)} generation(s) failed: steps {[r.step for r in failed]}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def cmd_gc(args: argparse.Namespace) -> int:
+    """``gc``: delete old generations, keeping the newest ``--keep-last`` committed ones."""
+    if args.keep_last < 1:
+        raise ConfigError(f"--keep-last must be >= 1 (the newest committed generation is kept), got {args.keep_last}")
+    store = open_store(args, run_id=args.run_id)
+    gens = store.generations(include_uncommitted=True)
+    runs = sorted({g.run_id for g in gens if g.committed and g.run_id})
+    if args.run_id is None and not args.all_runs and len(runs) > 1:
+        raise UsageError(
+            f"{args.uri} holds generations of {len(runs)} runs ({', '.join(runs)}); pass --all-runs to keep the "
+            "newest --keep-last across all of them, or --run-id ID to remove only that run's old generations"
+        )
+    if not gens:
+        print(f"no generations at {args.uri}; nothing to do", file=sys.stderr)
+    elif args.run_id is not None and args.run_id not in runs:
+        print(f"note: no committed generation of run {args.run_id!r} here (runs: {runs})", file=sys.stderr)
+    # Without --run-id the CLI is not a run: it acts for the whole folder (one run, or --all-runs).
+    removed = store.gc(args.keep_last, all_runs=args.run_id is None, dry_run=args.dry_run)
+    by_step = {g.step: g for g in gens}
+    verb = "would remove" if args.dry_run else "removed"
+    for step in removed:
+        g = by_step.get(step)
+        kind = "committed" if g is not None and g.committed else "uncommitted leftover"
+        size = f", {fmt_bytes(g.manifest.total_bytes)}" if g is not None and g.manifest else ""
+        print(f"{verb} step {step} ({kind}{size})")
+    kept = [g.step for g in gens if g.committed and g.step not in removed]
+    print(f"{verb} {len(removed)} generation(s); committed steps kept: {kept}")
+    if not args.dry_run:
+        # The store's gc is best effort (it logs and goes on); whatever it would still remove is what failed.
+        left = store.gc(args.keep_last, all_runs=args.run_id is None, dry_run=True)
+        if left:
+            print(f"{PROG} gc: could not remove steps {left}; run gc again", file=sys.stderr)
+            return 1
+    return 0
+
+
+def open_store(args: argparse.Namespace, run_id: str | None = None) -> Any:
+    """The store named by ``args.uri`` and ``args.storage_option``, opened read-mostly (no writability probe)."""
+    from lightning_async_ckpt.storage.store import CheckpointStore
+
+    return CheckpointStore(args.uri, storage_options(args.storage_option), run_id=run_id, check_writable=False)
+
+
+def storage_options(pairs: list[str]) -> dict[str, Any]:
+    """Parse repeated ``--storage-option KEY=VALUE`` (VALUE as JSON when it parses, else the string)."""
+    options: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key.strip():
+            raise UsageError(f"--storage-option must be KEY=VALUE, got {pair!r}")
+        try:
+            options[key.strip()] = json.loads(value)
+        except ValueError:
+            options[key.strip()] = value
+    return options
