@@ -12,19 +12,14 @@ fsynced, ``os.replace``-d into place and the folder fsynced; on any other filesy
 
 from __future__ import annotations
 
-import errno
-import fcntl
-import hashlib
 import importlib.metadata
 import logging
-import mmap
 import os
 import re
 import threading
 import time
 import uuid
 import warnings
-import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import IO, Any
@@ -39,7 +34,26 @@ from lightning_async_ckpt.errors import (
     ManifestVersionError,
     StorageError,
 )
+from lightning_async_ckpt.storage.io import (
+    DEFAULT_CHECKSUM,
+    Checksum,
+    DirectFile,
+    atomic_local_write,
+    checksum_algorithm,
+    crc32c_module,
+    fsync_dir,
+    open_local_write,
+)
 from lightning_async_ckpt.storage.manifest import MANIFEST_NAME, Manifest, ObjectEntry, validate_object_name
+
+# Old private names, kept while other packages move to the public ones in ``storage.io``.
+_Checksum = Checksum
+_DirectFile = DirectFile
+_fsync_dir = fsync_dir
+_atomic_local_write = atomic_local_write
+_open_local = open_local_write
+_checksum_algorithm = checksum_algorithm
+_crc32c_module = crc32c_module
 
 __all__ = ["CheckpointStore", "GenerationInfo", "GenerationWriter", "VerifyResult"]
 
@@ -52,123 +66,6 @@ _EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs", "az": "azure", "a
 def generation_name(step: int) -> str:
     """Folder name of the generation for ``step`` (zero-padded so names sort by step)."""
     return f"step-{step:08d}"
-
-
-def _crc32c_module() -> Any:
-    try:
-        import crc32c  # hardware-accelerated CRC-32C, releases the GIL on large buffers
-    except ImportError:
-        return None
-    return crc32c
-
-
-DEFAULT_CHECKSUM = "crc32c" if _crc32c_module() is not None else "crc32"
-
-
-class _Checksum:
-    """Incremental checksum.
-
-    ``crc32c`` (the default where the ``crc32c`` package is installed) runs at several GB/s, so checksumming keeps
-    up with disk bandwidth; ``crc32`` (zlib) is the fallback; ``sha256`` is available for stronger verification.
-    """
-
-    def __init__(self, algorithm: str) -> None:
-        self.algorithm = algorithm
-        self._value = 0
-        self._sha = hashlib.sha256() if algorithm == "sha256" else None
-        self._crc32c = _crc32c_module() if algorithm == "crc32c" else None
-        if algorithm == "crc32c" and self._crc32c is None:
-            raise ConfigError("checksum 'crc32c' needs the crc32c package: pip install crc32c")
-
-    def update(self, data: bytes | memoryview) -> None:
-        if self._sha is not None:
-            self._sha.update(data)
-        elif self._crc32c is not None:
-            self._value = self._crc32c.crc32c(data, self._value)
-        else:
-            self._value = zlib.crc32(data, self._value)
-
-    def hexdigest(self) -> str:
-        if self._sha is not None:
-            return f"sha256:{self._sha.hexdigest()}"
-        return f"{self.algorithm}:{self._value:08x}"
-
-
-_DIRECT_ALIGN = 4096
-_DIRECT_BUFFER = 8 << 20
-
-
-class _DirectFile:
-    """A write-only local file that bypasses the page cache (``O_DIRECT``) through an aligned buffer.
-
-    Writing a checkpoint through the page cache makes the kernel copy every byte and then throttle on writeback,
-    which on the machines we measured stalled the training threads for seconds per GB; direct writes go from one
-    aligned buffer to the disk. The unaligned tail is written after clearing ``O_DIRECT``. ``fsync`` still runs
-    at close (for the file's metadata).
-    """
-
-    def __init__(self, fd: int) -> None:
-        self._fd = fd
-        self._buf = mmap.mmap(-1, _DIRECT_BUFFER)
-        self._view = memoryview(self._buf)
-        self._fill = 0
-        self.closed = False
-
-    def write(self, data: Any) -> int:
-        view = memoryview(data).cast("B")
-        total = len(view)
-        while view:
-            n = min(len(view), _DIRECT_BUFFER - self._fill)
-            self._view[self._fill : self._fill + n] = view[:n]
-            self._fill += n
-            view = view[n:]
-            if self._fill == _DIRECT_BUFFER:
-                self._drain(self._fill)
-        return total
-
-    def _drain(self, nbytes: int) -> None:
-        done = 0
-        while done < nbytes:
-            done += os.write(self._fd, self._view[done:nbytes])
-        self._fill = 0
-
-    def flush(self) -> None:
-        """Write what is buffered: the aligned part directly, the tail through the page cache."""
-        aligned = self._fill - self._fill % _DIRECT_ALIGN
-        tail = bytes(self._view[aligned : self._fill])
-        if aligned:
-            self._drain(aligned)
-        self._fill = 0
-        if tail:
-            flags = fcntl.fcntl(self._fd, fcntl.F_GETFL)
-            fcntl.fcntl(self._fd, fcntl.F_SETFL, flags & ~os.O_DIRECT)
-            os.write(self._fd, tail)
-
-    def fileno(self) -> int:
-        return self._fd
-
-    def close(self) -> None:
-        if not self.closed:
-            self.closed = True
-            self._view.release()
-            self._buf.close()
-            os.close(self._fd)
-
-
-def _open_local(path: str, direct_io: bool) -> IO[bytes] | _DirectFile:
-    if direct_io and hasattr(os, "O_DIRECT"):
-        try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
-        except OSError as exc:
-            if exc.errno != errno.EINVAL:  # EINVAL: this filesystem (tmpfs, ...) has no direct I/O
-                raise
-        else:
-            return _DirectFile(fd)
-    return open(path, "wb")  # noqa: SIM115 - closed by _ObjectStream.close
-
-
-def _checksum_algorithm(checksum: str) -> str:
-    return checksum.split(":", 1)[0]
 
 
 @dataclass(frozen=True)
@@ -839,30 +736,6 @@ def _make_fs(uri: str, options: dict[str, Any]) -> tuple[fsspec.AbstractFileSyst
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"could not open {uri!r} with storage_options {sorted(options)}: {exc}") from exc
     return fs, path
-
-
-def _atomic_local_write(path: str, data: bytes) -> None:
-    folder = os.path.dirname(path)
-    tmp = os.path.join(folder, f".{os.path.basename(path)}.tmp-{uuid.uuid4().hex[:8]}")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    _fsync_dir(folder)
-
-
-def _fsync_dir(folder: str) -> None:
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _versions() -> dict[str, str]:
