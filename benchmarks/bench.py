@@ -13,17 +13,20 @@ peak RSS above the mode's start and peak retained staging bytes; persist through
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
+import importlib.util
 import json
 import os
 import platform
 import shutil
 import statistics
+import sys
 import tempfile
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+import traceback
+from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
 import psutil
@@ -31,37 +34,26 @@ import torch
 
 __all__ = ["main"]
 
-MODES = (
-    "none",
-    "model_checkpoint",
-    "async_checkpoint_io",
-    "dcp_async_save",
-    "dcp_async_staging",
-    "ours_copy",
-    "ours_defer",
-)
+
+def _load_modes() -> Any:
+    """``_bench_modes.py`` beside this file (``bench`` is loaded by path, so it is not on ``sys.path``)."""
+    name = "lightning_async_ckpt_bench_modes"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("_bench_modes.py"))
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
 
 
-@dataclass
-class ModeResult:
-    """Figures of one mode."""
-
-    mode: str
-    median_step_s: float = 0.0
-    mean_step_s: float = 0.0
-    overhead_pct: float | None = None
-    own_overhead_pct: float | None = None
-    blocking_median_s: float | None = None
-    blocking_max_s: float | None = None
-    reported_blocking_s: float | None = None
-    cut_to_committed_s: float | None = None
-    bytes: int | None = None
-    peak_rss_mb: float = 0.0
-    peak_retained_mb: float | None = None
-    persist_mbps: float | None = None
-    checkpoints: int = 0
-    note: str = ""
-    step_times: list[float] = field(default_factory=list)
+_modes = _load_modes()
+MODE_SETUPS = _modes.MODE_SETUPS
+ModeContext = _modes.ModeContext
+ModeResult = _modes.ModeResult
+ModeSetup = _modes.ModeSetup
+StepTimer = _modes.StepTimer
+# This library's own modes: one of them failing is a bug here (exit 1); a peer library failing is a result.
+OWN_MODES = ("ours_copy", "ours_defer")
 
 
 class _RssSampler:
@@ -153,95 +145,8 @@ def _build(args: argparse.Namespace):
     return BenchModel, layers
 
 
-class _StepTimer:
-    """Records the start time of every training batch (it runs before the checkpoint callbacks)."""
-
-    def __init__(self) -> None:
-        from lightning.pytorch.callbacks import Callback
-
-        timer = self
-
-        class _Cb(Callback):
-            lightning_async_ckpt_read_only = True  # it only reads the clock
-
-            def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-                timer.starts.append(time.perf_counter())
-
-            def on_train_end(self, trainer, pl_module):
-                timer.starts.append(time.perf_counter())
-
-        self.starts: list[float] = []
-        self.callback = _Cb()
-
-    def step_times(self) -> list[float]:
-        return [b - a for a, b in zip(self.starts, self.starts[1:], strict=False)]
-
-
-def _dcp_callback(folder: str, every: int, async_staging: bool, timings: dict[str, list]):
-    import torch.distributed.checkpoint as dcp
-    from lightning.pytorch.callbacks import Callback
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
-    class DcpAsync(Callback):
-        """What a user writes today with DCP: async_save at the cut, wait for the previous save first."""
-
-        def __init__(self) -> None:
-            self.pending = None
-            self.staging = None
-            self.stager = None
-            if async_staging:
-                from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-
-                opts = StagingOptions(
-                    use_pinned_memory=torch.cuda.is_available(),
-                    use_shared_memory=False,
-                    use_async_staging=True,
-                    use_non_blocking_copy=torch.cuda.is_available(),
-                )
-                self.stager = DefaultStager(opts)
-
-        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
-            if self.staging is not None:  # the source must not mutate before the copy is done
-                t0 = time.perf_counter()
-                self.staging.result()
-                timings["fence"].append(time.perf_counter() - t0)
-                self.staging = None
-
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            step = trainer.global_step
-            if step % every:
-                return
-            t0 = time.perf_counter()
-            if self.pending is not None:
-                self.pending.result()
-            model_sd, optim_sd = get_state_dict(pl_module, trainer.optimizers)
-            t_req = time.time()
-            kwargs: dict[str, Any] = {"checkpoint_id": os.path.join(folder, f"step-{step}")}
-            if self.stager is not None:
-                kwargs["async_stager"] = self.stager
-            with contextlib.suppress(TypeError):
-                resp = dcp.async_save({"model": model_sd, "optim": optim_sd}, no_dist=True, **kwargs)
-            upload = getattr(resp, "upload_completion", resp)  # AsyncSaveResponse where the stager is async
-            self.staging = getattr(resp, "staging_completion", None)
-            upload.add_done_callback(lambda _f, t=t_req: timings["committed"].append(time.time() - t))
-            self.pending = upload
-            timings["cut"].append(time.perf_counter() - t0)
-
-        def on_train_end(self, trainer, pl_module):
-            if self.pending is not None:
-                self.pending.result()
-            if self.stager is not None:
-                self.stager.close()
-
-    return DcpAsync()
-
-
 def _run_mode(mode: str, args: argparse.Namespace, folder: str, model_cls, state0: dict) -> ModeResult:
     import lightning.pytorch as pl
-    from lightning.pytorch.callbacks import ModelCheckpoint
-    from lightning.pytorch.plugins.io import AsyncCheckpointIO, TorchCheckpointIO
-
-    from lightning_async_ckpt.lightning import AsyncCheckpointCallback
 
     result = ModeResult(mode=mode)
     target = os.path.join(folder, mode)
@@ -252,62 +157,30 @@ def _run_mode(mode: str, args: argparse.Namespace, folder: str, model_cls, state
         model = model.cuda()
     data = torch.utils.data.TensorDataset(torch.randn(args.batch * 4, args.width))
     loader = torch.utils.data.DataLoader(data, batch_size=args.batch)
-    timer = _StepTimer()
-    callbacks: list[Any] = [timer.callback]
-    plugins: list[Any] = []
-    committed_times: dict[str, list] = {"cut": [], "committed": [], "fence": []}
-    ours = None
-    if mode in ("model_checkpoint", "async_checkpoint_io"):
-        callbacks.append(
-            ModelCheckpoint(
-                dirpath=target,
-                every_n_train_steps=args.every,
-                save_top_k=-1,
-                filename="{step}",
-                save_on_train_epoch_end=False,
-            )
-        )
-        if mode == "async_checkpoint_io":
-
-            class _TimedIO(TorchCheckpointIO):
-                def save_checkpoint(self, checkpoint, path, storage_options=None):
-                    super().save_checkpoint(checkpoint, path, storage_options)
-                    committed_times["committed"].append(time.time())
-
-            plugins.append(AsyncCheckpointIO(_TimedIO()))
-    elif mode.startswith("dcp"):
-        callbacks.append(_dcp_callback(target, args.every, mode == "dcp_async_staging", committed_times))
-    elif mode.startswith("ours"):
-        ours = AsyncCheckpointCallback(
-            dirpath=target,
-            every_n_train_steps=args.every,
-            defer=(mode == "ours_defer"),
-            save_on_train_end=False,
-            host_memory_budget=None,
-            upload_nice=args.upload_nice,
-            max_outstanding=args.max_outstanding,
-        )
-        callbacks.append(ours)
+    timer = StepTimer()
+    ckpt_steps = set(range(args.every, args.steps + 1, args.every))
+    setup = MODE_SETUPS[mode](ModeContext(args=args, target=target, ckpt_steps=ckpt_steps))
     sampler = _RssSampler()
-    trainer = pl.Trainer(
-        accelerator=args.device,
-        devices=1,
-        max_steps=args.steps,
-        callbacks=callbacks,
-        plugins=plugins or None,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=mode in ("model_checkpoint", "async_checkpoint_io", "ours_copy", "ours_defer"),
-        num_sanity_val_steps=0,
-    )
-    t_fit = time.perf_counter()
-    trainer.fit(model, loader)
-    fit_s = time.perf_counter() - t_fit
-    result.peak_rss_mb = sampler.stop()
+    try:
+        trainer = pl.Trainer(
+            accelerator=args.device,
+            devices=1,
+            max_steps=args.steps,
+            callbacks=[timer.callback, *setup.callbacks],
+            plugins=setup.plugins or None,
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            enable_checkpointing=setup.checkpointing,
+            num_sanity_val_steps=0,
+        )
+        t_fit = time.perf_counter()
+        trainer.fit(model, loader)
+        fit_s = time.perf_counter() - t_fit
+    finally:
+        result.peak_rss_mb = sampler.stop()
     times = timer.step_times()[1:]  # the first step includes warm-up
     result.step_times = times
-    ckpt_steps = {s for s in range(args.every, args.steps + 1, args.every)}
     # step index i (0-based after dropping the first) is global step i + 2 at its end
     affected = {s - 2 for s in ckpt_steps} | {s - 1 for s in ckpt_steps}
     clean = [t for i, t in enumerate(times) if i not in affected]
@@ -322,36 +195,22 @@ def _run_mode(mode: str, args: argparse.Namespace, folder: str, model_cls, state
         result.blocking_median_s = statistics.median(blocking)
         result.blocking_max_s = max(blocking)
         result.checkpoints = len(blocking)
-    sizes = [os.path.getsize(os.path.join(dp, f)) for dp, _, fs in os.walk(target) for f in fs]
-    if mode == "model_checkpoint" or mode == "async_checkpoint_io":
-        result.bytes = max(sizes) if sizes else None
-    elif mode.startswith("dcp"):
-        result.bytes = sum(sizes) // max(1, len(ckpt_steps)) if sizes else None
-        result.reported_blocking_s = (
-            statistics.median(
-                [c + f for c, f in zip(committed_times["cut"], committed_times["fence"] or [0.0] * 99, strict=False)]
-            )
-            if committed_times["cut"]
-            else None
-        )
-        if committed_times["committed"]:
-            result.cut_to_committed_s = statistics.median(committed_times["committed"])
-    elif ours is not None and ours.checkpointer is not None:
-        records = [r for r in ours.checkpointer.records if r.outcome == "committed"]
-        if records:
-            result.bytes = records[-1].bytes
-            result.reported_blocking_s = statistics.median(r.blocked_s + sum(r.fence_wait_s.values()) for r in records)
-            result.cut_to_committed_s = statistics.median(r.cut_to_committed_s for r in records)
-            result.persist_mbps = statistics.median(r.bytes / r.upload_s / 1e6 for r in records if r.upload_s)
-            result.peak_retained_mb = max(r.peak_retained_bytes for r in records) / 1e6
-    if mode == "model_checkpoint" and result.blocking_median_s:
-        result.cut_to_committed_s = result.blocking_median_s
-        if result.bytes:
-            result.persist_mbps = result.bytes / result.blocking_median_s / 1e6
+    setup.finish(result, [os.path.getsize(os.path.join(dp, f)) for dp, _, fs in os.walk(target) for f in fs])
     result.note = f"fit {fit_s:.1f}s"
     del trainer, model
     gc.collect()
     return result
+
+
+def _run_mode_or_record(mode: str, args: argparse.Namespace, folder: str, model_cls, state0: dict) -> ModeResult:
+    """Run one mode; a mode that raises is recorded with its error and the run goes on with the next one."""
+    try:
+        return _run_mode(mode, args, folder, model_cls, state0)
+    except Exception as exc:  # noqa: BLE001 - a peer library's failure is a result of the comparison, not fatal
+        print(f"# {mode}: FAILED: {type(exc).__name__}: {exc}", flush=True)
+        traceback.print_exc()
+        gc.collect()
+        return ModeResult(mode=mode, error=f"{type(exc).__name__}: {' '.join(str(exc).split())}")
 
 
 def _markdown(results: list[ModeResult], floors: dict[str, float], machine: str, args: argparse.Namespace) -> str:
@@ -365,39 +224,62 @@ def _markdown(results: list[ModeResult], floors: dict[str, float], machine: str,
         "",
         "Floors: " + ", ".join(f"{k} {v:,.0f}" for k, v in floors.items()),
         "",
-        "| mode | median step s | mean step s | overhead vs none % | overhead vs own steps % | blocking/ckpt median s |"
-        " max s | reported blocking s | cut→committed s | MB | peak RSS MB | peak retained MB | persist MB/s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        f"| mode (torch {torch.__version__}) | median step s | mean step s | overhead vs none % |"
+        " overhead vs own steps % | blocking/ckpt median s | max s | reported blocking s | cut→committed s | MB | peak RSS MB | peak retained MB | persist MB/s |"
+        " error |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
+        if r.error is not None:
+            cells = " | ".join(["–"] * 12)
+            lines.append(f"| {r.mode} | {cells} | FAILED: {r.error.replace('|', '/')} |")
+            continue
         lines.append(
             f"| {r.mode} | {f(r.median_step_s)} | {f(r.mean_step_s)} | {f(r.overhead_pct, 1, '{:.1f}')} | "
             f"{f(r.own_overhead_pct, 1, '{:.1f}')} | {f(r.blocking_median_s)} | "
             f"{f(r.blocking_max_s)} | {f(r.reported_blocking_s, 1, '{:.4f}')} | {f(r.cut_to_committed_s)} | "
             f"{f(r.bytes, 1e-6, '{:.0f}')} | {r.peak_rss_mb:.0f} | {f(r.peak_retained_mb, 1, '{:.0f}')} | "
-            f"{f(r.persist_mbps, 1, '{:.0f}')} |"
+            f"{f(r.persist_mbps, 1, '{:.0f}')} | |"
         )
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark; prints a markdown table and writes a JSON file. Returns the exit code."""
-    parser = argparse.ArgumentParser(prog="lightning-async-ckpt bench", description=__doc__.splitlines()[0])
-    parser.add_argument("--param-mb", type=float, default=333.0, help="fp32 parameter MB (Adam adds 2x)")
-    parser.add_argument("--width", type=int, default=2048)
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--steps", type=int, default=95)
-    parser.add_argument("--every", type=int, default=30)
-    parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {','.join(MODES)}")
+    parser = argparse.ArgumentParser(
+        prog="lightning-async-ckpt bench",
+        description=__doc__.splitlines()[0],
+        epilog="A mode that raises is recorded with its error (JSON and table) and the run goes on; the exit "
+        f"status is 1 only when one of this library's modes ({', '.join(OWN_MODES)}) failed.",
+    )
+    parser.add_argument(
+        "--param-mb", type=float, default=333.0, help="fp32 parameter MB of the model (Adam adds 2x; default 333)"
+    )
+    parser.add_argument("--width", type=int, default=2048, help="width of each square Linear layer (default 2048)")
+    parser.add_argument("--batch", type=int, default=8, help="batch size; sets the step time (default 8)")
+    parser.add_argument("--steps", type=int, default=95, help="training steps per mode (default 95)")
+    parser.add_argument("--every", type=int, default=30, help="checkpoint every N training steps (default 30)")
+    parser.add_argument(
+        "--modes",
+        default=",".join(MODE_SETUPS),
+        help=f"comma-separated subset of {','.join(MODE_SETUPS)} (default: all; 'none' also runs last)",
+    )
     parser.add_argument("--dir", default=None, help="scratch folder on the disk to measure (default: a temp dir)")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cpu", "cuda"))
+    parser.add_argument(
+        "--device",
+        default="cuda" if torch.cuda.is_available() else "cpu",
+        choices=("cpu", "cuda"),
+        help="where the model trains (default: cuda when available)",
+    )
     parser.add_argument("--upload-nice", type=int, default=0, help="nice value of our upload thread (0-19)")
-    parser.add_argument("--max-outstanding", type=int, default=1, help="our saves in flight at once")
-    parser.add_argument("--json", default="bench-results.json")
+    parser.add_argument("--max-outstanding", type=int, default=1, help="our saves in flight at once (default 1)")
+    parser.add_argument(
+        "--json", default="bench-results.json", help="JSON file for every figure (default bench-results.json)"
+    )
     parser.add_argument("--markdown", default=None, help="also write the table to this file")
     args = parser.parse_args(argv)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    unknown = set(modes) - set(MODES)
+    unknown = set(modes) - set(MODE_SETUPS)
     if unknown or args.every < 1 or args.steps <= args.every or args.param_mb <= 0:
         parser.error(
             f"bad arguments: unknown modes {sorted(unknown)}"
@@ -427,26 +309,36 @@ def main(argv: list[str] | None = None) -> int:
         # ran under the same conditions.
         order = [*modes, "none"] if "none" in modes and len(modes) > 1 else modes
         for mode in order:
-            r = _run_mode(mode, args, folder, model_cls, state0)
+            r = _run_mode_or_record(mode, args, folder, model_cls, state0)
             shutil.rmtree(os.path.join(folder, mode), ignore_errors=True)
             results.append(r)
-            print(f"# {mode}: median step {r.median_step_s:.3f}s, blocking {r.blocking_median_s}, {r.note}", flush=True)
+            if r.error is None:
+                print(
+                    f"# {mode}: median step {r.median_step_s:.3f}s, blocking {r.blocking_median_s}, {r.note}",
+                    flush=True,
+                )
         end = _floors(nbytes, folder, "cpu")
         floors["raw_write_fsync_mbps_end"] = end["raw_write_fsync_mbps"]
         if "raw_direct_fsync_mbps" in end:
             floors["raw_direct_fsync_mbps_end"] = end["raw_direct_fsync_mbps"]
         # Overhead: mean step time over every step (checkpoint steps included) against no checkpointing, and
         # against the same run's steps away from checkpoints (the checkpoint's own cost, free of drift).
-        baselines = [r.mean_step_s for r in results if r.mode == "none"]
+        baselines = [r.mean_step_s for r in results if r.mode == "none" and r.error is None]
         base = statistics.fmean(baselines) if baselines else None
         for r in results:
-            if base and r.mode != "none":
+            if base and r.mode != "none" and r.error is None:
                 r.overhead_pct = 100.0 * (r.mean_step_s - base) / base
-            if r.mode != "none" and r.median_step_s:
+            if r.mode != "none" and r.median_step_s and r.error is None:
                 r.own_overhead_pct = 100.0 * (r.mean_step_s - r.median_step_s) / r.median_step_s
         table = _markdown(results, floors, machine, args)
         print(table)
-        payload = {"machine": machine, "args": vars(args), "floors": floors, "results": [asdict(r) for r in results]}
+        payload = {
+            "machine": machine,
+            "torch": torch.__version__,
+            "args": vars(args),
+            "floors": floors,
+            "results": [asdict(r) for r in results],
+        }
         with open(args.json, "w") as f:
             json.dump(payload, f, indent=1)
         if args.markdown:
@@ -455,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if args.dir is None:
             shutil.rmtree(folder, ignore_errors=True)
-    return 0
+    return 1 if any(r.error is not None and r.mode in OWN_MODES for r in results) else 0
 
 
 if __name__ == "__main__":

@@ -76,9 +76,30 @@ def test_ls_table_and_json(store_dir: Path, capsys: pytest.CaptureFixture[str]) 
     assert body[3]["age_s"] >= 0
 
 
-def test_ls_empty_location(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    rc, out, err = _run(capsys, "ls", str(tmp_path / "nothing-here"))
+def test_ls_empty_store_folder_exits_0(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "empty").mkdir()
+    rc, out, err = _run(capsys, "ls", str(tmp_path / "empty"))
     assert rc == 0 and out == "" and "no generations" in err
+
+
+def test_ls_on_a_wrong_path_exits_2_with_a_clear_message(
+    store_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    rc, out, err = _run(capsys, "ls", str(tmp_path / "nothing-here"))
+    assert rc == 2 and out == "" and "does not exist" in err and "Traceback" not in err
+    rc, _, err = _run(capsys, "ls", str(tmp_path / "nothing-here"), "--json")
+    assert rc == 2 and "does not exist" in err
+    (tmp_path / "a-file").write_text("x")
+    rc, _, err = _run(capsys, "ls", str(tmp_path / "a-file"))
+    assert rc == 2 and "is a file, not a store folder" in err
+    # The parent of a store (runs/ instead of runs/demo) names the subfolder that holds the generations.
+    rc, _, err = _run(capsys, "ls", str(store_dir.parent))
+    assert rc == 2 and "subfolders hold some: ckpt" in err and len(err.strip().splitlines()) == 1
+
+
+def test_ls_on_a_missing_memory_prefix_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
+    rc, _, err = _run(capsys, "ls", "memory://no-such-bucket/run")
+    assert rc == 2 and "does not exist" in err
 
 
 # -- verify ---------------------------------------------------------------------------------------------------

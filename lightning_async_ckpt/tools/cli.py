@@ -1,8 +1,10 @@
 """The ``lightning-async-ckpt`` command line: list, verify and garbage-collect a store, plan, plot, bench.
 
 Every command exits 0 on success, 1 when ``verify`` finds a damaged generation, and 2 on bad input (unknown URI
-scheme, missing generation, malformed event log, negative rates), with a one-line message on stderr and no
-traceback. ``--debug`` before the command shows the traceback of an unexpected error.
+scheme, a store path that does not exist, missing generation, malformed event log, negative rates), with a
+one-line message on stderr and no traceback. ``--debug`` before the command shows the traceback of an unexpected
+error. This module is the parser and the dispatch; the commands live in ``store_commands`` (``ls``, ``verify``,
+``gc``) and ``plan_commands`` (``plan``, ``timeline``, ``bench``), the number formatting in ``fmt``.
 
 Examples::
 

@@ -44,6 +44,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
                 "error": g.error,
             }
         )
+    if not rows:
+        _check_store_path(store, args.uri)
     if args.json:
         print(json.dumps(rows, indent=1))
         return 0
@@ -158,6 +160,17 @@ def cmd_gc(args: argparse.Namespace) -> int:
             print(f"{PROG} gc: could not remove steps {left}; run gc again", file=sys.stderr)
             return 1
     return 0
+
+
+def _check_store_path(store: Any, uri: str) -> None:
+    """An empty listing is fine for an existing (empty) store folder; a missing path or a file is a usage error."""
+    if not store.fs.exists(store.root):
+        raise UsageError(f"no such store: {uri} does not exist (check the path, or the bucket and prefix)")
+    if not store.fs.isdir(store.root):
+        raise UsageError(f"{uri} is a file, not a store folder (pass the folder that holds step-* generations)")
+    nested = sorted({p.rstrip("/").rsplit("/", 2)[-2] for p in store.fs.glob(f"{store.root}/*/step-*")})
+    if nested:
+        raise UsageError(f"no generations directly at {uri}; these subfolders hold some: {', '.join(nested[:5])}")
 
 
 def open_store(args: argparse.Namespace, run_id: str | None = None) -> Any:
