@@ -74,3 +74,18 @@ def assert_same(a, b, path: str = "") -> None:
         assert np.array_equal(a, b), f"{path}: arrays differ"
     else:
         assert a == b, f"{path}: {a!r} != {b!r}"
+
+
+def load_checkpoint(path: str, storage_options: dict | None = None) -> dict:
+    """Load a checkpoint file (local path or fsspec URL) on the CPU."""
+    import fsspec
+
+    with fsspec.open(path, "rb", **(storage_options or {})) as f:
+        return torch.load(f, map_location="cpu", weights_only=False)
+
+
+def without_model_checkpoint_state(ckpt: dict) -> dict:
+    """Drop ModelCheckpoint's own callback entry, which records the file it is writing and so differs by design."""
+    ckpt = dict(ckpt)
+    ckpt["callbacks"] = {k: v for k, v in ckpt["callbacks"].items() if not k.startswith("ModelCheckpoint")}
+    return ckpt

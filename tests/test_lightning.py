@@ -10,22 +10,17 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning_async_ckpt import AsyncCheckpointCallback, CheckpointStore, latest_checkpoint
 from lightning_async_ckpt.core.capture import Fence
 from lightning_async_ckpt.errors import ConfigError, GenerationExistsError
-from tests._lightning_models import BNDropoutModel, assert_same, make_loader, trainer_kwargs
+from tests._lightning_models import (
+    BNDropoutModel,
+    assert_same,
+    load_checkpoint,
+    make_loader,
+    trainer_kwargs,
+    without_model_checkpoint_state,
+)
 
-
-def _load(path: str, storage_options: dict | None = None) -> dict:
-    import fsspec
-
-    with fsspec.open(path, "rb", **(storage_options or {})) as f:
-        return torch.load(f, map_location="cpu", weights_only=False)
-
-
-def _without_model_checkpoint_state(ckpt: dict) -> dict:
-    # ModelCheckpoint records the file it is writing (best_model_path, ...) in its own state before dumping, so its
-    # entry differs by construction; every other entry must be identical.
-    ckpt = dict(ckpt)
-    ckpt["callbacks"] = {k: v for k, v in ckpt["callbacks"].items() if not k.startswith("ModelCheckpoint")}
-    return ckpt
+_load = load_checkpoint
+_without_model_checkpoint_state = without_model_checkpoint_state
 
 
 def _fit(tmp_path, callbacks, *, max_steps=8, accumulate=2, model=None, ckpt_path=None, **kw):

@@ -9,158 +9,33 @@ modules and optimizers it is told about, and gives each category a capture mode:
 * ``Fence.BATCH_START``: staged in the background, waited for before the next forward;
 * ``Fence.OPTIMIZER_STEP``: staged in the background, waited for right before the next optimizer update.
 
-Deferral needs a proof, stated as a :class:`DeferralProof` whose ``rules`` are printed by :meth:`describe`.
+Deferral needs a proof (:mod:`lightning_async_ckpt.core.proof`), stated as a :class:`DeferralProof` whose
+``rules`` are printed by :meth:`describe`; every row of the plan names the rule that decided its fence.
 """
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from enum import Enum
 from typing import Any
 
 import torch
 
-__all__ = ["CapturePlan", "Category", "DeferralProof", "Fence", "StorageSlot", "prove_deferral"]
+from lightning_async_ckpt.core.proof import (
+    FENCE_ORDER,
+    OFFLOAD_OPTIMIZER_MARKERS,
+    Category,
+    DeferralProof,
+    Fence,
+    prove_deferral,
+    storage_key,
+)
 
-
-class Category(str, Enum):
-    """State categories, each with one mutation rule (see the design brief)."""
-
-    PARAMETER = "parameter"
-    OPTIMIZER_STATE = "optimizer_state"
-    OFFLOADED_OPTIMIZER_STATE = "offloaded_optimizer_state"
-    BUFFER = "buffer"
-    COUNTER = "counter"
-    RNG = "rng"
-    SCHEDULER = "scheduler"
-    PYTHON = "python"
-    UNKNOWN = "unknown"
-
-
-class Fence(str, Enum):
-    """Where the staging wait of a category sits; ordered from earliest to latest."""
-
-    CUT = "cut"
-    BATCH_START = "batch_start"
-    OPTIMIZER_STEP = "optimizer_step"
-
-
-_FENCE_ORDER = {Fence.CUT: 0, Fence.BATCH_START: 1, Fence.OPTIMIZER_STEP: 2}
 # Categories whose first mutation after the cut is the optimizer update, when proven.
 _OPTIMIZER_UPDATED = (Category.PARAMETER, Category.OPTIMIZER_STATE)
-# Known optimizers that keep state away from the parameters and may update it during backward.
-_OFFLOAD_OPTIMIZER_MARKERS = ("offload", "cpuadam", "zero")
 
-
-@dataclass(frozen=True)
-class DeferralProof:
-    """The rules under which a category may be staged after the cut, and whether they hold.
-
-    Attributes:
-        fences: Latest fence each category may use (categories not listed are copied at the cut).
-        rules: Human-readable statements of what was checked, one per rule.
-        failures: Rules that did not hold (their categories were demoted to an earlier fence).
-    """
-
-    fences: dict[Category, Fence] = field(default_factory=dict)
-    rules: tuple[str, ...] = ()
-    failures: tuple[str, ...] = ()
-
-
-def prove_deferral(
-    modules: Sequence[torch.nn.Module],
-    optimizers: Sequence[Any],
-    *,
-    automatic_optimization: bool = True,
-    has_optimizer_step_fence: bool = True,
-    has_batch_start_fence: bool = True,
-    extra_failures: Iterable[str] = (),
-    ignore_hooks: Callable[[Any], bool] | None = None,
-) -> DeferralProof:
-    """Decide how late parameters, optimizer state and buffers may be staged.
-
-    Parameters and optimizer state may wait until the next optimizer update only if every optimizer is a
-    ``torch.optim.Optimizer`` that is not an offloading one, every parameter is owned by one of them,
-    optimization is automatic, no module has forward or backward hooks or parametrizations that could write
-    parameters, and the caller has a fence right before the update. Otherwise they fall back to the batch-start
-    fence (or the cut). Buffers (BatchNorm running stats, ``num_batches_tracked`` and any other) mutate in the next
-    forward, so they may wait at most until the batch-start fence.
-
-    Args:
-        modules: The modules whose parameters and buffers are saved.
-        optimizers: The optimizers whose state is saved (Lightning's wrappers are unwrapped).
-        automatic_optimization: Whether the framework alone drives ``optimizer.step``.
-        has_optimizer_step_fence: Whether the caller will call ``wait(Fence.OPTIMIZER_STEP)`` before updates.
-        has_batch_start_fence: Whether the caller will call ``wait(Fence.BATCH_START)`` before the next forward.
-        extra_failures: Rules the caller already knows to fail (e.g. "module overrides on_after_backward").
-        ignore_hooks: Predicate for hooks that are known not to write parameters (our own).
-
-    Returns:
-        The proof, with the latest allowed fence per category.
-    """
-    rules: list[str] = []
-    failures: list[str] = list(extra_failures)
-    opts = [getattr(opt, "optimizer", opt) for opt in optimizers]  # LightningOptimizer wraps .optimizer
-    rules.append("optimization is automatic (only the framework calls optimizer.step)")
-    if not automatic_optimization:
-        failures.append("manual optimization: user code may write parameters before the step")
-    rules.append("every optimizer is a torch.optim.Optimizer and none offloads its state")
-    for opt in opts:
-        if not isinstance(opt, torch.optim.Optimizer):
-            failures.append(f"optimizer {type(opt).__name__} is not a torch.optim.Optimizer")
-        elif any(marker in type(opt).__name__.lower() for marker in _OFFLOAD_OPTIMIZER_MARKERS):
-            failures.append(f"optimizer {type(opt).__name__} offloads its state")
-    rules.append("every parameter that requires grad is owned by an optimizer")
-    owned = {
-        id(p) for opt in opts if isinstance(opt, torch.optim.Optimizer) for g in opt.param_groups for p in g["params"]
-    }
-    for module in modules:
-        for name, p in module.named_parameters():
-            if p.requires_grad and id(p) not in owned:
-                failures.append(f"parameter {name} requires grad but no optimizer owns it")
-                break
-    rules.append("no forward/backward hooks or parametrizations can write parameters")
-    for module in modules:
-        for name, sub in module.named_modules():
-            hooks = [
-                *sub._forward_pre_hooks.values(),
-                *sub._forward_hooks.values(),
-                *sub._backward_hooks.values(),
-                *getattr(sub, "_backward_pre_hooks", {}).values(),
-            ]
-            hooks = [h for h in hooks if not (ignore_hooks and ignore_hooks(h))]
-            if hooks:
-                failures.append(f"module {name or type(sub).__name__} has {len(hooks)} forward/backward hook(s)")
-                break
-            if torch.nn.utils.parametrize.is_parametrized(sub):
-                failures.append(f"module {name or type(sub).__name__} is parametrized")
-                break
-        for name, p in module.named_parameters():
-            # Optimizer-in-backward: a post-accumulate-grad hook can step the optimizer during backward.
-            if getattr(p, "_post_accumulate_grad_hooks", None):
-                failures.append(f"parameter {name} has a post-accumulate-grad hook (it may update during backward)")
-                break
-    global_hooks = [
-        getattr(torch.nn.modules.module, attr, {})
-        for attr in (
-            "_global_forward_pre_hooks",
-            "_global_forward_hooks",
-            "_global_backward_hooks",
-            "_global_backward_pre_hooks",
-        )
-    ]
-    count = sum(1 for hooks in global_hooks for h in hooks.values() if not (ignore_hooks and ignore_hooks(h)))
-    if count:
-        failures.append(f"{count} global module hook(s) are registered")
-    if not has_optimizer_step_fence:
-        failures.append("no fence before the optimizer update")
-
-    late = Fence.OPTIMIZER_STEP if not failures else (Fence.BATCH_START if has_batch_start_fence else Fence.CUT)
-    buffer_fence = Fence.BATCH_START if has_batch_start_fence else Fence.CUT
-    fences = {Category.PARAMETER: late, Category.OPTIMIZER_STATE: late, Category.BUFFER: buffer_fence}
-    return DeferralProof(fences=fences, rules=tuple(rules), failures=tuple(failures))
+__all__ = ["CapturePlan", "Category", "DeferralProof", "Fence", "StorageSlot", "prove_deferral"]
 
 
 @dataclass
@@ -175,6 +50,8 @@ class StorageSlot:
         category: The most conservative category of the tensors that use it.
         fence: Where its staging wait sits.
         names: Paths in the state of the tensors that use it.
+        tensors: The live tensors that use it (their version counters are the guard's first check).
+        rule: Why the slot sits at its fence when that is not its category's rule (pinned or demoted).
     """
 
     index: int
@@ -184,6 +61,8 @@ class StorageSlot:
     category: Category
     fence: Fence
     names: list[str]
+    tensors: list[torch.Tensor] = field(default_factory=list)
+    rule: str | None = None
 
 
 @dataclass
@@ -240,8 +119,15 @@ class CapturePlan:
         slots: list[StorageSlot] = []
         by_key: dict[tuple, int] = {}
 
-        def fence_for(category: Category) -> Fence:
-            return Fence.CUT if category in demoted else proof.fences.get(category, Fence.CUT)
+        def fence_for(category: Category, key: tuple) -> tuple[Fence, str | None]:
+            allowed = proof.fences.get(category, Fence.CUT)
+            if allowed == Fence.CUT:
+                return Fence.CUT, None
+            if category in demoted:
+                return Fence.CUT, "demoted after a guard failure: a deferred copy changed before it was staged"
+            if key in proof.pinned:
+                return Fence.CUT, proof.pinned[key]
+            return allowed, None
 
         def visit(obj: Any, path: str) -> Any:
             if isinstance(obj, torch.Tensor):
@@ -265,8 +151,9 @@ class CapturePlan:
             if not plain or t.is_quantized or t.is_meta or t.untyped_storage().nbytes() == 0:
                 return t.detach().clone()  # exotic or empty tensors: copied at the cut, not pooled
             storage = t.untyped_storage()
-            key = (t.device, storage.data_ptr())
+            key = storage_key(t)
             category = known.get(key) or _category_from_path(path, t)
+            fence, rule = fence_for(category, key)
             slot_index = by_key.get(key)
             if slot_index is None:
                 slot_index = len(slots)
@@ -278,16 +165,18 @@ class CapturePlan:
                         nbytes=storage.nbytes(),
                         device=t.device,
                         category=category,
-                        fence=fence_for(category),
+                        fence=fence,
                         names=[path],
+                        tensors=[t],
+                        rule=rule,
                     )
                 )
             else:
                 slot = slots[slot_index]
                 slot.names.append(path)
-                fence = fence_for(category)
-                if _FENCE_ORDER[fence] < _FENCE_ORDER[slot.fence]:
-                    slot.category, slot.fence = category, fence
+                slot.tensors.append(t)
+                if FENCE_ORDER[fence] < FENCE_ORDER[slot.fence]:
+                    slot.category, slot.fence, slot.rule = category, fence, rule
             return _TensorRef(
                 slot=slot_index,
                 dtype=t.dtype,
@@ -331,18 +220,19 @@ class CapturePlan:
 
     def rows(self) -> list[dict[str, Any]]:
         """One row per (category, fence): tensors, bytes, capture mode, fence and rule."""
-        groups: dict[tuple[Category, Fence], dict[str, Any]] = {}
+        groups: dict[tuple[Category, Fence, str], dict[str, Any]] = {}
         for slot in self.slots:
+            rule = slot.rule or self._rule(slot.category, slot.fence)
             row = groups.setdefault(
-                (slot.category, slot.fence),
+                (slot.category, slot.fence, rule),
                 {"category": slot.category.value, "tensors": 0, "bytes": 0, "fence": slot.fence.value},
             )
             row["tensors"] += len(slot.names)
             row["bytes"] += slot.nbytes
-        for (category, fence), row in groups.items():
+        for (_, fence, rule), row in groups.items():
             row["capture"] = "copy at cut" if fence == Fence.CUT else "staged in background"
-            row["rule"] = self._rule(category, fence)
-        return sorted(groups.values(), key=lambda r: (_FENCE_ORDER[Fence(r["fence"])], r["category"]))
+            row["rule"] = rule
+        return sorted(groups.values(), key=lambda r: (FENCE_ORDER[Fence(r["fence"])], r["category"]))
 
     def _rule(self, category: Category, fence: Fence) -> str:
         if fence == Fence.OPTIMIZER_STEP:
@@ -351,8 +241,8 @@ class CapturePlan:
             if category == Category.BUFFER:
                 return "buffers mutate in the next forward"
             return "unproven (" + "; ".join(self.proof.failures or ("not deferred",)) + ")"
-        if category in _OPTIMIZER_UPDATED and self.proof.fences.get(category, Fence.CUT) != Fence.CUT:
-            return "demoted after a guard failure"
+        if category in _OPTIMIZER_UPDATED and self.proof.failures and not self.proof.fences:
+            return "unproven (" + "; ".join(self.proof.failures) + ")"
         return "default: unproven state is copied at the cut"
 
     def summary(self) -> dict[str, Any]:
@@ -373,9 +263,7 @@ class CapturePlan:
 
 def _classify_live(modules: Sequence[torch.nn.Module], optimizers: Sequence[Any]) -> dict[tuple, Category]:
     known: dict[tuple, Category] = {}
-
-    def key(t: torch.Tensor) -> tuple:
-        return (t.device, t.untyped_storage().data_ptr())
+    key = storage_key
 
     owned = {
         id(p)
@@ -393,7 +281,7 @@ def _classify_live(modules: Sequence[torch.nn.Module], optimizers: Sequence[Any]
             known[key(b)] = Category.BUFFER
     for opt in optimizers:
         opt = getattr(opt, "optimizer", opt)
-        offload_cls = any(marker in type(opt).__name__.lower() for marker in _OFFLOAD_OPTIMIZER_MARKERS)
+        offload_cls = any(marker in type(opt).__name__.lower() for marker in OFFLOAD_OPTIMIZER_MARKERS)
         for p, state in getattr(opt, "state", {}).items():
             if not isinstance(state, dict):
                 continue

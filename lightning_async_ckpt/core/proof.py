@@ -1,0 +1,206 @@
+"""The deferral proof: how late each category of state may be staged after the cut, and why.
+
+A category may be staged in the background only up to the point of its first mutation after the cut (its fence).
+:func:`prove_deferral` checks the rules under which parameters and optimizer state are first written by the next
+optimizer update, and demotes them to an earlier fence when a rule does not hold. Parameters that a module writes
+in its own forward (``nn.Embedding(max_norm=...)`` renormalizes the rows it looks up) are pinned to the cut.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+import torch
+
+__all__ = [
+    "FENCE_ORDER",
+    "OFFLOAD_OPTIMIZER_MARKERS",
+    "Category",
+    "DeferralProof",
+    "Fence",
+    "forward_writers",
+    "prove_deferral",
+    "storage_key",
+]
+
+
+class Category(str, Enum):
+    """State categories, each with one mutation rule (see the design brief)."""
+
+    PARAMETER = "parameter"
+    OPTIMIZER_STATE = "optimizer_state"
+    OFFLOADED_OPTIMIZER_STATE = "offloaded_optimizer_state"
+    BUFFER = "buffer"
+    COUNTER = "counter"
+    RNG = "rng"
+    SCHEDULER = "scheduler"
+    PYTHON = "python"
+    UNKNOWN = "unknown"
+
+
+class Fence(str, Enum):
+    """Where the staging wait of a category sits; ordered from earliest to latest."""
+
+    CUT = "cut"
+    BATCH_START = "batch_start"
+    OPTIMIZER_STEP = "optimizer_step"
+
+
+FENCE_ORDER = {Fence.CUT: 0, Fence.BATCH_START: 1, Fence.OPTIMIZER_STEP: 2}
+# Known optimizers that keep state away from the parameters and may update it during backward.
+OFFLOAD_OPTIMIZER_MARKERS = ("offload", "cpuadam", "zero")
+# Standard modules whose forward writes their own parameters in place, and the attribute that turns it on.
+_FORWARD_WRITERS: tuple[tuple[type[torch.nn.Module], str], ...] = (
+    (torch.nn.Embedding, "max_norm"),
+    (torch.nn.EmbeddingBag, "max_norm"),
+)
+
+
+def storage_key(t: torch.Tensor) -> tuple[torch.device, int]:
+    """Identity of a tensor's storage: tensors that share it (views, tied weights) share the key."""
+    return (t.device, t.untyped_storage().data_ptr())
+
+
+@dataclass(frozen=True)
+class DeferralProof:
+    """The rules under which a category may be staged after the cut, and whether they hold.
+
+    Attributes:
+        fences: Latest fence each category may use (categories not listed are copied at the cut).
+        rules: Human-readable statements of what was checked, one per rule.
+        failures: Rules that did not hold (their categories were demoted to an earlier fence).
+        pinned: Storages copied at the cut whatever their category's fence, by :func:`storage_key`, with the
+            reason (parameters a module writes in its own forward).
+    """
+
+    fences: dict[Category, Fence] = field(default_factory=dict)
+    rules: tuple[str, ...] = ()
+    failures: tuple[str, ...] = ()
+    pinned: dict[tuple[torch.device, int], str] = field(default_factory=dict)
+
+
+def forward_writers(modules: Sequence[torch.nn.Module]) -> dict[tuple[torch.device, int], str]:
+    """Parameters that a standard module writes in place during its forward, with the reason.
+
+    ``nn.Embedding`` and ``nn.EmbeddingBag`` with ``max_norm`` renormalize the rows they look up in place, in
+    training and in evaluation (so a validation forward writes them too). Unknown modules that do the same are
+    caught by the runtime guard instead.
+    """
+    pinned: dict[tuple[torch.device, int], str] = {}
+    for module in modules:
+        for name, sub in module.named_modules():
+            for cls, attr in _FORWARD_WRITERS:
+                if isinstance(sub, cls) and getattr(sub, attr, None) is not None:
+                    reason = (
+                        f"{type(sub).__name__}({attr}=...) at {name or type(module).__name__} writes its weight "
+                        "in every forward: copied at the cut"
+                    )
+                    for p in sub.parameters(recurse=False):
+                        pinned[storage_key(p)] = reason
+    return pinned
+
+
+def prove_deferral(
+    modules: Sequence[torch.nn.Module],
+    optimizers: Sequence[Any],
+    *,
+    automatic_optimization: bool = True,
+    has_optimizer_step_fence: bool = True,
+    has_batch_start_fence: bool = True,
+    extra_failures: Iterable[str] = (),
+    ignore_hooks: Callable[[Any], bool] | None = None,
+) -> DeferralProof:
+    """Decide how late parameters, optimizer state and buffers may be staged.
+
+    Parameters and optimizer state may wait until the next optimizer update only if every optimizer is a
+    ``torch.optim.Optimizer`` that is not an offloading one, every parameter is owned by one of them,
+    optimization is automatic, no module has forward or backward hooks or parametrizations that could write
+    parameters, and the caller has a fence right before the update. Otherwise they fall back to the batch-start
+    fence (or the cut). Buffers (BatchNorm running stats, ``num_batches_tracked`` and any other) mutate in the next
+    forward, so they may wait at most until the batch-start fence. Parameters written by their own module's forward
+    (:func:`forward_writers`) are pinned to the cut.
+
+    Args:
+        modules: The modules whose parameters and buffers are saved.
+        optimizers: The optimizers whose state is saved (Lightning's wrappers are unwrapped).
+        automatic_optimization: Whether the framework alone drives ``optimizer.step``.
+        has_optimizer_step_fence: Whether the caller will call ``wait(Fence.OPTIMIZER_STEP)`` before updates.
+        has_batch_start_fence: Whether the caller will call ``wait(Fence.BATCH_START)`` before the next forward.
+        extra_failures: Rules the caller already knows to fail (e.g. "module overrides on_after_backward").
+        ignore_hooks: Predicate for hooks that are known not to write parameters (our own).
+
+    Returns:
+        The proof, with the latest allowed fence per category.
+    """
+    rules: list[str] = []
+    failures: list[str] = list(extra_failures)
+    opts = [getattr(opt, "optimizer", opt) for opt in optimizers]  # LightningOptimizer wraps .optimizer
+    rules.append("optimization is automatic (only the framework calls optimizer.step)")
+    if not automatic_optimization:
+        failures.append("manual optimization: user code may write parameters before the step")
+    rules.append("every optimizer is a torch.optim.Optimizer and none offloads its state")
+    for opt in opts:
+        if not isinstance(opt, torch.optim.Optimizer):
+            failures.append(f"optimizer {type(opt).__name__} is not a torch.optim.Optimizer")
+        elif any(marker in type(opt).__name__.lower() for marker in OFFLOAD_OPTIMIZER_MARKERS):
+            failures.append(f"optimizer {type(opt).__name__} offloads its state")
+    rules.append("every parameter that requires grad is owned by an optimizer")
+    owned = {
+        id(p) for opt in opts if isinstance(opt, torch.optim.Optimizer) for g in opt.param_groups for p in g["params"]
+    }
+    for module in modules:
+        for name, p in module.named_parameters():
+            if p.requires_grad and id(p) not in owned:
+                failures.append(f"parameter {name} requires grad but no optimizer owns it")
+                break
+    rules.append("no forward/backward hooks or parametrizations can write parameters")
+    failures.extend(_hook_failures(modules, ignore_hooks))
+    if not has_optimizer_step_fence:
+        failures.append("no fence before the optimizer update")
+    rules.append("no standard module writes its parameters in forward (those are pinned to the cut)")
+    pinned = forward_writers(modules)
+
+    late = Fence.OPTIMIZER_STEP if not failures else (Fence.BATCH_START if has_batch_start_fence else Fence.CUT)
+    buffer_fence = Fence.BATCH_START if has_batch_start_fence else Fence.CUT
+    fences = {Category.PARAMETER: late, Category.OPTIMIZER_STATE: late, Category.BUFFER: buffer_fence}
+    return DeferralProof(fences=fences, rules=tuple(rules), failures=tuple(failures), pinned=pinned)
+
+
+def _hook_failures(modules: Sequence[torch.nn.Module], ignore_hooks: Callable[[Any], bool] | None) -> list[str]:
+    failures: list[str] = []
+    for module in modules:
+        for name, sub in module.named_modules():
+            hooks = [
+                *sub._forward_pre_hooks.values(),
+                *sub._forward_hooks.values(),
+                *sub._backward_hooks.values(),
+                *getattr(sub, "_backward_pre_hooks", {}).values(),
+            ]
+            hooks = [h for h in hooks if not (ignore_hooks and ignore_hooks(h))]
+            if hooks:
+                failures.append(f"module {name or type(sub).__name__} has {len(hooks)} forward/backward hook(s)")
+                break
+            if torch.nn.utils.parametrize.is_parametrized(sub):
+                failures.append(f"module {name or type(sub).__name__} is parametrized")
+                break
+        for name, p in module.named_parameters():
+            # Optimizer-in-backward: a post-accumulate-grad hook can step the optimizer during backward.
+            if getattr(p, "_post_accumulate_grad_hooks", None):
+                failures.append(f"parameter {name} has a post-accumulate-grad hook (it may update during backward)")
+                break
+    global_hooks = [
+        getattr(torch.nn.modules.module, attr, {})
+        for attr in (
+            "_global_forward_pre_hooks",
+            "_global_forward_hooks",
+            "_global_backward_hooks",
+            "_global_backward_pre_hooks",
+        )
+    ]
+    count = sum(1 for hooks in global_hooks for h in hooks.values() if not (ignore_hooks and ignore_hooks(h)))
+    if count:
+        failures.append(f"{count} global module hook(s) are registered")
+    return failures
