@@ -4,10 +4,9 @@ CPU tensors are copied by a named background thread. CUDA tensors are copied int
 stream that first waits on an event recorded on the compute stream at the cut; a fence on CUDA makes the compute
 stream wait on the copy's completion event, so the host does not block at all.
 
-The runtime guard: ``tensor._version`` misses real mutations (fused optimizers, BatchNorm running stats,
-``.data`` writes), so a few sampled bytes of every deferred storage are fingerprinted at the cut and compared with
-the staged copy. A mismatch means the deferral's proof was wrong: the job fails with
-:class:`~lightning_async_ckpt.errors.TornSnapshotError`.
+The runtime guard (:mod:`lightning_async_ckpt.core.guard`) records the version counters and a fingerprint of every
+deferred storage at the cut and checks them once the copies landed. A change means the deferral's proof was wrong:
+the job fails with :class:`~lightning_async_ckpt.errors.TornSnapshotError`.
 """
 
 from __future__ import annotations
@@ -23,12 +22,12 @@ import psutil
 import torch
 
 from lightning_async_ckpt.core.capture import Category, Fence, StorageSlot
+from lightning_async_ckpt.core.guard import CutGuard, GuardMode, resolve_guard_mode
 from lightning_async_ckpt.errors import ConfigError, HostMemoryBudgetError, TornSnapshotError
 
 __all__ = ["AUTO_BUDGET_FRACTION", "BufferPool", "StagingJob", "resolve_budget"]
 
 AUTO_BUDGET_FRACTION = 0.5
-_FINGERPRINT_SAMPLES = 64
 
 
 def resolve_budget(budget: int | str | None, reserved_bytes: int = 0) -> int | None:
@@ -139,12 +138,6 @@ def _as_bytes(storage: torch.UntypedStorage) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage, 0, (storage.nbytes(),), (1,))
 
 
-def _sample_index(nbytes: int, device: torch.device) -> torch.Tensor:
-    count = min(nbytes, _FINGERPRINT_SAMPLES)
-    # Integer arithmetic: a float32 linspace rounds indices above 2**24 up to `nbytes` (out of bounds).
-    return torch.arange(count, device=device, dtype=torch.int64) * (nbytes - 1) // max(count - 1, 1)
-
-
 @dataclass
 class _FenceState:
     event: threading.Event = field(default_factory=threading.Event)
@@ -161,13 +154,16 @@ class StagingJob:
     Args:
         slots: The plan's storage slots.
         buffers: One host buffer per slot.
-        guard: Fingerprint deferred storages and check the staged copies.
+        guard: ``True``/``"sample"``: version counters plus a sampled fingerprint; ``"full"``: version counters
+            plus a checksum of every byte; ``False``/``"off"``: no check (see :mod:`lightning_async_ckpt.core.guard`).
     """
 
-    def __init__(self, slots: Sequence[StorageSlot], buffers: Sequence[torch.Tensor], *, guard: bool = True) -> None:
+    def __init__(
+        self, slots: Sequence[StorageSlot], buffers: Sequence[torch.Tensor], *, guard: bool | str = True
+    ) -> None:
         self.slots = list(slots)
         self.buffers = list(buffers)
-        self.guard = guard
+        self.guard = resolve_guard_mode(guard)
         self.fences = {f: _FenceState() for f in (Fence.BATCH_START, Fence.OPTIMIZER_STEP)}
         self.error: BaseException | None = None
         self.done = threading.Event()
@@ -176,8 +172,8 @@ class StagingJob:
         self.stage_started = 0.0
         self.stage_started_wall = 0.0
         self.stage_ended = 0.0
-        self._fingerprints: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._deferred = [s for s in self.slots if s.fence != Fence.CUT]
+        self._guard = CutGuard(self._deferred, self.guard)
         # Earlier fences first, so the first wait is released as soon as possible.
         self._deferred.sort(key=lambda s: 0 if s.fence == Fence.BATCH_START else 1)
         self._cuda_cut_events: dict[torch.device, torch.cuda.Event] = {}
@@ -189,10 +185,7 @@ class StagingJob:
         for slot, buf in zip(self.slots, self.buffers, strict=True):
             if slot.fence == Fence.CUT:
                 buf.copy_(_as_bytes(slot.storage))
-        if self.guard:
-            for slot in self._deferred:
-                idx = _sample_index(slot.nbytes, slot.device)
-                self._fingerprints[slot.index] = (idx, _as_bytes(slot.storage)[idx].clone())
+        self._guard.record()
         devices = {s.device for s in self._deferred if s.device.type == "cuda"}
         for dev in devices:
             event = torch.cuda.Event()
@@ -223,11 +216,13 @@ class StagingJob:
                     np.copyto(buf.numpy(), _as_bytes(slot.storage).numpy())
                 pending[slot.fence] -= 1
                 if pending[slot.fence] == 0:
+                    # Version counters are read before the fence opens: the optimizer's own step comes after it.
+                    self._guard.seal([s for s in self._deferred if s.fence == slot.fence])
                     self._release(slot.fence)
             for stream in self._side_streams.values():
                 stream.synchronize()
-            if self.guard:
-                self._check_fingerprints()
+            if self.guard != GuardMode.OFF:
+                self._check_guard()
         except BaseException as exc:  # noqa: BLE001 - stored and re-raised on the training thread
             self.error = exc
         finally:
@@ -248,16 +243,12 @@ class StagingJob:
             state.cuda_event = event
         state.event.set()
 
-    def _check_fingerprints(self) -> None:
-        torn = []
-        for slot in self._deferred:
-            idx, expected = self._fingerprints[slot.index]
-            got = self.buffers[slot.index][idx.cpu()]
-            if not torch.equal(got, expected.cpu()):
-                torn.append(slot)
-        if torn:
+    def _check_guard(self) -> None:
+        found = self._guard.check(self.buffers)
+        if found:
+            torn = [slot for slot, _ in found]
             self.torn_categories = {s.category for s in torn}
-            names = ", ".join(s.names[0] for s in torn[:5])
+            names = ", ".join(f"{slot.names[0]} ({how})" for slot, how in found[:5])
             raise TornSnapshotError(
                 f"{len(torn)} deferred storage(s) changed between the cut and their staging copy ({names}); the "
                 f"deferral proof for {sorted(c.value for c in self.torn_categories)} failed, the checkpoint was "

@@ -1,0 +1,176 @@
+"""The runtime guard: did a deferred storage change between the cut and the end of its staging copy?
+
+Two independent checks, both recorded at the cut (training thread) and checked once every deferred copy landed
+(staging thread):
+
+* **Version counters.** Every in-place tensor operation (``add_``, ``index_copy_``, ``renorm_``, an
+  ``nn.Embedding(max_norm=...)`` forward, a single-tensor ``torch.optim`` step, ``copy_``...) increments
+  ``tensor._version`` of the tensors sharing that version counter (the parameter and the detached views in the
+  state dict). A changed counter is a detected write, whatever it wrote.
+* **A content fingerprint**, for writes that do not bump the counter: kernels that write through ``.data`` or raw
+  pointers (BatchNorm running statistics, fused/foreach optimizer kernels in some builds, ``.data.copy_`` as in
+  Lightning's ``WeightAveraging``). ``GuardMode.SAMPLE`` compares ``FINGERPRINT_SAMPLES`` bytes at positions drawn
+  uniformly at random (with replacement, from a private generator: training's RNG is untouched) for each cut;
+  :func:`miss_probability` is its exact miss probability. ``GuardMode.FULL`` compares a position-weighted checksum
+  of every byte: a change of one 8-byte word is always caught; it reads every deferred byte at the cut.
+
+The counters of a storage are read again right after its copy landed and before its fence opens ("sealed"):
+writes after the fence (the optimizer's own step) never count, and a write before the seal always does. What
+each mode guarantees is stated in ``docs/concepts.md`` ("The guard").
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Sequence
+from enum import Enum
+
+import numpy as np
+import torch
+
+from lightning_async_ckpt.core.capture import Fence, StorageSlot
+from lightning_async_ckpt.errors import ConfigError
+
+__all__ = ["FINGERPRINT_SAMPLES", "CutGuard", "GuardMode", "miss_probability", "resolve_guard_mode"]
+
+FINGERPRINT_SAMPLES = 64
+_CHUNK_WORDS = 1 << 19  # 4 MiB of int64 words per checksum chunk: bounded temporaries
+
+
+class GuardMode(str, Enum):
+    """How the guard checks deferred storages (version counters are checked in every mode but ``OFF``)."""
+
+    OFF = "off"
+    SAMPLE = "sample"
+    FULL = "full"
+
+
+def resolve_guard_mode(guard: bool | str | GuardMode) -> GuardMode:
+    """``True`` means :attr:`GuardMode.SAMPLE`, ``False`` :attr:`GuardMode.OFF`; strings name a mode."""
+    if guard is True:
+        return GuardMode.SAMPLE
+    if guard is False:
+        return GuardMode.OFF
+    try:
+        return GuardMode(guard)
+    except ValueError:
+        raise ConfigError(f"guard must be True, False, 'sample', 'full' or 'off', got {guard!r}") from None
+
+
+def miss_probability(nbytes: int, changed_bytes: int, samples: int = FINGERPRINT_SAMPLES) -> float:
+    """Probability that the sampled fingerprint misses a write that changed ``changed_bytes`` of ``nbytes``.
+
+    Positions are drawn uniformly with replacement, so ``P(miss) = (1 - s/n) ** k``; storages of at most
+    ``samples`` bytes are compared whole (never missed). The version counter check comes on top of it.
+    """
+    if nbytes <= samples or changed_bytes >= nbytes:
+        return 0.0 if changed_bytes > 0 else 1.0
+    return (1.0 - changed_bytes / nbytes) ** samples
+
+
+def _as_bytes(storage: torch.UntypedStorage) -> torch.Tensor:
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage, 0, (storage.nbytes(),), (1,))
+
+
+def checksum(data: torch.Tensor) -> int:
+    """Position-weighted sum of the 8-byte words of a ``uint8`` tensor (plus its tail bytes), modulo 2**64.
+
+    Word ``i`` is weighted by the odd number ``2i + 1``, so changing any single word always changes the sum.
+    """
+    n = data.numel()
+    whole = n - n % 8
+    total = 0
+    mask = (1 << 64) - 1
+    if data.device.type == "cpu":
+        words = data[:whole].numpy().view(np.int64)
+        base = np.arange(1, 2 * min(_CHUNK_WORDS, len(words)) + 1, 2, dtype=np.int64)
+        tmp = np.empty_like(base)
+        with np.errstate(over="ignore"):
+            for off in range(0, len(words), _CHUNK_WORDS):
+                chunk = words[off : off + _CHUNK_WORDS]
+                np.multiply(chunk, base[: len(chunk)], out=tmp[: len(chunk)])
+                total += int(tmp[: len(chunk)].sum()) + 2 * off * int(chunk.sum())
+        tail = data[whole:].numpy().tolist()
+    else:
+        words = data[:whole].view(torch.int64)
+        base = torch.arange(1, 2 * min(_CHUNK_WORDS, words.numel()) + 1, 2, dtype=torch.int64, device=data.device)
+        for off in range(0, words.numel(), _CHUNK_WORDS):
+            chunk = words[off : off + _CHUNK_WORDS]
+            total += int((chunk * base[: chunk.numel()]).sum()) + 2 * off * int(chunk.sum())
+        tail = data[whole:].cpu().tolist()
+    for i, b in enumerate(tail):
+        total += (whole + i + 1) * b
+    return total & mask
+
+
+def _versions(slot: StorageSlot) -> list[int | None]:
+    out: list[int | None] = []
+    for t in slot.tensors:
+        try:
+            out.append(t._version)
+        except RuntimeError:  # inference tensors have no version counter
+            out.append(None)
+    return out
+
+
+class CutGuard:
+    """Records the deferred storages at the cut and tells which of the staged copies may be torn.
+
+    :meth:`record` runs on the training thread at the cut; :meth:`check` runs on the staging thread after every
+    deferred copy landed. Not thread-safe beyond that hand-off (the job's thread start orders them).
+
+    Args:
+        slots: The deferred storage slots (copy-at-cut ones need no guard).
+        mode: What to check besides nothing (``OFF``).
+    """
+
+    def __init__(self, slots: Sequence[StorageSlot], mode: GuardMode) -> None:
+        self.slots = [s for s in slots if s.fence != Fence.CUT]
+        self.mode = mode
+        self._versions: dict[int, list[int | None]] = {}
+        self._sealed: dict[int, list[int | None]] = {}
+        self._samples: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._sums: dict[int, int] = {}
+
+    def record(self) -> None:
+        """At the cut: version counters, and the sampled bytes or full checksums of every deferred storage."""
+        if self.mode == GuardMode.OFF:
+            return
+        gen = torch.Generator().manual_seed(secrets.randbits(63))
+        for slot in self.slots:
+            self._versions[slot.index] = _versions(slot)
+            data = _as_bytes(slot.storage)
+            if self.mode == GuardMode.FULL:
+                self._sums[slot.index] = checksum(data)
+            elif slot.nbytes <= FINGERPRINT_SAMPLES:
+                idx = torch.arange(slot.nbytes)
+                self._samples[slot.index] = (idx, data[idx.to(slot.device)].clone())
+            else:
+                idx = torch.randint(0, slot.nbytes, (FINGERPRINT_SAMPLES,), generator=gen)
+                self._samples[slot.index] = (idx, data[idx.to(slot.device)].clone())
+
+    def seal(self, slots: Sequence[StorageSlot]) -> None:
+        """Right after ``slots`` were copied and before their fence opens: read their version counters again."""
+        if self.mode != GuardMode.OFF:
+            for slot in slots:
+                self._sealed[slot.index] = _versions(slot)
+
+    def check(self, buffers: Sequence[torch.Tensor]) -> list[tuple[StorageSlot, str]]:
+        """After the copies: the slots whose staged copy may differ from the cut, each with the check that saw it."""
+        if self.mode == GuardMode.OFF:
+            return []
+        torn: dict[int, tuple[StorageSlot, str]] = {}
+        for slot in self.slots:
+            buf = buffers[slot.index]
+            if self.mode == GuardMode.FULL:
+                if checksum(buf) != self._sums[slot.index]:
+                    torn[slot.index] = (slot, "checksum")
+            else:
+                idx, expected = self._samples[slot.index]
+                if not torch.equal(buf[idx], expected.cpu()):
+                    torn[slot.index] = (slot, "fingerprint")
+        for slot in self.slots:
+            sealed = self._sealed.get(slot.index) or _versions(slot)
+            if slot.index not in torn and sealed != self._versions[slot.index]:
+                torn[slot.index] = (slot, "version counter")
+        return list(torn.values())
