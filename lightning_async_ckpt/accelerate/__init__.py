@@ -10,7 +10,9 @@ Two paths, both driven by an :class:`AccelerateCheckpointer` that :func:`attach`
 * **Fully asynchronous path**: :func:`save_state` (or :meth:`AccelerateCheckpointer.save_state`) captures everything
   accelerate would save at the cut and writes the same layout as one generation ``<uri>/step-XXXXXXXX/`` of a
   :class:`~lightning_async_ckpt.storage.store.CheckpointStore` (local or ``s3://``). :func:`load_state` restores the newest
-  committed generation with ``accelerator.load_state``.
+  committed generation with ``accelerator.load_state`` (also the newest committed ``checkpoint_N`` of accelerate's
+  automatic naming); it never lets accelerate unpickle a custom object that ``torch.load(weights_only=True)``
+  refuses unless called with ``trust_pickled_objects=True``.
 
 Fences: an optimizer step pre-hook on each prepared optimizer's inner ``torch.optim.Optimizer`` sits right before the
 update; parameters (and, in the second path, optimizer state) are staged behind it when

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import atexit
 import concurrent.futures
 import json
 import os
@@ -10,6 +9,7 @@ import weakref
 from collections import deque
 from typing import Any
 
+from lightning_async_ckpt.accelerate._collective import collective_for
 from lightning_async_ckpt.accelerate._folder import _FolderSave, _FolderStore, _release_unsettled
 from lightning_async_ckpt.accelerate._layout import (
     _ATTR,
@@ -22,13 +22,17 @@ from lightning_async_ckpt.accelerate._layout import (
     _log,
     _rng_state,
 )
+from lightning_async_ckpt.accelerate._mirrors import MirrorBook
 from lightning_async_ckpt.core.capture import DeferralProof, Fence, prove_deferral
+from lightning_async_ckpt.core.collective import RankFailedError, agree
 from lightning_async_ckpt.core.engine import AsyncCheckpointer, CheckpointOptions, SaveHandle
 from lightning_async_ckpt.core.handle import DrainOnExit
 from lightning_async_ckpt.core.telemetry import SaveRecord
+from lightning_async_ckpt.core.workers import register_at_exit
 from lightning_async_ckpt.errors import CheckpointError, ConfigError
+from lightning_async_ckpt.storage.io import fsync_dir
 from lightning_async_ckpt.storage.manifest import MANIFEST_NAME, Manifest
-from lightning_async_ckpt.storage.store import CheckpointStore, _fsync_dir
+from lightning_async_ckpt.storage.store import CheckpointStore
 
 
 # -- the checkpointer --------------------------------------------------------------------------------------
@@ -71,19 +75,18 @@ class AccelerateCheckpointer(DrainOnExit):
         self._folder_store: _FolderStore | None = None
         self._unsettled: list[_FolderSave] = []
         self._pending_settle = False
-        self._mirrors: dict[int, SaveHandle] = {}
-        self._reportable: deque[SaveHandle] = deque()
+        self._collective_group = collective_for(accelerator)
+        self._book = MirrorBook(self._main)
         self._fences: dict[int, Any] = {}
         self._counted: Any = None
         self._closed = False
-        self.run_id = self._collective(payload=CheckpointStore.new_run_id())[0]
+        self.run_id = self._collective(payload=CheckpointStore.new_run_id(), doing="attach")[0]
         self._hooks = [
             accelerator.register_save_state_pre_hook(self._on_save_state),
             accelerator.register_load_state_pre_hook(self._on_load_state),
         ]
         self._install_fences()
-        self._atexit = _make_atexit(weakref.ref(self))
-        atexit.register(self._atexit)
+        self._exit_hook = register_at_exit(self._exit)
         # Dropped without close(): no upload thread may wait forever for a confirmation that cannot come.
         self._finalizer = weakref.finalize(self, _release_unsettled, self._unsettled, self._multi)
 
@@ -127,16 +130,18 @@ class AccelerateCheckpointer(DrainOnExit):
             try:
                 state = _layout_state(self.accelerator, rngs)
                 handle = self._save(self._get_engine(), step, state, extra={"layout": "accelerate"})
-                self._reportable.append(handle)
+                self._book.track(handle)
             except Exception as exc:  # noqa: BLE001 - raised on every process by the collective below
                 error = exc
-        decision = self._collective(error, payload=handle.decision if handle is not None else None)[0]
+        decision = self._collective(
+            error, payload=handle.decision if handle is not None else None, doing=f"save_state(step={step})"
+        )[0]
         if handle is None:
             # This process wrote nothing: its handle mirrors the main process's save (resolved at collectives).
             handle = SaveHandle(step=step, record=SaveRecord(requested_step=step), decision=decision)
             if decision.admitted:
                 handle.staged.set_result(step)
-                self._mirrors[step] = handle
+                self._book.mirror(handle)
             else:
                 for fut in (handle.staged, handle.uploaded, handle.committed):
                     fut.cancel()
@@ -156,7 +161,7 @@ class AccelerateCheckpointer(DrainOnExit):
         if self._closed:
             return
         self._closed = True
-        atexit.unregister(self._atexit)
+        self._exit_hook.unregister()
         self._finalizer.detach()
         error: BaseException | None = None
         try:
@@ -176,12 +181,9 @@ class AccelerateCheckpointer(DrainOnExit):
         if getattr(self.accelerator, _ATTR, None) is self:
             delattr(self.accelerator, _ATTR)
         try:
-            self._collective(error)
+            self._collective(error, doing="close")
         finally:
-            for handle in self._mirrors.values():
-                for fut in (handle.uploaded, handle.committed):
-                    fut.cancel()
-            self._mirrors.clear()
+            self._book.cancel_all()
 
     # -- hooks (training thread) ----------------------------------------------------------------------------
     def _on_save_state(self, models: list, weights: list, output_dir: str) -> None:
@@ -203,20 +205,11 @@ class AccelerateCheckpointer(DrainOnExit):
                 self._save_folder(os.path.abspath(os.fspath(output_dir)), taken)
             except Exception as exc:  # noqa: BLE001 - raised on every process by the collective below
                 error = exc
-        self._collective(error)
+        self._collective(error, doing=f"save_state({output_dir!r})")
 
     def _on_load_state(self, models: list, input_dir: str) -> None:
-        self._settle_collectively()
-        self.wait()
         folder = os.path.abspath(os.fspath(input_dir))
-        error: BaseException | None = None
-        for save in list(self._folder_store.saves.values()) if self._folder_store else []:
-            if save.folder == folder and save.handle is not None:
-                try:
-                    save.handle.committed.result()
-                except Exception as exc:  # noqa: BLE001 - raised on every process by the collective below
-                    error = exc
-        self._collective(error)
+        self._quiesce(folder)
         manifest_path = os.path.join(folder, MANIFEST_NAME)
         if os.path.exists(manifest_path):
             with open(manifest_path, "rb") as f:
@@ -235,6 +228,21 @@ class AccelerateCheckpointer(DrainOnExit):
         self.wait()
 
     # -- internals -----------------------------------------------------------------------------------------
+    def _quiesce(self, under: str | None) -> None:
+        """Collective, before a load: confirm pending folders, finish staging, and let every hook-path save into
+        ``under`` (a folder, or any folder below it) end, so loading sees it committed or failed."""
+        self._settle_collectively()
+        self.wait()
+        error: BaseException | None = None
+        for save in list(self._folder_store.saves.values()) if self._folder_store and under else []:
+            inside = save.folder == under or save.folder.startswith(under.rstrip(os.sep) + os.sep)
+            if inside and save.handle is not None:
+                try:
+                    save.handle.committed.result()
+                except Exception as exc:  # noqa: BLE001 - raised on every process by the collective below
+                    error = exc
+        self._collective(error, doing=f"load_state({under!r}): waiting for saves into it")
+
     def _save_folder(self, folder: str, weights: list[dict]) -> None:
         store, engine = self._get_folder_engine()
         # A save still in flight into this folder (or at this step) ends before the folder is rewritten.
@@ -249,7 +257,7 @@ class AccelerateCheckpointer(DrainOnExit):
             os.fsync(f.fileno())
         if os.path.exists(os.path.join(folder, MANIFEST_NAME)):
             os.unlink(os.path.join(folder, MANIFEST_NAME))  # the folder is being rewritten: un-commit it first
-        _fsync_dir(folder)
+        fsync_dir(folder)
         state = {_indexed("model", i, ".safetensors"): ("safetensors", _clean(sd)) for i, sd in enumerate(weights)}
         save = _FolderSave(folder=folder, step=self.step, expected=_expected_sync_files(self.accelerator))
         store.saves[self.step] = save
@@ -319,9 +327,9 @@ class AccelerateCheckpointer(DrainOnExit):
     def _new_engine(self, store: CheckpointStore, options: CheckpointOptions) -> AsyncCheckpointer:
         engine = AsyncCheckpointer(store, options, serializer=_LayoutSerializer())
         engine.declare_fences({Fence.OPTIMIZER_STEP})
-        # Our exit handler must run before the engine's (atexit is LIFO): it confirms pending folders first.
-        atexit.unregister(self._atexit)
-        atexit.register(self._atexit)
+        # Our exit handler must run before the engine's (newest first): it confirms pending folders first.
+        self._exit_hook.unregister()
+        self._exit_hook = register_at_exit(self._exit)
         return engine
 
     def _engines(self) -> list[AsyncCheckpointer]:
@@ -337,7 +345,9 @@ class AccelerateCheckpointer(DrainOnExit):
 
     def _settle_collectively(self, payload: Any = None) -> list[Any]:
         """Collective: every process returned from earlier ``save_state`` calls; raise pending errors everywhere."""
-        return self._collective(self._take_pending(), payload=payload, agreed=self._mark_settled)
+        return self._collective(
+            self._take_pending(), payload=payload, agreed=self._mark_settled, doing="a checkpoint operation"
+        )
 
     def _mark_settled(self) -> None:
         self._pending_settle = False
@@ -346,59 +356,25 @@ class AccelerateCheckpointer(DrainOnExit):
         self._unsettled.clear()
 
     def _collective(
-        self, local_error: BaseException | None = None, payload: Any = None, *, agreed: Any = None
+        self, local_error: BaseException | None = None, payload: Any = None, *, doing: str, agreed: Any = None
     ) -> list[Any]:
-        """Share each process's error and payload; raise the same failure on every process.
+        """Share each process's error and payload through the collective seam; raise on every process if any failed.
 
-        ``agreed`` runs once every process reached this point (before any error is raised).
+        ``agreed`` runs once every process reached this point, before any error is raised. The main process's
+        ended saves travel with the payload, so the other processes can resolve their mirror handles.
         """
-        gathered = [{"error": None, "payload": payload}]
-        if self._multi:
-            from accelerate.utils import gather_object
-
-            message = None if local_error is None else f"{type(local_error).__name__}: {local_error}"
-            gathered = gather_object([{"error": message, "payload": payload, "report": self._report()}])
-            self._absorb(gathered[0]["report"])
+        report = self._book.report() if self._collective_group is not None else []
+        try:
+            gathered = agree(self._collective_group, local_error, (payload, report), doing=doing)
+        except BaseException as exc:
+            if agreed is not None and (exc is local_error or isinstance(exc, RankFailedError)):
+                agreed()  # every process reached the exchange; only then may their folders be confirmed
+            raise
+        self._book.delivered(len(report))
+        self._book.absorb(gathered[0][1])
         if agreed is not None:
             agreed()
-        if local_error is not None:
-            raise local_error
-        for rank, item in enumerate(gathered):
-            if item["error"]:
-                raise CheckpointError(f"a checkpoint operation failed on process {rank}: {item['error']}")
-        return [item["payload"] for item in gathered]
-
-    def _report(self) -> list[tuple[int, str, Any]]:
-        """The main process's ended fully asynchronous saves, so the other processes can resolve their handles."""
-        out: list[tuple[int, str, Any]] = []
-        while self._main and self._reportable and self._reportable[0].done:
-            handle = self._reportable.popleft()
-            fut = handle.committed
-            if fut.cancelled():
-                out.append((handle.step, "cancelled", None))
-            elif fut.exception() is not None:
-                out.append((handle.step, "failed", str(fut.exception())))
-            else:
-                out.append((handle.step, "committed", fut.result()))
-        return out
-
-    def _absorb(self, report: list[tuple[int, str, Any]]) -> None:
-        if self._main:
-            return
-        for step, outcome, value in report:
-            handle = self._mirrors.pop(step, None)
-            if handle is None:
-                continue
-            if outcome == "committed":
-                handle.uploaded.set_result(value.total_bytes)
-                handle.committed.set_result(value)
-            elif outcome == "failed":
-                error = CheckpointError(f"checkpoint for step {step} failed on the main process: {value}")
-                handle.uploaded.set_exception(error)
-                handle.committed.set_exception(error)
-            else:
-                handle.uploaded.cancel()
-                handle.committed.cancel()
+        return [p for p, _ in gathered]
 
     def _exit(self) -> None:
         if self._closed:
@@ -416,12 +392,3 @@ class AccelerateCheckpointer(DrainOnExit):
             self.close(timeout=self.options.drain_timeout_s)
         except Exception:  # noqa: BLE001 - nothing can be raised at exit; it is logged
             _log.warning("checkpoint error at interpreter exit", exc_info=True)
-
-
-def _make_atexit(ref: weakref.ReferenceType) -> Any:
-    def _at_exit() -> None:
-        checkpointer = ref()
-        if checkpointer is not None:
-            checkpointer._exit()
-
-    return _at_exit

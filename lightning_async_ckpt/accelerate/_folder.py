@@ -1,21 +1,32 @@
-"""Hook-path generations: the folders passed to ``accelerator.save_state``, as a store, writer and save."""
+"""Hook-path generations: the folders passed to ``accelerator.save_state``, as a store, writer and save.
+
+The folder store owns its own bookkeeping (which folder is being written, by which save) and its writer is
+composed from the storage layer's public I/O helpers (:mod:`lightning_async_ckpt.storage.io`); nothing of a
+``CheckpointStore``'s internals is used. ``_FolderStore`` still derives from ``CheckpointStore`` for one reason:
+the engine accepts only that type; it overrides every method the engine calls (``begin``, ``manifest``,
+``check_sizes``, ``gc``), and its base-class root (the working directory) is never read or written.
+"""
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 import threading
+import time
 import zipfile
 from dataclasses import dataclass, field
-from typing import Any
+from typing import IO, Any
 
 from lightning_async_ckpt.accelerate._layout import _ARCHIVE_RE, INCOMPLETE_MARKER, _log
 from lightning_async_ckpt.core.engine import SaveHandle
-from lightning_async_ckpt.errors import CheckpointError, GenerationExistsError, ManifestError
+from lightning_async_ckpt.errors import CheckpointError, GenerationExistsError, ManifestError, StorageError
+from lightning_async_ckpt.storage.io import Checksum, atomic_local_write, fsync_dir, open_local_write
 from lightning_async_ckpt.storage.manifest import MANIFEST_NAME, Manifest, ObjectEntry, validate_object_name
-from lightning_async_ckpt.storage.store import CheckpointStore, GenerationWriter, _Checksum, _fsync_dir
+from lightning_async_ckpt.storage.store import CheckpointStore
+
+_READ_CHUNK = 8 << 20
 
 
-# -- folder generations (hook path) ------------------------------------------------------------------------
 @dataclass(eq=False)
 class _FolderSave:
     """One hook-path save: the folder, and whether accelerate's synchronous part is known to have finished."""
@@ -44,29 +55,121 @@ class _FolderSave:
         self.settled.set()
 
     def abandon(self) -> None:
+        """Never commit this folder (its save was not confirmed on every process)."""
         self.abandoned = True
         self.settled.set()
 
 
-class _FolderWriter(GenerationWriter):
-    """Writes our objects into accelerate's folder; commit waits for accelerate's part, then seals its files."""
+class _FolderStream:
+    """One of our objects in the folder: checksummed as it is written, fsynced and recorded on close."""
+
+    def __init__(self, writer: _FolderWriter, name: str, raw: IO[bytes]) -> None:
+        self._writer, self.name, self._raw = writer, name, raw
+        self._sum = Checksum(writer.checksum)
+        self.size = 0
+        self.closed = False
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        try:
+            self._raw.write(view)
+        except Exception as exc:
+            raise StorageError(f"could not write {self.name!r} into {self._writer.path}: {exc}") from exc
+        self._sum.update(view)
+        self.size += len(view)
+        return len(view)
+
+    def writable(self) -> bool:
+        return True
+
+    def readable(self) -> bool:
+        return False
+
+    def seekable(self) -> bool:
+        return False
+
+    def tell(self) -> int:
+        return self.size
+
+    def flush(self) -> None:
+        self._raw.flush()
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            self._raw.flush()
+            os.fsync(self._raw.fileno())
+            self._raw.close()
+        except Exception as exc:
+            raise StorageError(f"could not finish {self.name!r} in {self._writer.path}: {exc}") from exc
+        self._writer._record(ObjectEntry(name=self.name, size=self.size, checksum=self._sum.hexdigest()))
+
+    def __enter__(self) -> _FolderStream:
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is None:
+            self.close()
+        elif not self.closed:
+            self.closed = True
+            self._raw.close()
+
+
+class _FolderWriter:
+    """Writes our objects into accelerate's folder; commit waits for accelerate's part, then seals its files.
+
+    Call sequence (the engine's): ``open(name)`` for each of our objects, then ``commit(...)``, or ``abort()``.
+    """
 
     def __init__(self, store: _FolderStore, save: _FolderSave) -> None:
-        super().__init__(store, save.step, store.checksum)
+        self.store = store
+        self.step = save.step
+        self.checksum = store.checksum
+        self.path = save.folder
         self._save = save
+        self._objects: dict[str, ObjectEntry] = {}
         self._own: set[str] = set()
+        self._done = False
 
-    def open(self, name: str) -> Any:
+    def open(self, name: str) -> _FolderStream:
+        """Open our object ``name`` in the folder for streaming writes."""
+        if self._done:
+            raise CheckpointError(f"{self.path}: this save is already committed or aborted")
+        validate_object_name(name)
+        if name in self._own:
+            raise CheckpointError(f"object {name!r} was already written into {self.path}")
+        path = os.path.join(self.path, *name.split("/"))
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            raw = open_local_write(path, self.store.direct_io)
+        except OSError as exc:
+            raise StorageError(f"could not open {path!r} for writing: {exc}") from exc
         self._own.add(name)
-        return super().open(name)
+        return _FolderStream(self, name, raw)  # type: ignore[arg-type]
+
+    def write_bytes(self, name: str, data: bytes) -> ObjectEntry:
+        """Write a small object in one call and return its entry."""
+        with self.open(name) as stream:
+            stream.write(data)
+        return self._objects[name]
+
+    @property
+    def objects(self) -> tuple[ObjectEntry, ...]:
+        """Entries of our objects closed so far."""
+        return tuple(self._objects.values())
 
     def commit(self, **kwargs: Any) -> Manifest:
+        """Wait for accelerate's part, seal its files, write the manifest last, then drop the incomplete marker."""
         save = self._save
         save.settled.wait()
+        if self._done:
+            raise CheckpointError(f"{self.path}: this save is already committed or aborted")
         if save.abandoned:
             raise CheckpointError(
-                f"{save.folder}: save_state was never confirmed finished on every process (close() was not called); "
-                "the folder stays uncommitted"
+                f"{save.folder}: save_state was never confirmed finished on every process (close() was not "
+                "called); the folder stays uncommitted"
             )
         missing = sorted(save.expected - set(save.listing))
         if missing:
@@ -74,20 +177,52 @@ class _FolderWriter(GenerationWriter):
         for name in save.listing:
             if name not in self._own:
                 self._record(self._seal(name))
-        _fsync_dir(save.folder)
-        manifest = super().commit(**kwargs)
+        manifest = Manifest(
+            step=self.step,
+            run_id=self.store.run_id,
+            objects=tuple(self._objects.values()),
+            cut=dict(kwargs.get("cut") or {}),
+            versions=_versions(),
+            plan=dict(kwargs.get("plan") or {}),
+            timings=dict(kwargs.get("timings") or {}),
+            extra=dict(kwargs.get("extra") or {}),
+            committed_at=time.time(),
+        )
+        try:
+            fsync_dir(save.folder)
+            atomic_local_write(os.path.join(save.folder, MANIFEST_NAME), manifest.to_json())
+            fsync_dir(os.path.dirname(save.folder) or ".")  # the folder's own entry
+        except OSError as exc:
+            raise StorageError(f"could not write the manifest of {save.folder}: {exc}") from exc
+        self._done = True
+        self.store.end_write(self.step)
         marker = os.path.join(save.folder, INCOMPLETE_MARKER)
         if os.path.exists(marker):
             os.unlink(marker)
-            _fsync_dir(save.folder)
+            fsync_dir(save.folder)
         return manifest
+
+    def abort(self) -> None:
+        """Remove our own objects (accelerate's files are not ours to delete); the folder stays uncommitted."""
+        if self._done:
+            return
+        self._done = True
+        for name in self._own:
+            try:
+                os.unlink(os.path.join(self.path, *name.split("/")))
+            except FileNotFoundError:
+                pass
+        self.store.end_write(self.step)
+
+    def _record(self, entry: ObjectEntry) -> None:
+        self._objects[entry.name] = entry
 
     def _seal(self, name: str) -> ObjectEntry:
         """Checksum and fsync one of accelerate's files; refuse a truncated torch.save archive."""
-        path = os.path.join(self._save.folder, name)
-        digest, size = _Checksum(self.checksum), 0
+        path = os.path.join(self._save.folder, *name.split("/"))
+        digest, size = Checksum(self.checksum), 0
         with open(path, "rb") as f:
-            while chunk := f.read(8 << 20):
+            while chunk := f.read(_READ_CHUNK):
                 digest.update(chunk)
                 size += len(chunk)
             os.fsync(f.fileno())
@@ -98,41 +233,80 @@ class _FolderWriter(GenerationWriter):
             )
         return ObjectEntry(name=name, size=size, checksum=digest.hexdigest())
 
-    def abort(self) -> None:
-        # Only our own objects: accelerate's files in the folder are not ours to delete.
-        if self._done:
-            return
-        self._done = True
-        for name in self._own:
-            try:
-                os.unlink(os.path.join(self._save.folder, name))
-            except FileNotFoundError:
-                pass
-        self.store._end_write(self.step)
-
 
 class _FolderStore(CheckpointStore):
-    """A store whose generations are the folders passed to ``accelerator.save_state`` (not ``<root>/step-N``)."""
+    """Generations that are the folders passed to ``accelerator.save_state`` (not ``<root>/step-N``).
+
+    Thread-safety: ``begin``/``end_write`` may run on the engine's upload thread while the training thread adds
+    saves; a lock guards the set of folders being written.
+    """
 
     def __init__(self, run_id: str) -> None:
-        super().__init__(os.getcwd(), run_id=run_id, check_writable=False)  # the root is never written
+        super().__init__(os.getcwd(), run_id=run_id, check_writable=False)  # the engine's type; never used
         self.saves: dict[int, _FolderSave] = {}
+        self._folder_lock = threading.Lock()
+        self._in_progress: set[int] = set()
 
-    def _gen_path(self, step: int) -> str:
-        save = self.saves.get(step)
-        return save.folder if save is not None else super()._gen_path(step)
-
-    def begin(self, step: int) -> GenerationWriter:
+    def begin(self, step: int) -> _FolderWriter:  # type: ignore[override]
+        """Start writing the folder of save ``step``."""
         save = self.saves[step]
-        with self._lock:
-            if step in self._writing:
+        with self._folder_lock:
+            if step in self._in_progress:
                 raise GenerationExistsError(f"{save.folder} is already being written")
-            self._writing.add(step)
+            self._in_progress.add(step)
         os.makedirs(save.folder, exist_ok=True)
         return _FolderWriter(self, save)
 
+    def end_write(self, step: int) -> None:
+        """The writer of ``step`` committed or aborted."""
+        with self._folder_lock:
+            self._in_progress.discard(step)
+
+    def manifest(self, step: int) -> Manifest:
+        """The committed manifest of save ``step``'s folder.
+
+        Raises:
+            ManifestError: The folder has no valid manifest.
+        """
+        save = self.saves.get(step)
+        if save is None:
+            raise ManifestError(f"no save_state folder for step {step}")
+        path = os.path.join(save.folder, MANIFEST_NAME)
+        try:
+            with open(path, "rb") as f:
+                return Manifest.from_json(f.read(), where=path)
+        except FileNotFoundError as exc:
+            raise ManifestError(f"{save.folder} has no manifest") from exc
+
+    def check_sizes(self, manifest: Manifest) -> list[str]:
+        """Problems of ``manifest``'s objects in its folder: missing, or another size than listed."""
+        save = self.saves.get(manifest.step)
+        if save is None:
+            return [f"no save_state folder for step {manifest.step}"]
+        problems = []
+        for obj in manifest.objects:
+            try:
+                size = os.path.getsize(os.path.join(save.folder, *obj.name.split("/")))
+            except FileNotFoundError:
+                problems.append(f"{obj.name}: missing")
+                continue
+            if size != obj.size:
+                problems.append(f"{obj.name}: size {size}, manifest says {obj.size}")
+        return problems
+
     def gc(self, keep_last: int, **_: Any) -> list[int]:
-        return []  # accelerate's ProjectConfiguration(total_limit=...) owns retention of these folders
+        """Nothing: accelerate's ``ProjectConfiguration(total_limit=...)`` owns retention of these folders."""
+        return []
+
+
+def _versions() -> dict[str, str]:
+    out = {}
+    for dist in ("lightning_async_ckpt", "torch", "accelerate", "fsspec"):
+        try:
+            out[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return out
 
 
 def _release_unsettled(unsettled: list[_FolderSave], multi: bool) -> None:

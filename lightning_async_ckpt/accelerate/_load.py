@@ -1,18 +1,37 @@
-"""Restoring: :func:`load_state`, choosing the generation, and downloading remote generations."""
+"""Restoring: :func:`load_state`, choosing the generation, and preparing the folder accelerate reads.
+
+Loading is never code execution by default. Accelerate reads model weights as safetensors and its other files
+with ``torch.load(weights_only=True)``, except ``custom_checkpoint_{i}.pkl``, which it unpickles with
+``weights_only=False``. :func:`load_state` therefore reads each custom object's bytes itself (checked against the
+manifest) with ``weights_only=True`` and hands accelerate a re-serialization of what that restricted unpickler
+accepted, in a private temporary folder; a file that needs arbitrary unpickling is refused unless the caller passes
+``trust_pickled_objects=True``.
+"""
 
 from __future__ import annotations
 
+import io
+import logging
 import os
+import re
 import shutil
 import tempfile
+from dataclasses import dataclass
 from typing import Any
 
-from fsspec.implementations.local import LocalFileSystem
+import torch
 
+from lightning_async_ckpt.accelerate._choose import Choice, choose
+from lightning_async_ckpt.accelerate._collective import collective_for
 from lightning_async_ckpt.accelerate._layout import _ATTR, _RNG_FILE_RE
-from lightning_async_ckpt.errors import CheckpointError, ManifestError
+from lightning_async_ckpt.core.collective import agree
+from lightning_async_ckpt.errors import CheckpointError
+from lightning_async_ckpt.storage.io import read_verified
 from lightning_async_ckpt.storage.manifest import MANIFEST_NAME, Manifest
-from lightning_async_ckpt.storage.store import CheckpointStore, _Checksum
+
+_log = logging.getLogger("lightning_async_ckpt")
+_CUSTOM_RE = re.compile(r"^custom_checkpoint_(\d+)\.pkl$")
+TRUST_FLAG = "trust_pickled_objects=True"
 
 
 def load_state(
@@ -20,130 +39,172 @@ def load_state(
     uri: str,
     step: int | None = None,
     storage_options: dict[str, Any] | None = None,
+    *,
+    trust_pickled_objects: bool = False,
     **load_kwargs: Any,
 ) -> Manifest | None:
     """Restore the newest committed generation under ``uri`` (or ``step``) with ``accelerator.load_state``.
 
-    ``uri`` is a store root (generations ``step-XXXXXXXX``) or one committed folder (a hook-path ``output_dir``
-    holding ``manifest.json``). Uncommitted generations are never loaded. Local generations are loaded in place;
-    others are downloaded to a temporary folder (checksums verified) first. Collective: every process must call
-    it; the main process chooses the generation. ``uri`` must be readable by every process.
+    ``uri`` is one of: a store root (generations ``step-XXXXXXXX``); one committed folder (a hook-path
+    ``output_dir`` holding ``manifest.json``); or a folder of accelerate's automatically named ``checkpoint_N``
+    folders (``ProjectConfiguration(automatic_checkpoint_naming=True)``), where the newest committed one is
+    loaded and newer incomplete ones are skipped with a warning. Uncommitted generations are never loaded. Local
+    generations are loaded in place; others are downloaded to a temporary folder (checksums verified) first.
+    Collective: every process must call it; the main process chooses the generation. ``uri`` must be readable
+    by every process.
 
     Args:
         accelerator: The ``Accelerator``.
         uri: Local folder or fsspec URL.
         step: A specific committed step; default the newest whose objects are all present with their sizes.
         storage_options: fsspec options for ``uri``.
+        trust_pickled_objects: Let accelerate unpickle ``custom_checkpoint_{i}.pkl`` files that the restricted
+            ``weights_only=True`` unpickler refuses. Unpickling runs code chosen by whoever wrote the file: pass
+            it only when everyone who can write ``uri`` is trusted. Default ``False``: such a file is refused.
         **load_kwargs: Passed to ``accelerator.load_state``.
 
     Returns:
-        The restored generation's manifest, or ``None`` if ``uri`` holds no committed generation.
+        The restored generation's manifest, or ``None`` (with a warning) if ``uri`` is a store or a folder of
+        ``checkpoint_N`` folders that holds no committed generation yet: a first run starts fresh.
 
     Raises:
+        CheckpointError: ``uri`` is an uncommitted folder (a save that never finished), a folder without a
+            manifest, or a custom object needs ``trust_pickled_objects=True``.
         ManifestError: ``step`` is not a committed generation, or an object does not match its manifest.
     """
     import fsspec
+    from fsspec.implementations.local import LocalFileSystem
 
-    fs, root = fsspec.core.url_to_fs(uri, **(storage_options or {}))
+    options = dict(storage_options or {})
+    collective = collective_for(accelerator)
+    fs, root = fsspec.core.url_to_fs(uri, **options)
     root = root.rstrip("/") or "/"
-    single = fs.exists(f"{root}/{MANIFEST_NAME}")
-    store = None if single else CheckpointStore(uri, storage_options, check_writable=False)
-    choice: int | None = None
+    checkpointer = getattr(accelerator, _ATTR, None)
+    if checkpointer is not None and not checkpointer.closed:
+        # Hook-path saves into this folder (or below it) end first, so the choice sees them committed or failed.
+        checkpointer._quiesce(os.path.abspath(root) if isinstance(fs, LocalFileSystem) else None)
+    choice: Choice | None = None
     error: BaseException | None = None
     if accelerator.is_main_process:
         try:
-            choice = _choose(fs, root, store, step)
-        except Exception as exc:  # noqa: BLE001 - raised on every process below
+            choice = choose(fs, root, uri, options, step)
+        except Exception as exc:  # noqa: BLE001 - raised on every process by agree
             error = exc
-    choice = _together(accelerator, error, choice)  # every process loads the main process's choice
+    choice = agree(collective, error, choice, doing=f"load_state({uri!r}): choosing the generation")[0]
     if choice is None:
+        _log.warning("load_state: no committed checkpoint under %s; nothing was loaded (a first run starts fresh)", uri)
         return None
-    error, tmp, folder = None, None, root
+    prepared: _Prepared | None = None
+    error = None
     try:
-        if store is None:
-            manifest = _folder_manifest(fs, root)
-            urls = {o.name: f"{root}/{o.name}" for o in manifest.objects}
-        else:
-            manifest = store.manifest(choice)
-            urls = {o.name: url for o, url in store.iter_objects(choice)}
-            folder = store.url(choice)
-        if not isinstance(fs, LocalFileSystem):
-            tmp = folder = tempfile.mkdtemp(prefix="lightning_async_ckpt-load-")
-            _download(fs, manifest, urls, tmp, accelerator.process_index)
-    except Exception as exc:  # noqa: BLE001 - raised on every process below
+        prepared = _prepare(choice, options, accelerator.process_index, trust_pickled_objects)
+    except Exception as exc:  # noqa: BLE001 - raised on every process by agree
         error = exc
     try:
-        _together(accelerator, error)
-        accelerator.load_state(folder, **load_kwargs)
+        agree(collective, error, doing=f"load_state({uri!r}): reading step {choice.step}")
+        ready: _Prepared = prepared  # type: ignore[assignment] - agree raised if preparing failed anywhere
+        _warn_if_rng_unreadable(ready, accelerator.process_index)
+        accelerator.load_state(ready.folder, **load_kwargs)
     finally:
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
-    checkpointer = getattr(accelerator, _ATTR, None)
+        if prepared is not None and prepared.tmp is not None:
+            shutil.rmtree(prepared.tmp, ignore_errors=True)
     if checkpointer is not None and not checkpointer.closed:
-        checkpointer.step = manifest.step
-    return manifest
+        checkpointer.step = ready.manifest.step
+    return ready.manifest
 
 
-def _choose(fs: Any, root: str, store: CheckpointStore | None, step: int | None) -> int | None:
-    if store is None:
-        manifest = _folder_manifest(fs, root)
-        if step is not None and manifest.step != step:
-            raise ManifestError(f"{root} holds step {manifest.step}, not {step}")
-        return manifest.step
-    if step is None:
-        info = store.latest()
-        return None if info is None else info.step
-    problems = store.check_sizes(store.manifest(step))
-    if problems:
-        raise ManifestError(f"generation step {step} under {store.uri} is damaged: {'; '.join(problems)}")
-    return step
+@dataclass
+class _Prepared:
+    """The folder accelerate loads, the manifest it came from, and the temporary folder to remove afterwards."""
+
+    folder: str
+    manifest: Manifest
+    tmp: str | None
+    rng_name: str | None
 
 
-def _folder_manifest(fs: Any, folder: str) -> Manifest:
-    where = f"{folder}/{MANIFEST_NAME}"
-    manifest = Manifest.from_json(fs.cat_file(where), where=where)
-    problems = []
-    for obj in manifest.objects:
-        try:
-            size = fs.info(f"{folder}/{obj.name}").get("size")
-        except FileNotFoundError:
-            problems.append(f"{obj.name}: missing")
-            continue
-        if size != obj.size:
-            problems.append(f"{obj.name}: size {size}, manifest says {obj.size}")
-    if problems:
-        raise ManifestError(f"{folder} does not match its manifest: {'; '.join(problems)}")
-    return manifest
+def _prepare(choice: Choice, options: dict[str, Any], rank: int, trusted: bool) -> _Prepared:
+    import fsspec
+    from fsspec.implementations.local import LocalFileSystem
+
+    fs, folder = fsspec.core.url_to_fs(choice.url, **options)
+    folder = folder.rstrip("/")
+    manifest = Manifest.from_json(fs.cat_file(f"{folder}/{MANIFEST_NAME}"), where=f"{choice.url}/{MANIFEST_NAME}")
+    rng = next((o.name for o in manifest.objects if o.name == f"random_states_{rank}.pkl"), None)
+    safe: dict[str, bytes] = {}
+    if not trusted:
+        for obj in manifest.objects:
+            if _CUSTOM_RE.match(obj.name):
+                data = read_verified(fs, f"{folder}/{obj.key}", obj)
+                safe[obj.name] = _reserialize_safely(data, f"{choice.url}/{obj.name}")
+    local = isinstance(fs, LocalFileSystem)
+    if local and not safe and all(o.key == o.name for o in manifest.objects):
+        return _Prepared(folder=folder, manifest=manifest, tmp=None, rng_name=rng)
+    tmp = tempfile.mkdtemp(prefix="lightning_async_ckpt-load-")  # private (0700): nobody else can swap files here
+    try:
+        for obj in manifest.objects:
+            match = _RNG_FILE_RE.match(obj.name)
+            if match and int(match.group(1)) != rank:
+                continue  # another process's RNG state
+            path = os.path.join(tmp, *obj.name.split("/"))
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            if obj.name in safe:
+                with open(path, "wb") as out:
+                    out.write(safe[obj.name])
+            elif local:
+                os.symlink(os.path.join(folder, *obj.key.split("/")), path)
+            else:
+                with open(path, "wb") as out:
+                    read_verified(fs, f"{folder}/{obj.key}", obj, into=out)
+        with open(os.path.join(tmp, MANIFEST_NAME), "wb") as out:
+            out.write(manifest.to_json())
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return _Prepared(folder=tmp, manifest=manifest, tmp=tmp, rng_name=rng)
 
 
-def _together(accelerator: Any, error: BaseException | None, payload: Any = None) -> Any:
-    """Collective: raise the same failure on every process; return the main process's payload."""
-    if accelerator.num_processes > 1:
-        from accelerate.utils import gather_object
+def _reserialize_safely(data: bytes, where: str) -> bytes:
+    """Load with the restricted unpickler; return a ``torch.save`` of the result (only what it allowed)."""
+    try:
+        state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except Exception as exc:
+        raise CheckpointError(
+            f"{where} is a pickle that torch.load(weights_only=True) refuses ({type(exc).__name__}: "
+            f"{' '.join(str(exc).split())[:300]}); accelerate would unpickle it with weights_only=False, which runs "
+            f"whatever code its writer chose. Pass load_state(..., {TRUST_FLAG}) only if everyone who can write "
+            "this location is trusted, or make the registered object's state_dict() plain tensors and numbers"
+        ) from exc
+    out = io.BytesIO()
+    torch.save(state, out)
+    return out.getvalue()
 
-        message = None if error is None else f"{type(error).__name__}: {error}"
-        gathered = gather_object([(message, payload)])
-        failed = [(rank, m) for rank, (m, _) in enumerate(gathered) if m]
-        if error is None and failed:
-            raise CheckpointError(f"load_state failed on process {failed[0][0]}: {failed[0][1]}")
-        payload = gathered[0][1]
-    if error is not None:
-        raise error
-    return payload
 
+def _warn_if_rng_unreadable(prepared: _Prepared, rank: int) -> None:
+    """Accelerate skips RNG states it cannot load with one INFO line; say it where people look."""
+    if prepared.rng_name is None:
+        _log.warning(
+            "load_state: step %d has no random_states_%d.pkl (saved by fewer processes?): process %d's RNG states "
+            "are not restored, so dropout and sampling will not replay the saved run",
+            prepared.manifest.step,
+            rank,
+            rank,
+        )
+        return
+    from accelerate.utils import load
 
-def _download(fs: Any, manifest: Manifest, urls: dict[str, str], dest: str, rank: int) -> None:
-    for obj in manifest.objects:
-        match = _RNG_FILE_RE.match(obj.name)
-        if match and int(match.group(1)) != rank:
-            continue  # another process's RNG state
-        path = os.path.join(dest, *obj.name.split("/"))
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        digest, size = _Checksum(obj.checksum.split(":", 1)[0]), 0
-        with fs.open(urls[obj.name], "rb") as src, open(path, "wb") as out:
-            while chunk := src.read(8 << 20):
-                digest.update(chunk)
-                size += len(chunk)
-                out.write(chunk)
-        if size != obj.size or digest.hexdigest() != obj.checksum:
-            raise ManifestError(f"{urls[obj.name]} does not match its manifest (size {size}, expected {obj.size})")
+    try:
+        states = load(os.path.join(prepared.folder, prepared.rng_name))
+        missing = [k for k in ("random_state", "numpy_random_seed", "torch_manual_seed") if k not in states]
+        if missing:
+            raise KeyError(f"no {missing}")
+    except Exception as exc:  # noqa: BLE001 - accelerate skips the file too; this is the warning it does not give
+        _log.warning(
+            "load_state: %s of step %d cannot be loaded (%s: %s): accelerate skips it and process %d's RNG states "
+            "are not restored",
+            prepared.rng_name,
+            prepared.manifest.step,
+            type(exc).__name__,
+            exc,
+            rank,
+        )

@@ -1,0 +1,149 @@
+"""Which generation :func:`~lightning_async_ckpt.accelerate.load_state` restores (the main process decides).
+
+Three layouts are recognised under the ``uri`` given:
+
+* one committed folder (a hook-path ``output_dir`` holding ``manifest.json``);
+* a folder of accelerate's automatically named ``checkpoint_N`` folders: the newest committed one whose objects
+  are all present with their sizes (newer, incomplete ones are skipped with a warning);
+* a store root of ``step-XXXXXXXX`` generations (:class:`~lightning_async_ckpt.storage.store.CheckpointStore`).
+
+A folder that is an uncommitted save, or holds accelerate's files without a manifest, is an error, never a
+silent ``None``.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from lightning_async_ckpt.accelerate._layout import INCOMPLETE_MARKER
+from lightning_async_ckpt.errors import CheckpointError, ManifestError
+from lightning_async_ckpt.storage.manifest import MANIFEST_NAME, Manifest
+from lightning_async_ckpt.storage.store import CheckpointStore
+
+_log = logging.getLogger("lightning_async_ckpt")
+_AUTO_RE = re.compile(r"^checkpoint_(\d+)$")
+# Files accelerate's save_state always writes; a folder with one of them and no manifest is a foreign save.
+_ACCELERATE_FILES = ("model.safetensors", "pytorch_model.bin", "optimizer.bin", "random_states_0.pkl")
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The generation every process loads: its folder's URL and its step (picklable, sent to every process)."""
+
+    url: str
+    step: int
+
+
+def choose(fs: Any, root: str, uri: str, options: dict[str, Any], step: int | None) -> Choice | None:
+    """The generation to load under ``root``, or ``None`` when a store holds no committed generation yet.
+
+    Raises:
+        CheckpointError: ``root`` is an uncommitted save or a folder of accelerate files without a manifest.
+        ManifestError: ``step`` is not a committed generation there, or the chosen one is damaged.
+    """
+    if fs.exists(f"{root}/{MANIFEST_NAME}"):
+        manifest = folder_manifest(fs, root)
+        if step is not None and manifest.step != step:
+            raise ManifestError(f"{root} holds step {manifest.step}, not {step}")
+        return Choice(url=_url(fs, root), step=manifest.step)
+    if fs.exists(f"{root}/{INCOMPLETE_MARKER}"):
+        raise CheckpointError(
+            f"{uri} is an uncommitted asynchronous save (its manifest was never written, e.g. the process died "
+            "before the save finished): some of its files may be missing or partial; load an older checkpoint"
+        )
+    autos = _automatic_folders(fs, root)
+    if autos:
+        return _choose_automatic(fs, root, autos, step)
+    if any(fs.exists(f"{root}/{name}") for name in _ACCELERATE_FILES):
+        raise CheckpointError(
+            f"{uri} holds accelerate files but no {MANIFEST_NAME}: it was not written through lightning_async_ckpt "
+            "(or its save never finished), so nothing proves it complete; load it with accelerator.load_state "
+            "if you know it is"
+        )
+    store = CheckpointStore(uri, options, check_writable=False)
+    if step is None:
+        info = store.latest()
+        return None if info is None else Choice(url=store.url(info.step), step=info.step)
+    problems = store.check_sizes(store.manifest(step))
+    if problems:
+        raise ManifestError(f"generation step {step} under {store.uri} is damaged: {'; '.join(problems)}")
+    return Choice(url=store.url(step), step=step)
+
+
+def folder_manifest(fs: Any, folder: str) -> Manifest:
+    """The manifest of one committed folder, after checking every object it lists is there with its size.
+
+    Raises:
+        ManifestError: The manifest is invalid, or an object is missing or has another size.
+    """
+    where = f"{folder}/{MANIFEST_NAME}"
+    manifest = Manifest.from_json(fs.cat_file(where), where=where)
+    problems = []
+    for obj in manifest.objects:
+        try:
+            size = fs.info(f"{folder}/{obj.key}").get("size")
+        except FileNotFoundError:
+            problems.append(f"{obj.name}: missing")
+            continue
+        if size != obj.size:
+            problems.append(f"{obj.name}: size {size}, manifest says {obj.size}")
+    if problems:
+        raise ManifestError(f"{folder} does not match its manifest: {'; '.join(problems)}")
+    return manifest
+
+
+def _automatic_folders(fs: Any, root: str) -> list[tuple[int, str]]:
+    try:
+        entries = fs.ls(root, detail=True)
+    except FileNotFoundError:
+        return []
+    found = []
+    for entry in entries:
+        name = entry["name"].rstrip("/").rsplit("/", 1)[-1]
+        match = _AUTO_RE.match(name)
+        if match and entry.get("type") == "directory":
+            found.append((int(match.group(1)), f"{root}/{name}"))
+    return sorted(found, reverse=True)
+
+
+def _choose_automatic(fs: Any, root: str, autos: list[tuple[int, str]], step: int | None) -> Choice | None:
+    skipped: list[str] = []
+    for _, folder in autos:
+        try:
+            manifest = folder_manifest(fs, folder)
+        except (FileNotFoundError, ManifestError) as exc:
+            if step is None:
+                skipped.append(f"{folder.rsplit('/', 1)[-1]} ({_why(fs, folder, exc)})")
+            continue
+        if step is not None and manifest.step != step:
+            continue
+        if skipped:
+            _log.warning(
+                "load_state: skipping newer checkpoint folder(s) that are not committed: %s; loading %s (step %d)",
+                ", ".join(skipped),
+                folder,
+                manifest.step,
+            )
+        return Choice(url=_url(fs, folder), step=manifest.step)
+    if step is not None:
+        raise ManifestError(f"no committed checkpoint_N folder under {root} holds step {step}")
+    if skipped:
+        raise CheckpointError(
+            f"no committed checkpoint under {root}: every checkpoint_N folder is incomplete ({', '.join(skipped)})"
+        )
+    return None
+
+
+def _why(fs: Any, folder: str, exc: BaseException) -> str:
+    if isinstance(exc, FileNotFoundError) or not fs.exists(f"{folder}/{MANIFEST_NAME}"):
+        return "uncommitted: no manifest" if fs.exists(f"{folder}/{INCOMPLETE_MARKER}") else "no manifest"
+    return " ".join(str(exc).split())
+
+
+def _url(fs: Any, path: str) -> str:
+    from fsspec.implementations.local import LocalFileSystem
+
+    return path if isinstance(fs, LocalFileSystem) else fs.unstrip_protocol(path)
