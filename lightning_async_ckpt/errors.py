@@ -15,7 +15,9 @@ __all__ = [
     "ManifestError",
     "ManifestVersionError",
     "StorageError",
+    "StoreUnavailableError",
     "TornSnapshotError",
+    "WriterUsageError",
 ]
 
 
@@ -53,3 +55,13 @@ class AdmissionError(CheckpointError):
 
 class HostMemoryBudgetError(CheckpointError):
     """The staging buffers would not fit in the configured host-memory budget."""
+
+
+class WriterUsageError(CheckpointError, ValueError):
+    """A :class:`~lightning_async_ckpt.storage.writer.GenerationWriter` was misused (an object opened twice,
+    a commit with objects still open, a write after commit or abort): a bug in the caller, never retried."""
+
+
+class StoreUnavailableError(StorageError):
+    """The store's location cannot be listed (missing bucket, unreachable endpoint, no permission), so whether it
+    holds checkpoints is unknown; never reported as "no checkpoint"."""

@@ -9,11 +9,21 @@ from typing import Any
 
 from lightning_async_ckpt.errors import ManifestError, ManifestVersionError
 
-__all__ = ["FORMAT_NAME", "FORMAT_VERSION", "Manifest", "ObjectEntry", "validate_object_name"]
+__all__ = [
+    "FORMAT_NAME",
+    "FORMAT_VERSION",
+    "MANIFEST_NAME",
+    "MAX_MANIFEST_BYTES",
+    "Manifest",
+    "ObjectEntry",
+    "validate_object_name",
+]
 
 FORMAT_NAME = "lightning_async_ckpt"
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
+# A manifest lists a few objects; anything larger is hostile or corrupt and is refused before it is parsed.
+MAX_MANIFEST_BYTES = 16 << 20
 # Sizes above this are not a checkpoint we could have written: a hostile or corrupt manifest.
 _MAX_OBJECT_SIZE = 1 << 50
 _CHECKSUM_RE = re.compile(r"^(crc32c|crc32|sha256):[0-9a-f]{8,64}$")
@@ -53,11 +63,19 @@ class ObjectEntry:
         name: Relative name inside the generation.
         size: Size in bytes.
         checksum: ``"<algorithm>:<hex digest>"``.
+        path: Where the bytes are, relative to the generation folder, when not at ``name`` (a writer that found
+            another writer's claim on the step writes under its own prefix, so the two never overwrite each other).
     """
 
     name: str
     size: int
     checksum: str
+    path: str | None = None
+
+    @property
+    def key(self) -> str:
+        """The object's location relative to the generation folder."""
+        return self.path or self.name
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -107,7 +125,7 @@ class Manifest:
     def to_json(self) -> bytes:
         """Serialize to UTF-8 JSON bytes."""
         body = asdict(self)
-        body["objects"] = [asdict(o) for o in self.objects]
+        body["objects"] = [{k: v for k, v in asdict(o).items() if k != "path" or v} for o in self.objects]
         body = {"format": FORMAT_NAME, **body}
         return json.dumps(body, indent=1, sort_keys=True).encode("utf-8")
 
@@ -120,9 +138,11 @@ class Manifest:
             where: Location used in error messages.
 
         Raises:
-            ManifestError: If it is not valid JSON, has wrong types, missing fields, hostile object names,
+            ManifestError: If it is larger than ``MAX_MANIFEST_BYTES``, not valid JSON, has wrong types, missing fields, hostile object names,
                 absurd sizes, duplicate names, or a newer format version than this library reads.
         """
+        if len(data) > MAX_MANIFEST_BYTES:
+            raise ManifestError(f"{where}: {len(data)} bytes is larger than any manifest ({MAX_MANIFEST_BYTES} max)")
         try:
             body = json.loads(data)
         except (ValueError, UnicodeDecodeError) as exc:
@@ -162,10 +182,16 @@ class Manifest:
             checksum = _field(raw, "checksum", str, f"{where}: objects[{i}]")
             if not _CHECKSUM_RE.match(checksum):
                 raise ManifestError(f"{where}: objects[{i}] checksum {checksum!r} is not '<crc32c|crc32|sha256>:<hex>'")
+            path = raw.get("path")
+            if path is not None:
+                try:
+                    validate_object_name(path)
+                except ManifestError as exc:
+                    raise ManifestError(f"{where}: objects[{i}] path: {exc}") from exc
             if name in seen:
                 raise ManifestError(f"{where}: object {name!r} is listed twice")
             seen.add(name)
-            objects.append(ObjectEntry(name=name, size=size, checksum=checksum))
+            objects.append(ObjectEntry(name=name, size=size, checksum=checksum, path=path))
         dicts = {}
         for key in ("cut", "versions", "plan", "timings", "extra"):
             value = body.get(key, {})

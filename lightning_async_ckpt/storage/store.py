@@ -3,29 +3,29 @@
 Layout::
 
     <root>/step-00000100/checkpoint.ckpt   data objects, written first and made durable
-    <root>/step-00000100/manifest.json     written last: the commit marker
+    <root>/step-00000100/.writer.json      the writer's claim on the step (run id, host, pid)
+    <root>/step-00000100/manifest.json     written last and exclusively: the commit marker
 
-Commit protocol: on local disk the manifest is written to a temporary file in the generation's folder,
-fsynced, ``os.replace``-d into place and the folder fsynced; on any other filesystem it is one ``pipe_file``
-(a single PUT on object stores). Nothing relies on ``rename`` or ``fs.transaction`` for object stores.
+The store lists, reads, verifies and finds the latest generation (one manifest reader, size-capped); writing
+is :mod:`~lightning_async_ckpt.storage.writer`, retention :mod:`~lightning_async_ckpt.storage.retention`, and
+what differs per filesystem :mod:`~lightning_async_ckpt.storage.backend`.
 """
 
 from __future__ import annotations
 
-import importlib.metadata
+import enum
 import logging
 import os
 import re
+import socket
 import threading
-import time
 import uuid
 import warnings
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import IO, Any
 
 import fsspec
-from fsspec.implementations.local import LocalFileSystem
 
 from lightning_async_ckpt.errors import (
     ConfigError,
@@ -33,7 +33,10 @@ from lightning_async_ckpt.errors import (
     ManifestError,
     ManifestVersionError,
     StorageError,
+    StoreUnavailableError,
 )
+from lightning_async_ckpt.storage import retention
+from lightning_async_ckpt.storage.backend import backend_for, protocols
 from lightning_async_ckpt.storage.io import (
     DEFAULT_CHECKSUM,
     Checksum,
@@ -43,10 +46,18 @@ from lightning_async_ckpt.storage.io import (
     crc32c_module,
     fsync_dir,
     open_local_write,
+    read_verified,
 )
-from lightning_async_ckpt.storage.manifest import MANIFEST_NAME, Manifest, ObjectEntry, validate_object_name
+from lightning_async_ckpt.storage.manifest import (
+    MANIFEST_NAME,
+    MAX_MANIFEST_BYTES,
+    Manifest,
+    ObjectEntry,
+    validate_object_name,
+)
+from lightning_async_ckpt.storage.writer import CLAIM_NAME, GenerationWriter, claim_body, new_token
 
-# Old private names, kept while other packages move to the public ones in ``storage.io``.
+# Old private names, kept while other packages move to the public ones in ``storage.io`` / ``storage.backend``.
 _Checksum = Checksum
 _DirectFile = DirectFile
 _fsync_dir = fsync_dir
@@ -54,18 +65,47 @@ _atomic_local_write = atomic_local_write
 _open_local = open_local_write
 _checksum_algorithm = checksum_algorithm
 _crc32c_module = crc32c_module
+_protocols = protocols
 
-__all__ = ["CheckpointStore", "GenerationInfo", "GenerationWriter", "VerifyResult"]
+__all__ = [
+    "CheckpointStore",
+    "GenerationInfo",
+    "GenerationState",
+    "GenerationWriter",
+    "Listing",
+    "Skipped",
+    "VerifyResult",
+    "generation_name",
+    "parse_generation_name",
+]
 
 _log = logging.getLogger(__name__)
-_GEN_RE = re.compile(r"^step-(\d{8,})$")
-_READ_CHUNK = 8 << 20
+_GEN_RE = re.compile(r"^step-([0-9]{8,})$")
 _EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs", "az": "azure", "abfs": "azure"}
 
 
 def generation_name(step: int) -> str:
     """Folder name of the generation for ``step`` (zero-padded so names sort by step)."""
     return f"step-{step:08d}"
+
+
+def parse_generation_name(name: str) -> int | None:
+    """The step of a canonical generation folder name, or ``None`` (``step-000000004`` and non-ASCII digits
+    are not canonical: two names for one step would make retention and listing disagree)."""
+    match = _GEN_RE.match(name)
+    if not match or generation_name(int(match.group(1))) != name:
+        return None
+    return int(match.group(1))
+
+
+class GenerationState(enum.Enum):
+    """What a listed generation is."""
+
+    COMMITTED = "committed"
+    UNCOMMITTED = "uncommitted"  # no manifest: in progress, or a crashed write
+    REJECTED = "rejected"  # a manifest that is invalid (never recoverable)
+    NEWER_FORMAT = "newer_format"  # written by a newer library version: never deleted or overwritten
+    UNREADABLE = "unreadable"  # present but could not be read right now: left alone
 
 
 @dataclass(frozen=True)
@@ -78,9 +118,9 @@ class GenerationInfo:
         committed: Whether a valid manifest exists.
         manifest: The parsed manifest, when committed.
         error: Why a present manifest was rejected, if it was.
+        mtime: Newest modification time seen, when the filesystem reports one.
         newer_format: The manifest was written by a newer format version (never deleted or overwritten).
         unreadable: The manifest exists but could not be read (a storage error); retention leaves it alone.
-        mtime: Newest modification time seen, when the filesystem reports one.
     """
 
     step: int
@@ -96,6 +136,33 @@ class GenerationInfo:
     def run_id(self) -> str | None:
         """The writer's run id, when committed."""
         return self.manifest.run_id if self.manifest else None
+
+    @property
+    def state(self) -> GenerationState:
+        """The generation's state."""
+        if self.committed:
+            return GenerationState.COMMITTED
+        if self.newer_format:
+            return GenerationState.NEWER_FORMAT
+        if self.unreadable:
+            return GenerationState.UNREADABLE
+        return GenerationState.REJECTED if self.error else GenerationState.UNCOMMITTED
+
+
+@dataclass(frozen=True)
+class Skipped:
+    """An entry of the store's folder that a listing did not read as a generation, and why."""
+
+    name: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class Listing:
+    """A listing: the generations, and what was skipped (never silently)."""
+
+    generations: list[GenerationInfo] = field(default_factory=list)
+    skipped: list[Skipped] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -113,211 +180,6 @@ class VerifyResult:
     problems: tuple[str, ...] = ()
 
 
-class _ObjectStream:
-    """A writable stream for one data object: counts and checksums bytes as they pass, holds none whole."""
-
-    def __init__(self, writer: GenerationWriter, name: str, raw: IO[bytes], local: bool) -> None:
-        self._writer = writer
-        self.name = name
-        self._raw = raw
-        self._local = local
-        self._sum = _Checksum(writer.checksum)
-        self.size = 0
-        self.closed = False
-        self.failure: StorageError | None = None
-
-    def write(self, data: Any) -> int:
-        view = memoryview(data).cast("B")
-        try:
-            self._raw.write(view)
-        except Exception as exc:
-            # Serializers may replace this error with their own (torch.save raises a bare RuntimeError); keep it so
-            # __exit__ re-raises the storage error, which decides retries (transient vs ENOSPC).
-            self.failure = StorageError(f"could not write object {self.name!r} of {self._writer.path}: {exc}")
-            raise self.failure from exc
-        self._sum.update(view)
-        self.size += len(view)
-        return len(view)
-
-    def writable(self) -> bool:
-        return True
-
-    def readable(self) -> bool:
-        return False
-
-    def seekable(self) -> bool:
-        return False
-
-    def tell(self) -> int:
-        return self.size
-
-    def flush(self) -> None:
-        self._raw.flush()
-
-    def close(self) -> None:
-        """Make the object durable and record it in the generation; idempotent."""
-        if self.closed:
-            return
-        if self.failure is not None:
-            # A write failed but the serializer carried on: the object is incomplete, never record it.
-            self.abandon()
-            raise self.failure
-        self.closed = True
-        try:
-            if self._local:
-                self._raw.flush()
-                os.fsync(self._raw.fileno())
-            self._raw.close()
-        except Exception as exc:
-            self._writer._discard(self.name)
-            raise StorageError(f"could not finish object {self.name!r} of {self._writer.path}: {exc}") from exc
-        self._writer._record(ObjectEntry(name=self.name, size=self.size, checksum=self._sum.hexdigest()))
-
-    def abandon(self) -> None:
-        """Close without recording (after a failed write)."""
-        if not self.closed:
-            self.closed = True
-            try:
-                self._raw.close()
-            except Exception:  # noqa: BLE001 - the write already failed; its error is the one that matters
-                _log.debug("closing abandoned object %s failed", self.name, exc_info=True)
-            self._writer._discard(self.name)
-
-    def __enter__(self) -> _ObjectStream:
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is None:
-            self.close()
-        else:
-            self.abandon()
-            if self.failure is not None and exc is not self.failure:
-                raise self.failure
-
-
-class GenerationWriter:
-    """Writes one generation: data objects as streams, then :meth:`commit` writes the manifest last.
-
-    Call sequence: ``open(name)`` for each object (write, close), then ``commit(...)``; or ``abort()`` at any
-    point. Not thread-safe: one thread writes a generation.
-    """
-
-    def __init__(self, store: CheckpointStore, step: int, checksum: str) -> None:
-        self.store = store
-        self.step = step
-        self.checksum = checksum
-        self.path = store._gen_path(step)
-        self._objects: dict[str, ObjectEntry] = {}
-        self._open: set[str] = set()
-        self._done = False
-
-    def open(self, name: str) -> _ObjectStream:
-        """Open data object ``name`` for streaming writes.
-
-        Args:
-            name: Plain relative name inside the generation (``/`` for sub-folders).
-
-        Returns:
-            A binary, write-only, file-like stream; closing it makes the object durable.
-        """
-        self._check_open()
-        validate_object_name(name)
-        if name in self._objects or name in self._open:
-            raise StorageError(f"object {name!r} was already written to generation step {self.step}")
-        path = f"{self.path}/{name}"
-        fs = self.store.fs
-        try:
-            if self.store.is_local:
-                os.makedirs(os.path.dirname(path), exist_ok=True)
-                raw: IO[bytes] = _open_local(path, self.store.direct_io)
-            else:
-                if "/" in name:
-                    fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
-                raw = fs.open(path, "wb", **self.store._write_options)
-        except Exception as exc:
-            raise StorageError(f"could not open {path!r} for writing: {exc}") from exc
-        self._open.add(name)
-        return _ObjectStream(self, name, raw, self.store.is_local)
-
-    def write_bytes(self, name: str, data: bytes) -> ObjectEntry:
-        """Write a small object in one call and return its entry."""
-        with self.open(name) as stream:
-            stream.write(data)
-        return self._objects[name]
-
-    @property
-    def objects(self) -> tuple[ObjectEntry, ...]:
-        """Entries of the objects closed so far."""
-        return tuple(self._objects.values())
-
-    def commit(
-        self,
-        *,
-        cut: dict[str, Any] | None = None,
-        plan: dict[str, Any] | None = None,
-        timings: dict[str, Any] | None = None,
-        extra: dict[str, Any] | None = None,
-    ) -> Manifest:
-        """Write the manifest last, making the generation recoverable.
-
-        Raises:
-            StorageError: If an object is still open, or the manifest cannot be written (the generation stays
-                uncommitted).
-        """
-        self._check_open()
-        if self._open:
-            raise StorageError(f"objects {sorted(self._open)} of step {self.step} are still open; close them first")
-        manifest = Manifest(
-            step=self.step,
-            run_id=self.store.run_id,
-            objects=self.objects,
-            cut=dict(cut or {}),
-            versions=_versions(),
-            plan=dict(plan or {}),
-            timings=dict(timings or {}),
-            extra=dict(extra or {}),
-            committed_at=time.time(),
-        )
-        data = manifest.to_json()
-        path = f"{self.path}/{MANIFEST_NAME}"
-        try:
-            if self.store.is_local:
-                _atomic_local_write(path, data)
-                _fsync_dir(self.store.root)  # the generation folder's own entry
-            else:
-                self.store.fs.pipe_file(path, data)
-        except Exception as exc:
-            raise StorageError(f"could not write manifest {path!r}: {exc}") from exc
-        finally:
-            self._done = True
-            self.store._end_write(self.step)
-        self.store._invalidate()
-        return manifest
-
-    def abort(self) -> None:
-        """Remove what was written; the generation never becomes committed. Idempotent."""
-        if self._done:
-            return
-        self._done = True
-        try:
-            self.store._remove_generation(self.step, manifest_first=False)
-        except Exception:  # noqa: BLE001 - aborting is best effort; an uncommitted leftover is never trusted
-            _log.warning("could not remove aborted generation %s", self.path, exc_info=True)
-        finally:
-            self.store._end_write(self.step)
-
-    def _record(self, entry: ObjectEntry) -> None:
-        self._open.discard(entry.name)
-        self._objects[entry.name] = entry
-
-    def _discard(self, name: str) -> None:
-        self._open.discard(name)
-
-    def _check_open(self) -> None:
-        if self._done:
-            raise StorageError(f"generation step {self.step} is already committed or aborted")
-
-
 class CheckpointStore:
     """Generations of checkpoint objects under one fsspec URL.
 
@@ -327,19 +189,20 @@ class CheckpointStore:
     Args:
         uri: A local path, ``file://``, ``memory://``, ``s3://bucket/prefix`` or any fsspec URL.
         storage_options: Passed to the fsspec filesystem (e.g. ``{"endpoint_url": ...}`` for S3).
-        run_id: Identifier recorded in manifests; ``gc`` only removes this run's generations unless told
-            otherwise. Default: a new random id.
+        run_id: Identifier recorded in manifests and writer claims; ``gc`` only removes this run's generations
+            unless told otherwise. Default: a new random id.
         checksum: ``"crc32c"`` (default where the ``crc32c`` package is installed, several GB/s), ``"crc32"``
             (zlib) or ``"sha256"``.
         block_size: Multipart block size for object stores, in bytes (default 32 MiB).
-        check_writable: Probe that the location is writable at construction (local and memory only).
+        check_writable: Probe the location at construction: local and memory are written to; an object store's
+            bucket must exist and be listable.
         direct_io: On local disks, write data objects with ``O_DIRECT`` where the filesystem supports it
             (bypassing the page cache keeps checkpoint writes from stalling training); falls back to buffered
             writes elsewhere.
 
     Raises:
         ConfigError: Unknown scheme, missing optional dependency (names the extra to install), a location that
-            cannot be written, or a bad argument.
+            cannot be written (names the bucket when it is missing), or a bad argument.
     """
 
     def __init__(
@@ -360,11 +223,10 @@ class CheckpointStore:
         checksum = checksum or DEFAULT_CHECKSUM
         if checksum not in ("crc32c", "crc32", "sha256"):
             raise ConfigError(f"checksum must be 'crc32c', 'crc32' or 'sha256', got {checksum!r}")
-        if checksum == "crc32c" and _crc32c_module() is None:
+        if checksum == "crc32c" and crc32c_module() is None:
             raise ConfigError("checksum 'crc32c' needs the crc32c package: pip install crc32c")
         if block_size is not None and (not isinstance(block_size, int) or block_size < 5 << 20):
             raise ConfigError(f"block_size must be an int of at least 5 MiB (S3's part minimum), got {block_size!r}")
-        # A run id the manifest reader rejects would make every generation this store commits untrusted.
         if run_id is not None and not isinstance(run_id, str):
             raise ConfigError(f"run_id must be a string or None (a new random id), got {run_id!r}")
         if not isinstance(check_writable, bool):
@@ -376,12 +238,10 @@ class CheckpointStore:
         self.storage_options = dict(storage_options or {})
         self.run_id = run_id or self.new_run_id()
         self.checksum = checksum
-        self.fs, self.root = _make_fs(uri, self.storage_options)
-        self.root = self.root.rstrip("/") or "/"
-        self.is_local = isinstance(self.fs, LocalFileSystem)
-        self._write_options: dict[str, Any] = {}
-        if not self.is_local and "s3" in _protocols(self.fs):
-            self._write_options["block_size"] = block_size or 32 << 20
+        self.fs, root = _make_fs(uri, self.storage_options)
+        self.root = root.rstrip("/") or "/"
+        self.backend = backend_for(self.fs, block_size)
+        self.is_local = self.backend.kind == "local"
         self._lock = threading.Lock()
         self._writing: set[int] = set()
         if check_writable:
@@ -397,15 +257,21 @@ class CheckpointStore:
         return f"{self.root}/{generation_name(step)}"
 
     def url(self, step: int, name: str | None = None) -> str:
-        """Full URL (with protocol) of a generation folder or one of its objects."""
+        """Full URL (with protocol) of a generation folder, or of ``name``'s default location in it."""
         path = self._gen_path(step) if name is None else f"{self._gen_path(step)}/{validate_object_name(name)}"
-        return path if self.is_local else self.fs.unstrip_protocol(path)
+        return self.backend.url(path)
+
+    def object_url(self, step: int, name: str) -> str:
+        """Full URL of object ``name`` of committed generation ``step``, where its manifest says it is."""
+        return self.url(step, self._entry(self.manifest(step), name).key)
 
     # -- writing -----------------------------------------------------------------------------------------
     def begin(self, step: int) -> GenerationWriter:
-        """Start writing the generation for ``step``.
+        """Start writing the generation for ``step``: claim it, or write under a private prefix.
 
-        An uncommitted leftover of the same step (a crashed writer) is removed first.
+        A torn manifest (never recoverable) is removed. If another writer claims the step (alive, or crashed
+        on another host), this writer's objects go under ``w-<token>/`` so neither overwrites the other; the
+        exclusive manifest decides which commits.
 
         Raises:
             ConfigError: If ``step`` is not a non-negative int.
@@ -419,97 +285,149 @@ class CheckpointStore:
             self._writing.add(step)
         try:
             self._invalidate()
-            manifest_path = f"{self._gen_path(step)}/{MANIFEST_NAME}"
-            if self._holds_manifest(step, manifest_path):
+            path = self._gen_path(step)
+            if self._holds_manifest(step, f"{path}/{MANIFEST_NAME}"):
                 raise GenerationExistsError(
                     f"generation step {step} is already committed at {self.url(step)}; committed checkpoints are "
                     "never overwritten: use another dirpath, or remove it with `lightning-async-ckpt gc`"
                 )
-            if self.fs.exists(self._gen_path(step)):
-                self.fs.rm(self._gen_path(step), recursive=True)
-            if self.is_local:
-                os.makedirs(self._gen_path(step), exist_ok=True)
+            self.backend.prepare_folder(path)
+            token = new_token()
+            claim = f"{path}/{CLAIM_NAME}"
+            if self._claim(claim, step, token):
+                return GenerationWriter(self, step, self.checksum, claim=claim)
+            prefix = f"w-{token}/"
+            self.backend.prepare_folder(f"{path}/{prefix}")
+            self.fs.pipe_file(f"{path}/{prefix}{CLAIM_NAME}", claim_body(self.run_id, step, token))
+            _log.warning("generation %s is claimed by another writer; writing under %s", self.url(step), prefix)
+            return GenerationWriter(self, step, self.checksum, prefix=prefix, claim=f"{path}/{prefix}{CLAIM_NAME}")
         except GenerationExistsError:
-            self._end_write(step)
+            self.end_write(step)
             raise
         except Exception as exc:
-            self._end_write(step)
+            self.end_write(step)
             raise StorageError(f"could not prepare generation {self.url(step)}: {exc}") from exc
-        return GenerationWriter(self, step, self.checksum)
+
+    def _claim(self, claim: str, step: int, token: str) -> bool:
+        body = claim_body(self.run_id, step, token)
+        try:
+            self.backend.create_exclusive(claim, body)
+            return True
+        except FileExistsError:
+            pass
+        if not _stale_local_claim(self.fs, claim):
+            return False
+        # The claimant was a process of this host that is gone (a crash): take the step over.
+        self.fs.rm_file(claim)
+        try:
+            self.backend.create_exclusive(claim, body)
+        except FileExistsError:
+            return False
+        return True
 
     def _holds_manifest(self, step: int, manifest_path: str) -> bool:
         """Whether ``step`` has a manifest that must not be overwritten (valid, or from a newer format version).
 
         A manifest that cannot be parsed (a torn write on a filesystem without atomic puts) never made the
-        generation recoverable: the generation is treated as an uncommitted leftover.
+        generation recoverable: it is removed, so the step can be committed.
         """
-        try:
-            data = self.fs.cat_file(manifest_path)
-        except FileNotFoundError:
-            return False
-        try:
-            manifest = Manifest.from_json(data, where=f"{self.url(step)}/{MANIFEST_NAME}")
-            if manifest.step != step:
-                raise ManifestError(f"manifest of folder step {step} says step {manifest.step}")
-        except ManifestVersionError:
+        info = self._read_generation(step)
+        if info.committed or info.newer_format or info.unreadable:
             return True
-        except ManifestError as exc:
-            _log.warning(
-                "generation %s has a corrupt manifest and was never recoverable; rewriting it (%s)", self.url(step), exc
-            )
-            return False
-        return True
+        if info.error:
+            _log.warning("generation %s has a corrupt manifest and was never recoverable (%s)", info.path, info.error)
+            self.fs.rm_file(manifest_path)
+        return False
 
-    def _end_write(self, step: int) -> None:
+    def end_write(self, step: int) -> None:
+        """Release this store's in-process hold on ``step`` (a writer's commit and abort call it)."""
         with self._lock:
             self._writing.discard(step)
 
-    # -- reading -----------------------------------------------------------------------------------------
-    def generations(self, include_uncommitted: bool = False) -> list[GenerationInfo]:
-        """List generations sorted by step.
+    _end_write = end_write  # old private name, kept for callers that have not moved yet
 
-        Args:
-            include_uncommitted: Also list folders without a valid manifest (``committed=False``).
+    def writing(self) -> frozenset[int]:
+        """Steps this store is writing now."""
+        with self._lock:
+            return frozenset(self._writing)
+
+    # -- reading -----------------------------------------------------------------------------------------
+    def scan(self, include_uncommitted: bool = True) -> Listing:
+        """List generations and name every entry skipped (a non-canonical name, a file where a folder belongs).
+
+        Raises:
+            StoreUnavailableError: The location cannot be listed (missing bucket, unreachable endpoint, no
+                permission). A local folder that does not exist yet lists as empty.
         """
         self._invalidate()
         try:
             entries = self.fs.ls(self.root, detail=True)
-        except FileNotFoundError:
-            return []
+        except FileNotFoundError as exc:
+            why = self.backend.missing_root_error(self.root)
+            if why is None:
+                return Listing()
+            raise StoreUnavailableError(f"cannot list {self.uri!r}: {why}") from exc
         except Exception as exc:
-            raise StorageError(f"could not list {self.uri!r}: {exc}") from exc
-        found = []
+            raise StoreUnavailableError(f"could not list {self.uri!r}: {type(exc).__name__}: {exc}") from exc
+        found, skipped = [], []
         for entry in entries:
             name = entry["name"].rstrip("/").rsplit("/", 1)[-1]
-            match = _GEN_RE.match(name)
-            if not match or entry.get("type") not in ("directory", None):
+            step = parse_generation_name(name)
+            if step is None:
+                if name.startswith("step-"):
+                    skipped.append(Skipped(name, "not a canonical generation name (step- and 8+ ASCII digits)"))
                 continue
-            info = self._read_generation(int(match.group(1)))
+            if entry.get("type") not in ("directory", None):
+                skipped.append(Skipped(name, f"a {entry.get('type')}, not a folder"))
+                continue
+            if not self.backend.inside(self._gen_path(step), self.root):
+                skipped.append(Skipped(name, "resolves outside the store root (symlink)"))
+                continue
+            info = self._read_generation(step)
             if info.committed or include_uncommitted:
                 found.append(info)
-        return sorted(found, key=lambda g: g.step)
+        return Listing(sorted(found, key=lambda g: g.step), sorted(skipped, key=lambda s: s.name))
+
+    def generations(self, include_uncommitted: bool = False) -> list[GenerationInfo]:
+        """List generations sorted by step (see :meth:`scan` for what is skipped and the errors).
+
+        Args:
+            include_uncommitted: Also list folders without a valid manifest (``committed=False``).
+        """
+        return self.scan(include_uncommitted).generations
 
     def _read_generation(self, step: int) -> GenerationInfo:
+        """The one manifest reader: size-capped, validated, its step checked against the folder's."""
         path = self._gen_path(step)
+        url = self.url(step)
         try:
-            data = self.fs.cat_file(f"{path}/{MANIFEST_NAME}")
+            data = self._cat_capped(f"{path}/{MANIFEST_NAME}")
         except FileNotFoundError:
-            return GenerationInfo(step=step, path=self.url(step), committed=False, mtime=self._mtime(path))
+            return GenerationInfo(step=step, path=url, committed=False, mtime=self._mtime(path))
         except Exception as exc:  # noqa: BLE001 - an unreadable manifest makes the generation untrusted, not fatal
             # Present but unreadable right now (a transient storage error): never treated as a leftover.
-            return GenerationInfo(
-                step=step, path=self.url(step), committed=False, error=f"unreadable manifest: {exc}", unreadable=True
-            )
+            error = f"unreadable manifest: {exc}"
+            return GenerationInfo(step=step, path=url, committed=False, error=error, unreadable=True)
         try:
-            manifest = Manifest.from_json(data, where=f"{self.url(step)}/{MANIFEST_NAME}")
+            manifest = Manifest.from_json(data, where=f"{url}/{MANIFEST_NAME}")
             if manifest.step != step:
                 raise ManifestError(f"manifest of folder step {step} says step {manifest.step}")
         except ManifestError as exc:
             newer = isinstance(exc, ManifestVersionError)
-            return GenerationInfo(step=step, path=self.url(step), committed=False, error=str(exc), newer_format=newer)
-        return GenerationInfo(
-            step=step, path=self.url(step), committed=True, manifest=manifest, mtime=manifest.committed_at
-        )
+            return GenerationInfo(step=step, path=url, committed=False, error=str(exc), newer_format=newer)
+        return GenerationInfo(step=step, path=url, committed=True, manifest=manifest, mtime=manifest.committed_at)
+
+    def _cat_capped(self, path: str) -> bytes:
+        # A ranged read never pulls more than the cap (a hostile 1 GB manifest costs 16 MiB); object stores refuse
+        # a range on an empty object, which is then read as empty (and rejected as a manifest).
+        try:
+            return self.fs.cat_file(path, start=0, end=MAX_MANIFEST_BYTES + 1)
+        except FileNotFoundError:
+            raise
+        except Exception:
+            if self.fs.info(path).get("size") == 0:
+                return b""
+            raise
 
     def _mtime(self, path: str) -> float | None:
         try:
@@ -534,13 +452,21 @@ class CheckpointStore:
             )
         return info.manifest
 
+    def _object_path(self, step: int, obj: ObjectEntry) -> str:
+        path = f"{self._gen_path(step)}/{obj.key}"
+        if not self.backend.inside(path, self.root):
+            raise ManifestError(f"{obj.name}: resolves outside the store root {self.uri!r} (symlink); refused")
+        return path
+
     def check_sizes(self, manifest: Manifest) -> list[str]:
-        """Return problems with the objects' existence and sizes (empty when all match)."""
+        """Return problems with the objects' existence, location and sizes (empty when all match)."""
         problems = []
         for obj in manifest.objects:
-            path = f"{self._gen_path(manifest.step)}/{obj.name}"
             try:
-                size = self.fs.info(path).get("size")
+                size = self.fs.info(self._object_path(manifest.step, obj)).get("size")
+            except ManifestError as exc:
+                problems.append(str(exc))
+                continue
             except FileNotFoundError:
                 problems.append(f"{obj.name}: missing")
                 continue
@@ -551,15 +477,19 @@ class CheckpointStore:
                 problems.append(f"{obj.name}: size {size}, manifest says {obj.size}")
         return problems
 
-    def latest(self, *, verify: bool = False, run_id: str | None = None) -> GenerationInfo | None:
-        """The newest committed generation whose objects exist with the manifest's sizes.
+    def latest(self, *, verify: bool = True, run_id: str | None = None) -> GenerationInfo | None:
+        """The newest committed generation that is intact, for resuming.
 
-        Generations that fail the check are skipped with a warning, so a damaged newest generation falls back
-        to the previous one.
+        With ``verify`` (the default) every object of the returned generation was re-read once and matched its
+        checksum; without it (for listings) sizes only. A generation that fails is skipped with a warning, so a
+        damaged newest generation falls back to the newest intact one.
 
         Args:
-            verify: Also re-read and check checksums (slower).
+            verify: Check checksums (reads every byte of the returned generation once).
             run_id: Only consider generations of this run.
+
+        Raises:
+            StoreUnavailableError: The location cannot be listed (never reported as "no checkpoint").
         """
         for info in reversed(self.generations(include_uncommitted=True)):
             if not info.committed or info.manifest is None:
@@ -576,7 +506,7 @@ class CheckpointStore:
         return None
 
     def verify(self, step: int) -> VerifyResult:
-        """Re-read every object of generation ``step`` and check size and checksum; never unpickles."""
+        """Re-read every object of generation ``step`` once and check size and checksum; never unpickles."""
         try:
             manifest = self.manifest(step)
         except ManifestError as exc:
@@ -586,98 +516,67 @@ class CheckpointStore:
         for obj in manifest.objects:
             if obj.name in bad:
                 continue
-            digest = _Checksum(_checksum_algorithm(obj.checksum))
-            size = 0
+            path = self._object_path(step, obj)
             try:
-                with self.fs.open(f"{self._gen_path(step)}/{obj.name}", "rb") as f:
-                    while chunk := f.read(_READ_CHUNK):
-                        digest.update(chunk)
-                        size += len(chunk)
+                read_verified(self.fs, path, obj, into=_Discard())
+            except ManifestError as exc:
+                problems.append(obj.name + str(exc).removeprefix(path))
             except Exception as exc:  # noqa: BLE001 - reported as a problem of this generation
                 problems.append(f"{obj.name}: unreadable ({exc})")
-                continue
-            if size != obj.size:
-                problems.append(f"{obj.name}: read {size} bytes, manifest says {obj.size}")
-            elif digest.hexdigest() != obj.checksum:
-                problems.append(f"{obj.name}: checksum {digest.hexdigest()}, manifest says {obj.checksum}")
         return VerifyResult(step=step, ok=not problems, problems=tuple(problems))
 
     def open(self, step: int, name: str) -> IO[bytes]:
         """Open object ``name`` of committed generation ``step`` for reading.
 
         Raises:
-            ManifestError: If the generation is not committed or lists no such object.
+            ManifestError: If the generation is not committed, lists no such object, or it resolves outside
+                the store's root.
         """
         manifest = self.manifest(step)
+        return self.fs.open(self._object_path(step, self._entry(manifest, name)), "rb")
+
+    @staticmethod
+    def _entry(manifest: Manifest, name: str) -> ObjectEntry:
         try:
-            manifest.object(name)
+            return manifest.object(name)
         except KeyError as exc:
             raise ManifestError(str(exc.args[0])) from exc
-        return self.fs.open(f"{self._gen_path(step)}/{name}", "rb")
+
+    def iter_objects(self, step: int) -> Iterator[tuple[ObjectEntry, str]]:
+        """Yield each object of committed generation ``step`` with its full URL."""
+        for obj in self.manifest(step).objects:
+            yield obj, self.backend.url(self._object_path(step, obj))
 
     # -- retention ---------------------------------------------------------------------------------------
-    def gc(self, keep_last: int, *, all_runs: bool = False, dry_run: bool = False) -> list[int]:
-        """Delete old generations; never the newest ``keep_last`` committed ones.
-
-        Committed generations older than the newest ``keep_last`` are removed manifest first (so a crash leaves
-        an uncommitted leftover, never a manifest without data), then their data. Uncommitted leftovers older
-        than the newest commit are removed too. Generations being written by this store, newer uncommitted
-        ones, and (unless ``all_runs``) other runs' generations are left alone.
+    def retain(
+        self,
+        keep_last: int,
+        *,
+        all_runs: bool = False,
+        dry_run: bool = False,
+        verify: bool = False,
+        min_leftover_age_s: float = 0.0,
+    ) -> retention.RetentionReport:
+        """Apply retention and report ``removed``, ``failed`` and ``refused`` (rules: :mod:`.retention`).
 
         Args:
-            keep_last: How many committed generations to keep (at least 1).
-            all_runs: Also remove other runs' committed generations.
-            dry_run: Only return what would be removed.
-
-        Returns:
-            The steps removed (or that would be).
+            keep_last: How many verified complete committed generations to keep (at least 1).
+            all_runs: Act for every run in the folder (the operator), not only this store's run.
+            dry_run: Only plan; ``removed`` lists what would be removed.
+            verify: Verify checksums of the generations counted as kept (otherwise only those up to 64 MiB).
+            min_leftover_age_s: With ``all_runs``, leave other runs' uncommitted leftovers younger than this.
         """
         if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1:
             raise ConfigError(
                 f"keep_last must be an int >= 1 (the newest committed generation is kept), got {keep_last!r}"
             )
-        gens = self.generations(include_uncommitted=True)
-        committed = [g for g in gens if g.committed]
-        if not committed:
-            return []
-        newest = committed[-1].step
-        # keep_last counts the generations gc may delete: this run's (or all runs' with all_runs), so another run's
-        # newer commits never push this run's own out.
-        mine = [g for g in committed if all_runs or g.run_id == self.run_id]
-        keep = {g.step for g in mine[-keep_last:]}
-        with self._lock:
-            writing = set(self._writing)
-        doomed = []
-        for g in gens:
-            if g.step in keep or g.step in writing:
-                continue
-            # A rejected manifest never made its generation recoverable: collected like a leftover, unless it was
-            # written by a newer version of this library (an upgrade can read it).
-            leftover = not g.committed and not g.newer_format and not g.unreadable and g.step < newest
-            if g.committed and (all_runs or g.run_id == self.run_id) or leftover:
-                doomed.append(g)
-        if dry_run:
-            return [g.step for g in doomed]
-        removed = []
-        for g in doomed:
-            try:
-                self._remove_generation(g.step, manifest_first=g.committed)
-                removed.append(g.step)
-            except Exception:  # noqa: BLE001 - retention is best effort; a leftover is collected next time
-                _log.warning("could not remove generation %s", g.path, exc_info=True)
-        return removed
+        return retention.execute(
+            self, keep_last, all_runs=all_runs, dry_run=dry_run, verify=verify, min_leftover_age_s=min_leftover_age_s
+        )
 
-    def _remove_generation(self, step: int, *, manifest_first: bool) -> None:
-        path = self._gen_path(step)
-        if manifest_first:
-            self.fs.rm_file(f"{path}/{MANIFEST_NAME}")
-            if self.is_local:
-                _fsync_dir(path)
-        try:
-            self.fs.rm(path, recursive=True)
-        except FileNotFoundError:
-            pass
-        self._invalidate()
+    def gc(self, keep_last: int, *, all_runs: bool = False, dry_run: bool = False) -> list[int]:
+        """Delete old generations and return the steps removed (or that would be); see :meth:`retain`."""
+        return self.retain(keep_last, all_runs=all_runs, dry_run=dry_run).removed
 
     # -- helpers -----------------------------------------------------------------------------------------
     def _invalidate(self) -> None:
@@ -688,7 +587,10 @@ class CheckpointStore:
             pass
 
     def _check_writable(self) -> None:
-        if not (self.is_local or "memory" in _protocols(self.fs)):
+        if not (self.is_local or "memory" in protocols(self.fs)):
+            why = self.backend.missing_root_error(self.root)
+            if why is not None:
+                raise ConfigError(f"dirpath {self.uri!r} cannot be used: {why}; create it or fix the URL")
             return
         try:
             self.fs.makedirs(self.root, exist_ok=True)
@@ -700,27 +602,38 @@ class CheckpointStore:
                 f"dirpath {self.uri!r} is not writable ({exc}); choose a writable folder or fix its permissions"
             ) from exc
 
-    def iter_objects(self, step: int) -> Iterator[tuple[ObjectEntry, str]]:
-        """Yield each object of committed generation ``step`` with its full URL."""
-        for obj in self.manifest(step).objects:
-            yield obj, self.url(step, obj.name)
-
     def __repr__(self) -> str:
         return f"CheckpointStore({self.uri!r}, run_id={self.run_id!r})"
 
 
-def _protocols(fs: fsspec.AbstractFileSystem) -> tuple[str, ...]:
-    proto = fs.protocol
-    return (proto,) if isinstance(proto, str) else tuple(proto)
+class _Discard:
+    def write(self, data: bytes) -> int:
+        return len(data)
+
+
+def _stale_local_claim(fs: fsspec.AbstractFileSystem, claim: str) -> bool:
+    """Whether a claim was left by a process of this host that no longer exists (a crashed writer)."""
+    import json
+
+    try:
+        body = json.loads(fs.cat_file(claim, start=0, end=64 << 10))
+        if body.get("host") != socket.gethostname() or not isinstance(body.get("pid"), int):
+            return False
+        os.kill(body["pid"], 0)
+    except ProcessLookupError:
+        return True
+    except Exception:  # noqa: BLE001 - unreadable or foreign: not provably stale
+        return False
+    return False
 
 
 def _make_fs(uri: str, options: dict[str, Any]) -> tuple[fsspec.AbstractFileSystem, str]:
     scheme = uri.split("://", 1)[0].lower() if "://" in uri else "file"
+    extra = _EXTRAS.get(scheme)
+    hint = f"pip install 'lightning_async_ckpt[{extra}]'" if extra else f"install the fsspec backend for {scheme!r}"
     try:
         fsspec.get_filesystem_class(scheme)
     except ImportError as exc:
-        extra = _EXTRAS.get(scheme)
-        hint = f"pip install 'lightning_async_ckpt[{extra}]'" if extra else f"install the fsspec backend for {scheme!r}"
         raise ConfigError(f"uri {uri!r} needs an fsspec backend that is not installed: {hint} ({exc})") from exc
     except ValueError as exc:
         raise ConfigError(
@@ -730,19 +643,7 @@ def _make_fs(uri: str, options: dict[str, Any]) -> tuple[fsspec.AbstractFileSyst
     try:
         fs, path = fsspec.core.url_to_fs(uri, **options)
     except ImportError as exc:
-        extra = _EXTRAS.get(scheme)
-        hint = f"pip install 'lightning_async_ckpt[{extra}]'" if extra else f"install the fsspec backend for {scheme!r}"
         raise ConfigError(f"uri {uri!r} needs an fsspec backend that is not installed: {hint} ({exc})") from exc
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"could not open {uri!r} with storage_options {sorted(options)}: {exc}") from exc
     return fs, path
-
-
-def _versions() -> dict[str, str]:
-    out = {}
-    for dist in ("lightning_async_ckpt", "torch", "lightning", "fsspec"):
-        try:
-            out[dist] = importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            continue
-    return out

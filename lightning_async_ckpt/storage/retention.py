@@ -1,0 +1,248 @@
+"""Retention: a pure plan of which generations to remove (with reasons), and the executor that reports it.
+
+The plan (:func:`plan_retention`) reads nothing and deletes nothing: it gets what the store found (each
+generation, whether its objects are complete, who claims an uncommitted one) and decides. Its rules:
+
+- only **verified complete** generations count toward ``keep_last`` (every object present at its manifest
+  size; checksums too where cheap or asked); a damaged generation is never counted and is reported as refused;
+- a committed generation is removed only when it belongs to this run (or ``all_runs``) and is older than the
+  oldest kept complete one, so retention never leaves fewer recoverable generations than ``keep_last`` (or
+  than there were, when there were fewer);
+- an uncommitted leftover is removed only when it is older than the newest complete commit, is not being
+  written by this store, and every writer claim in it is this run's (a crashed attempt of this run); with
+  ``all_runs`` (the operator acting for the whole folder) any leftover at least ``min_leftover_age_s`` old.
+  Another run's leftover may be a save in progress: it is refused, with the reason.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from lightning_async_ckpt.storage.manifest import MANIFEST_NAME
+from lightning_async_ckpt.storage.writer import CLAIM_NAME
+
+if TYPE_CHECKING:
+    from lightning_async_ckpt.storage.store import CheckpointStore, GenerationInfo
+
+__all__ = ["Candidate", "Refusal", "Removal", "RetentionPlan", "RetentionReport", "execute", "plan_retention"]
+
+_log = logging.getLogger(__name__)
+# Generations at most this large are checksum-verified before they count (cheap); larger ones by size.
+CHEAP_VERIFY_BYTES = 64 << 20
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """What the store found about one generation, for the plan.
+
+    Attributes:
+        info: The listing entry.
+        problems: For a committed generation: why it is not complete (empty: complete; ``None``: not checked).
+        writers: For an uncommitted one: the run ids of the writer claims found in it (``"?"`` unreadable).
+        age_s: Seconds since its newest claim (or folder time) was written, when known.
+    """
+
+    info: GenerationInfo
+    problems: tuple[str, ...] | None = None
+    writers: tuple[str, ...] = ()
+    age_s: float | None = None
+
+
+@dataclass(frozen=True)
+class Removal:
+    """One generation the plan removes, and why."""
+
+    step: int
+    committed: bool
+    reason: str
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """One generation the plan refused to count or to remove, and why."""
+
+    step: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class RetentionPlan:
+    """The decision: steps kept as the newest complete ones, removals and refusals."""
+
+    keep: tuple[int, ...]
+    remove: tuple[Removal, ...]
+    refused: tuple[Refusal, ...]
+
+
+@dataclass
+class RetentionReport:
+    """What ``gc`` did: ``removed`` steps, ``failed`` removals (step, error), ``refused`` (step, reason)."""
+
+    plan: RetentionPlan
+    removed: list[int] = field(default_factory=list)
+    failed: list[tuple[int, str]] = field(default_factory=list)
+    dry_run: bool = False
+
+    @property
+    def refused(self) -> tuple[Refusal, ...]:
+        """Generations not counted or not removed, with the reason."""
+        return self.plan.refused
+
+
+def plan_retention(
+    candidates: list[Candidate],
+    *,
+    keep_last: int,
+    run_id: str,
+    all_runs: bool,
+    writing: frozenset[int] = frozenset(),
+    min_leftover_age_s: float = 0.0,
+) -> RetentionPlan:
+    """Decide which generations to remove (pure: no I/O). See the module docstring for the rules."""
+    gens = sorted(candidates, key=lambda c: c.info.step)
+    refused: list[Refusal] = []
+
+    def owned(c: Candidate) -> bool:
+        return all_runs or c.info.run_id == run_id
+
+    committed = [c for c in gens if c.info.committed]
+    keep: list[int] = []
+    for c in reversed(committed):
+        if not owned(c) or c.problems is None:
+            continue
+        if c.problems:
+            refused.append(Refusal(c.info.step, "not counted as recoverable: " + "; ".join(c.problems)))
+        elif len(keep) < keep_last:
+            keep.append(c.info.step)
+    complete = [c.info.step for c in committed if c.problems == ()]
+    newest = max(complete) if complete else None
+    oldest_kept = min(keep) if keep else None
+    remove: list[Removal] = []
+    for c in gens:
+        step = c.info.step
+        if step in keep or step in writing:
+            continue
+        if c.info.committed:
+            if owned(c) and oldest_kept is not None and step < oldest_kept:
+                why = "damaged and older" if c.problems else "older"
+                remove.append(Removal(step, True, f"{why} than the newest {len(keep)} verified generation(s)"))
+            continue
+        reason = _leftover_refusal(c, newest, run_id, all_runs, min_leftover_age_s)
+        if reason is None:
+            remove.append(Removal(step, False, "uncommitted leftover older than the newest commit"))
+        else:
+            refused.append(Refusal(step, reason))
+    if not keep and committed:
+        refused.append(Refusal(committed[-1].info.step, "no verified complete generation to keep: removing nothing"))
+    return RetentionPlan(keep=tuple(sorted(keep)), remove=tuple(remove), refused=tuple(refused))
+
+
+def _leftover_refusal(c: Candidate, newest: int | None, run_id: str, all_runs: bool, min_age_s: float) -> str | None:
+    info = c.info
+    if info.newer_format:
+        return "manifest of a newer format version (an upgrade can read it)"
+    if info.unreadable:
+        return f"manifest unreadable right now ({info.error})"
+    if newest is None or info.step >= newest:
+        return "uncommitted and newer than the newest verified commit: may be in progress"
+    if info.error or (c.writers and all(w == run_id for w in c.writers)):
+        return None  # a rejected manifest was never recoverable; or this run's own crashed attempt
+    if all_runs and (c.age_s is None or c.age_s >= min_age_s):
+        return None
+    who = ", ".join(sorted(set(c.writers))) if c.writers else "an unknown writer"
+    return f"uncommitted, written by {who}: may be another run's save in progress"
+
+
+def execute(
+    store: CheckpointStore,
+    keep_last: int,
+    *,
+    all_runs: bool = False,
+    dry_run: bool = False,
+    verify: bool = False,
+    min_leftover_age_s: float = 0.0,
+) -> RetentionReport:
+    """Look at ``store``, plan retention and carry it out (removals: manifest first, then data)."""
+    gens = store.generations(include_uncommitted=True)
+    candidates = []
+    kept = 0
+    for info in reversed(gens):
+        problems: tuple[str, ...] | None = None
+        writers: tuple[str, ...] = ()
+        age = None
+        if info.committed and info.manifest is not None:
+            if (all_runs or info.run_id == store.run_id) and kept < keep_last:
+                cheap = verify or info.manifest.total_bytes <= CHEAP_VERIFY_BYTES
+                problems = tuple(store.verify(info.step).problems if cheap else store.check_sizes(info.manifest))
+                kept += not problems
+        elif not info.unreadable and not info.newer_format:
+            writers, age = _claims(store, info)
+        candidates.append(Candidate(info, problems, writers, age))
+    plan = plan_retention(
+        candidates,
+        keep_last=keep_last,
+        run_id=store.run_id,
+        all_runs=all_runs,
+        writing=store.writing(),
+        min_leftover_age_s=min_leftover_age_s,
+    )
+    report = RetentionReport(plan=plan, dry_run=dry_run)
+    for refusal in plan.refused:
+        _log.info("retention: not counting/removing step %d: %s", refusal.step, refusal.reason)
+    if dry_run:
+        report.removed = [r.step for r in plan.remove]
+        return report
+    by_step = {g.step: g for g in gens}
+    for removal in plan.remove:
+        try:
+            _remove(store, by_step[removal.step])
+            report.removed.append(removal.step)
+        except Exception as exc:  # noqa: BLE001 - reported in `failed`; a leftover is collected next time
+            _log.warning("could not remove generation %s", by_step[removal.step].path, exc_info=True)
+            report.failed.append((removal.step, f"{type(exc).__name__}: {exc}"))
+    return report
+
+
+def _claims(store: CheckpointStore, info: GenerationInfo) -> tuple[tuple[str, ...], float | None]:
+    path = store._gen_path(info.step)
+    try:
+        files = store.fs.find(path)
+    except Exception:  # noqa: BLE001 - an unlistable leftover has an unknown writer
+        return ("?",), None
+    writers, started = [], []
+    for f in files:
+        if not f.rstrip("/").endswith("/" + CLAIM_NAME):
+            continue
+        try:
+            body = json.loads(store.fs.cat_file(f, start=0, end=64 << 10))
+            writers.append(str(body["run_id"]))
+            started.append(float(body["started"]))
+        except Exception:  # noqa: BLE001 - a torn claim names an unknown writer
+            writers.append("?")
+    when = max(started) if started else info.mtime
+    return tuple(writers), (time.time() - when) if when is not None else None
+
+
+def _remove(store: CheckpointStore, info: GenerationInfo) -> None:
+    path = store._gen_path(info.step)
+    if info.manifest is None:
+        store.fs.rm(path, recursive=True)
+    else:
+        # Manifest first (a crash leaves an uncommitted leftover, never a manifest without data), then this
+        # generation's objects; another writer's prefix ("w-<token>/" not listed here) is left alone.
+        store.fs.rm_file(f"{path}/{MANIFEST_NAME}")
+        store.backend.sync_folder(path)
+        own = {obj.key.split("/", 1)[0] for obj in info.manifest.objects if obj.path}
+        # The claim goes last: a removal cut short leaves a leftover that still names its run.
+        for f in sorted(store.fs.find(path), key=lambda f: f.endswith("/" + CLAIM_NAME)):
+            rel = f[len(path) + 1 :] if f.startswith(path + "/") else f.rsplit("/", 1)[-1]
+            top = rel.split("/", 1)[0]
+            if "/" in rel and top.startswith("w-") and top not in own:
+                continue
+            store.fs.rm_file(f)
+        store.backend.remove_folder_if_empty(path)
+    store._invalidate()

@@ -1,0 +1,315 @@
+"""The generation writer: data objects as checksummed streams, then the manifest, exclusively, last.
+
+Call sequence of one generation (``CheckpointStore.begin`` does step 0):
+
+0. claim the step: create ``<generation>/.writer.json`` exclusively. A writer that finds another writer's claim
+   (a live writer of the same step, or a crashed one on another host) writes its objects under its own prefix
+   ``w-<token>/`` instead, so two writers of one step never overwrite each other's data;
+1. ``open(name)`` each object, stream into it, close it (size and checksum recorded);
+2. ``commit()``: check that every object still exists at its size, create the manifest exclusively (the loser
+   gets :class:`GenerationExistsError` and its own objects are removed), check the objects again;
+3. or ``abort()`` at any point: only this writer's objects and claim are removed.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import logging
+import os
+import socket
+import time
+import uuid
+from typing import IO, TYPE_CHECKING, Any
+
+from lightning_async_ckpt.errors import GenerationExistsError, StorageError, WriterUsageError
+from lightning_async_ckpt.storage.io import Checksum
+from lightning_async_ckpt.storage.manifest import MANIFEST_NAME, Manifest, ObjectEntry, validate_object_name
+
+if TYPE_CHECKING:
+    from lightning_async_ckpt.storage.store import CheckpointStore
+
+__all__ = ["CLAIM_NAME", "GenerationWriter", "ObjectStream", "claim_body"]
+
+_log = logging.getLogger(__name__)
+CLAIM_NAME = ".writer.json"
+
+
+def claim_body(run_id: str, step: int, token: str) -> bytes:
+    """The bytes of a writer claim: who writes the step (read by retention and by the next writer)."""
+    body = {"run_id": run_id, "step": step, "token": token, "host": socket.gethostname(), "pid": os.getpid()}
+    return json.dumps({**body, "started": time.time()}).encode()
+
+
+class ObjectStream:
+    """A writable stream for one data object: counts and checksums bytes as they pass, holds none whole."""
+
+    def __init__(self, writer: GenerationWriter, name: str, raw: IO[bytes]) -> None:
+        self._writer = writer
+        self.name = name
+        self._raw = raw
+        self._sum = Checksum(writer.checksum)
+        self.size = 0
+        self.closed = False
+        self.failure: StorageError | None = None
+
+    def write(self, data: Any) -> int:
+        """Write ``data``; a storage failure is kept so it, not a serializer's wrapper, decides retries."""
+        view = memoryview(data).cast("B")
+        try:
+            self._raw.write(view)
+        except Exception as exc:
+            self.failure = StorageError(f"could not write object {self.name!r} of {self._writer.path}: {exc}")
+            raise self.failure from exc
+        self._sum.update(view)
+        self.size += len(view)
+        return len(view)
+
+    def writable(self) -> bool:
+        return True
+
+    def readable(self) -> bool:
+        return False
+
+    def seekable(self) -> bool:
+        return False
+
+    def tell(self) -> int:
+        return self.size
+
+    def flush(self) -> None:
+        self._raw.flush()
+
+    def close(self) -> None:
+        """Make the object durable and record it in the generation; idempotent."""
+        if self.closed:
+            return
+        if self.failure is not None:
+            # A write failed but the serializer carried on: the object is incomplete, never record it.
+            self.abandon()
+            raise self.failure
+        self.closed = True
+        try:
+            self._writer.store.backend.finish(self._raw)
+        except Exception as exc:
+            self._writer._discard(self.name)
+            raise StorageError(f"could not finish object {self.name!r} of {self._writer.path}: {exc}") from exc
+        entry = ObjectEntry(name=self.name, size=self.size, checksum=self._sum.hexdigest())
+        if self._writer.prefix:
+            entry = ObjectEntry(**{**entry.__dict__, "path": self._writer.prefix + self.name})
+        self._writer._record(entry)
+
+    def abandon(self) -> None:
+        """Close without recording or publishing (after a failed write; aborts a multipart upload)."""
+        if not self.closed:
+            self.closed = True
+            try:
+                self._writer.store.backend.discard(self._raw)
+            except Exception:  # noqa: BLE001 - the write already failed; its error is the one that matters
+                _log.debug("closing abandoned object %s failed", self.name, exc_info=True)
+            self._writer._discard(self.name)
+
+    def __enter__(self) -> ObjectStream:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abandon()
+            if self.failure is not None and exc is not self.failure:
+                raise self.failure
+
+
+class GenerationWriter:
+    """Writes one generation: data objects as streams, then :meth:`commit` writes the manifest last.
+
+    Not thread-safe: one thread writes a generation. See the module docstring for the call sequence.
+
+    Args:
+        store: The store.
+        step: The generation's step.
+        checksum: The checksum algorithm of its objects.
+        prefix: Where this writer's objects go inside the generation (``""``: at their names).
+        claim: Path of this writer's claim, removed by :meth:`abort`.
+    """
+
+    def __init__(
+        self, store: CheckpointStore, step: int, checksum: str, *, prefix: str = "", claim: str | None = None
+    ) -> None:
+        self.store = store
+        self.step = step
+        self.checksum = checksum
+        self.path = store._gen_path(step)
+        self.prefix = prefix
+        self._claim = claim
+        self._objects: dict[str, ObjectEntry] = {}
+        self._open: set[str] = set()
+        self._written: set[str] = set()
+        self._done = False
+
+    def open(self, name: str) -> ObjectStream:
+        """Open data object ``name`` for streaming writes.
+
+        Args:
+            name: Plain relative name inside the generation (``/`` for sub-folders).
+
+        Returns:
+            A binary, write-only, file-like stream; closing it makes the object durable.
+
+        Raises:
+            WriterUsageError: The object was already opened, or the writer is committed or aborted.
+            StorageError: The object cannot be created.
+        """
+        self._check_open()
+        validate_object_name(name)
+        if name in self._objects or name in self._open:
+            raise WriterUsageError(f"object {name!r} was already written to generation step {self.step}")
+        key = self.prefix + name
+        path = f"{self.path}/{key}"
+        try:
+            raw = self.store.backend.open_write(path, direct_io=self.store.direct_io, subfolder="/" in key)
+        except Exception as exc:
+            raise StorageError(f"could not open {path!r} for writing: {exc}") from exc
+        self._open.add(name)
+        self._written.add(key)
+        return ObjectStream(self, name, raw)
+
+    def write_bytes(self, name: str, data: bytes) -> ObjectEntry:
+        """Write a small object in one call and return its entry."""
+        with self.open(name) as stream:
+            stream.write(data)
+        return self._objects[name]
+
+    @property
+    def objects(self) -> tuple[ObjectEntry, ...]:
+        """Entries of the objects closed so far."""
+        return tuple(self._objects.values())
+
+    def commit(
+        self,
+        *,
+        cut: dict[str, Any] | None = None,
+        plan: dict[str, Any] | None = None,
+        timings: dict[str, Any] | None = None,
+        extra: dict[str, Any] | None = None,
+    ) -> Manifest:
+        """Write the manifest last and exclusively, making the generation recoverable.
+
+        Raises:
+            WriterUsageError: An object is still open, or the writer is already committed or aborted.
+            GenerationExistsError: Another writer committed this step first; this writer's objects were removed.
+            StorageError: An object vanished or shrank before or after the manifest was written (the manifest is
+                removed again), or the manifest cannot be written. The generation is not committed.
+        """
+        self._check_open()
+        if self._open:
+            raise WriterUsageError(f"objects {sorted(self._open)} of step {self.step} are still open; close them first")
+        manifest = Manifest(
+            step=self.step,
+            run_id=self.store.run_id,
+            objects=self.objects,
+            cut=dict(cut or {}),
+            versions=_versions(),
+            plan=dict(plan or {}),
+            timings=dict(timings or {}),
+            extra=dict(extra or {}),
+            committed_at=time.time(),
+        )
+        data = manifest.to_json()
+        path = f"{self.path}/{MANIFEST_NAME}"
+        try:
+            self._check_objects(manifest, "before")
+            try:
+                self.store.backend.create_exclusive(path, data)
+            except FileExistsError as exc:
+                if not self._landed(path, data):
+                    self._remove_own()
+                    raise GenerationExistsError(
+                        f"generation step {self.step} at {self.store.url(self.step)} was committed by another "
+                        "writer first; this writer's objects were removed and the other writer's are kept"
+                    ) from exc
+            except Exception as exc:
+                raise StorageError(f"could not write manifest {path!r}: {exc}") from exc
+            self.store.backend.sync_folder(self.store.root)  # the generation folder's own entry
+            try:
+                self._check_objects(manifest, "after")
+            except StorageError:
+                self._remove_manifest(path)
+                raise
+        finally:
+            self._done = True
+            self.store.end_write(self.step)
+            self.store._invalidate()
+        return manifest
+
+    def abort(self) -> None:
+        """Remove what this writer wrote (never another writer's objects); idempotent."""
+        if self._done:
+            return
+        self._done = True
+        try:
+            self._remove_own()
+        except Exception:  # noqa: BLE001 - aborting is best effort; an uncommitted leftover is never trusted
+            _log.warning("could not remove aborted generation %s", self.path, exc_info=True)
+        finally:
+            self.store.end_write(self.step)
+
+    def _check_objects(self, manifest: Manifest, when: str) -> None:
+        problems = self.store.check_sizes(manifest)
+        if problems:
+            raise StorageError(
+                f"generation step {self.step} at {self.store.url(self.step)}: objects changed {when} the manifest "
+                f"was written ({'; '.join(problems)}); another process removed or rewrote them (retention of "
+                "another run on the same dirpath?). The step is NOT committed"
+            )
+
+    def _landed(self, path: str, data: bytes) -> bool:
+        # A retried PUT whose first attempt landed finds its own manifest: that is a win, not a loss.
+        try:
+            return self.store.fs.cat_file(path) == data
+        except Exception:  # noqa: BLE001 - unreadable means not provably ours
+            return False
+
+    def _remove_manifest(self, path: str) -> None:
+        try:
+            self.store.fs.rm_file(path)
+            self.store.backend.sync_folder(self.path)
+        except Exception:  # noqa: BLE001 - the raised error says the step is not committed
+            _log.warning("could not remove manifest %s of a damaged commit", path, exc_info=True)
+
+    def _remove_own(self) -> None:
+        for key in sorted(self._written) + ([self._claim] if self._claim else []):
+            path = key if key == self._claim else f"{self.path}/{key}"
+            try:
+                self.store.fs.rm_file(path)
+            except FileNotFoundError:
+                pass
+        self.store.backend.remove_folder_if_empty(self.path)
+        self.store._invalidate()
+
+    def _record(self, entry: ObjectEntry) -> None:
+        self._open.discard(entry.name)
+        self._objects[entry.name] = entry
+
+    def _discard(self, name: str) -> None:
+        self._open.discard(name)
+
+    def _check_open(self) -> None:
+        if self._done:
+            raise WriterUsageError(f"generation step {self.step} is already committed or aborted")
+
+
+def new_token() -> str:
+    """A random writer token."""
+    return uuid.uuid4().hex[:12]
+
+
+def _versions() -> dict[str, str]:
+    out = {}
+    for dist in ("lightning_async_ckpt", "torch", "lightning", "fsspec"):
+        try:
+            out[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return out
