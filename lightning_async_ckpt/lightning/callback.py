@@ -27,6 +27,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning_async_ckpt.core.capture import DeferralProof, Fence, prove_deferral
 from lightning_async_ckpt.core.engine import AsyncCheckpointer, CheckpointOptions
 from lightning_async_ckpt.errors import CheckpointError, ConfigError, GenerationExistsError
+from lightning_async_ckpt.lightning.resume import latest_checkpoint
 from lightning_async_ckpt.storage.store import CheckpointStore
 
 __all__ = ["CHECKPOINT_NAME", "AsyncCheckpointCallback", "latest_checkpoint"]
@@ -512,28 +513,6 @@ class AsyncCheckpointCallback(ModelCheckpoint):
         rng_states = state_dict.get("rng_states")
         if self.restore_rng and rng_states:
             _restore_rng(rng_states)
-
-
-def latest_checkpoint(dirpath: str, storage_options: dict[str, Any] | None = None) -> str | None:
-    """Path of the newest committed, Lightning-loadable checkpoint under ``dirpath``, or ``None``.
-
-    Only generations whose manifest is valid and whose objects exist with the manifest's sizes count; an
-    uncommitted generation is never returned. Use it as
-    ``trainer.fit(model, ckpt_path=latest_checkpoint(dirpath))``.
-
-    Args:
-        dirpath: The callback's ``dirpath`` (local folder or fsspec URL).
-        storage_options: fsspec options for ``dirpath``.
-    """
-    store = CheckpointStore(dirpath, storage_options, check_writable=False)
-    for info in reversed(store.generations()):
-        if info.manifest is None or CHECKPOINT_NAME not in {o.name for o in info.manifest.objects}:
-            continue
-        if store.check_sizes(info.manifest):
-            _log.warning("skipping generation %s: objects missing or truncated", info.path)
-            continue
-        return store.url(info.step, CHECKPOINT_NAME)
-    return None
 
 
 def _read_only(callback: Callback) -> bool:
