@@ -9,7 +9,7 @@ from __future__ import annotations
 import lightning.pytorch as pl
 import pytest
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import Checkpoint, ModelCheckpoint
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -40,6 +40,8 @@ class TableModel(pl.LightningModule):
         super().__init__()
         if kind == "embedding":
             self.table: nn.Module = nn.Embedding(ROWS, DIM, max_norm=1.0)
+        elif kind == "embedding_plain":
+            self.table = nn.Embedding(ROWS, DIM)
         elif kind == "bag":
             self.table = nn.EmbeddingBag(ROWS, DIM, max_norm=1.0, mode="sum")
         else:
@@ -94,3 +96,41 @@ def test_max_norm_tables_are_copied_at_the_cut_and_match_model_checkpoint(tmp_pa
     rows = store.manifest(10).plan["rows"]
     table = [r for r in rows if r["category"] == "parameter" and r["fence"] == "cut"]
     assert table and "max_norm" in table[0]["rule"]
+
+
+class _TrustedButWrites(Checkpoint):
+    """A ``Checkpoint`` subclass (trusted read-only by the proof) that renormalizes the table right after our cut.
+
+    Lightning orders checkpoint callbacks last, keeping their order, so this hook runs right after the cut while the
+    background copy of the 16 MB table is still running: only the runtime guard can catch it.
+    """
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        with torch.no_grad():
+            w = pl_module.table.weight
+            w[-64:] = w[-64:].renorm(2, 0, 0.5)  # an in-place write through a tensor operation (bumps _version)
+
+
+def test_a_write_the_proof_cannot_see_is_refused_retaken_and_demoted(tmp_path):
+    # Repeated: 8 cuts per run, 2 runs. Every commit equals the synchronous checkpoint; every refused cut is retaken
+    # at the next batch end, and the demoted category is named in the manifest's plan.
+    for run in range(2):
+        root = tmp_path / str(run)
+        ours = AsyncCheckpointCallback(dirpath=str(root / "async"), every_n_train_steps=2, save_on_train_end=False)
+        sync = ModelCheckpoint(dirpath=root / "sync", every_n_train_steps=1, save_top_k=-1, filename="{step}")
+        pl.seed_everything(3)
+        trainer = pl.Trainer(max_steps=16, callbacks=[sync, ours, _TrustedButWrites()], **trainer_kwargs())
+        trainer.fit(TableModel("embedding_plain"), table_loader(n=160))
+        store = CheckpointStore(str(root / "async"), check_writable=False)
+        steps = [g.step for g in store.generations()]
+        for step in steps:
+            theirs = without_model_checkpoint_state(load_checkpoint(str(root / "sync" / f"step={step}.ckpt")))
+            mine = without_model_checkpoint_state(load_checkpoint(store.url(step, "checkpoint.ckpt")))
+            assert_same(theirs, mine, f"run{run}.step{step}")
+        outcomes = {r.requested_step: r.outcome for r in ours.checkpointer.records}
+        torn = sorted(s for s, o in outcomes.items() if o == "torn")
+        assert torn, "the write right after the cut overlapped no copy: the test did not exercise the guard"
+        for step in torn:
+            assert step + 1 in steps, f"torn cut {step} was not retaken at the next batch end ({steps})"
+        rows = store.manifest(steps[-1]).plan["rows"]
+        assert any(r["category"] == "parameter" and "guard" in r["rule"] for r in rows)

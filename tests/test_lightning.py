@@ -304,11 +304,12 @@ def test_final_checkpoint_is_taken_even_when_the_last_cuts_were_skipped(tmp_path
 
     release = threading.Event()
 
-    class ReleaseAtTrainEnd(pl.Callback):
+    class ReleaseAtLastBatch(pl.Callback):
         lightning_async_ckpt_read_only = True
 
-        def on_train_end(self, trainer, pl_module):  # runs before the checkpoint callback's own on_train_end
-            release.set()
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if trainer.global_step == 4:  # runs before the checkpoint callback's own hook (those are ordered last)
+                release.set()
 
     stall_first = Fault(op="pipe_file", path="step-00000001/manifest.json", stall=release)
     ours = AsyncCheckpointCallback(
@@ -317,8 +318,9 @@ def test_final_checkpoint_is_taken_even_when_the_last_cuts_were_skipped(tmp_path
         every_n_train_steps=1,
         admission="skip",
     )
-    _fit(tmp_path, [ReleaseAtTrainEnd(), ours], max_steps=4, accumulate=1)
-    assert ours.skipped == 3  # steps 2-4 arrived while step 1 was still uploading
+    _fit(tmp_path, [ReleaseAtLastBatch(), ours], max_steps=4, accumulate=1)
+    # Steps 2-3 arrived while step 1 was still uploading; step 4 is the known last batch: the final cut waits.
+    assert ours.skipped == 2
     steps = [g.step for g in CheckpointStore(str(tmp_path), check_writable=False).generations()]
     assert steps == [1, 4] and ours.committed_step == 4
 

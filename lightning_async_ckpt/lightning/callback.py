@@ -200,6 +200,8 @@ class AsyncCheckpointCallback(ModelCheckpoint):
         self._last_admitted_step: int | None = None
         self._coalesce_pending = False
         self._coalesce_polled: int | None = None
+        self._last_handle: Any = None
+        self._guard_pending = False
 
     @property
     def state_key(self) -> str:
@@ -322,9 +324,32 @@ class AsyncCheckpointCallback(ModelCheckpoint):
             due = self.checkpointer is not None and self.checkpointer.coalesce_due
             if self._distributed:
                 due = bool(trainer.strategy.broadcast(due, src=0))
-        if due:
-            self._cut(trainer, pl_module, step)
+        retake = self._poll_guard(trainer)
+        # The end of training is known here when max_steps is reached or this is the last batch of the last epoch:
+        # the final checkpoint is taken now, before epoch-end bookkeeping and other callbacks' on_train_end (an EMA
+        # callback copies its averaged weights into the model there), so it resumes like an uninterrupted run.
+        final = self.save_on_train_end and _is_last_batch(trainer, batch_idx)
+        if due or retake or final:
+            self._cut(trainer, pl_module, step, final=final)
         self._log_progress(pl_module)
+
+    def _poll_guard(self, trainer: pl.Trainer) -> bool:
+        """Whether the newest admitted save was refused by the guard (torn) and must be retaken now.
+
+        Polled at each batch end until that save's staging is resolved; in DDP rank 0 (the only one staging)
+        decides and every rank learns it in one broadcast, so all ranks take the retake at the same step.
+        """
+        if not self._guard_pending:
+            return False
+        handle = self._last_handle
+        resolved = handle is None or handle.staged.done()
+        retake = bool(resolved and self.checkpointer is not None and self.checkpointer.retake_due)
+        if self._distributed:
+            resolved, retake = trainer.strategy.broadcast((resolved, retake), src=0)
+        if resolved:
+            self._guard_pending = False
+            self._last_handle = None
+        return retake
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._skip(trainer) or self.every_n_epochs is None:
@@ -333,8 +358,11 @@ class AsyncCheckpointCallback(ModelCheckpoint):
             self._cut(trainer, pl_module, trainer.global_step)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        # The final cut is taken unless that very step was admitted already (a skipped or coalesced request at the
-        # last step does not count); it waits for admission whatever the policy, so training ends recoverable.
+        # The final cut, when the end was not known at a batch end (early stopping, max_time, should_stop set by
+        # user code), is taken here, after epoch-end bookkeeping and after every other callback's on_train_end: it
+        # holds what they changed (see docs/concepts.md, "The final checkpoint"). It is skipped when that very step
+        # was admitted already (a skipped or coalesced request does not count); it waits for admission whatever
+        # the policy, so training ends recoverable.
         if self.save_on_train_end and not trainer.fast_dev_run and self._last_admitted_step != trainer.global_step:
             self._cut(trainer, pl_module, trainer.global_step, final=True)
         self._close(trainer, raise_errors=True)
@@ -375,6 +403,7 @@ class AsyncCheckpointCallback(ModelCheckpoint):
                     admission="wait" if final else None,
                 )
                 decision = handle.decision.decision
+                self._last_handle = handle
                 if self.verbose:
                     handle.committed.add_done_callback(_log_commit)
         except Exception as exc:  # noqa: BLE001 - re-raised below, after the other ranks heard of it
@@ -392,6 +421,7 @@ class AsyncCheckpointCallback(ModelCheckpoint):
             self.skipped += 1
         else:
             self._last_admitted_step = step
+            self._guard_pending = self.defer
         self._coalesce_pending = decision == "coalesce" or (self._coalesce_pending and decision == "skip")
 
     def _raise_collectively(self, trainer: pl.Trainer, local: BaseException | None = None) -> None:
@@ -513,6 +543,18 @@ class AsyncCheckpointCallback(ModelCheckpoint):
         rng_states = state_dict.get("rng_states")
         if self.restore_rng and rng_states:
             _restore_rng(rng_states)
+
+
+def _is_last_batch(trainer: pl.Trainer, batch_idx: int) -> bool:
+    """Whether training ends after this batch by its configured length (max_steps, or max_epochs' last batch)."""
+    if trainer.max_steps is not None and trainer.max_steps >= 0 and trainer.global_step >= trainer.max_steps:
+        return True
+    max_epochs = trainer.max_epochs
+    if max_epochs is None or max_epochs < 0 or trainer.current_epoch + 1 < max_epochs:
+        return False
+    return (
+        bool(trainer.fit_loop.epoch_loop.batch_progress.is_last_batch) or batch_idx + 1 >= trainer.num_training_batches
+    )
 
 
 def _read_only(callback: Callback) -> bool:

@@ -1,0 +1,78 @@
+"""Class D of issue 12: the final checkpoint is the one a synchronous ModelCheckpoint writes at the last batch end.
+
+Lightning runs end-of-epoch bookkeeping and every other callback's ``on_train_end`` after the last batch (e.g.
+``EMAWeightAveraging`` copies the averaged weights into the model there); a final checkpoint taken after them
+would resume one epoch ahead or from the averaged weights. It is taken at the last batch end instead.
+"""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import EMAWeightAveraging, ModelCheckpoint
+
+from lightning_async_ckpt import AsyncCheckpointCallback, CheckpointStore
+from tests._lightning_models import (
+    BNDropoutModel,
+    assert_same,
+    load_checkpoint,
+    make_loader,
+    trainer_kwargs,
+    without_model_checkpoint_state,
+)
+
+
+def _fit(callbacks, *, ckpt_path=None, seed=5, **trainer_args):
+    pl.seed_everything(seed)
+    model = BNDropoutModel()
+    trainer = pl.Trainer(callbacks=callbacks, **trainer_kwargs(**trainer_args))
+    trainer.fit(model, make_loader(n=96), ckpt_path=ckpt_path)  # 12 batches per epoch
+    return trainer, model
+
+
+def _compare_final(tmp_path, step: int, extra_callbacks=(), **trainer_args) -> CheckpointStore:
+    ours = AsyncCheckpointCallback(dirpath=str(tmp_path / "async"), every_n_train_steps=5)
+    sync = ModelCheckpoint(dirpath=tmp_path / "sync", every_n_train_steps=1, save_top_k=-1, filename="{step}")
+    _fit([*(cb() for cb in extra_callbacks), sync, ours], **trainer_args)
+    store = CheckpointStore(str(tmp_path / "async"), check_writable=False)
+    assert store.generations()[-1].step == step
+    theirs = without_model_checkpoint_state(load_checkpoint(str(tmp_path / "sync" / f"step={step}.ckpt")))
+    mine = without_model_checkpoint_state(load_checkpoint(store.url(step, "checkpoint.ckpt")))
+    assert_same(theirs, mine, f"final step {step}")
+    return store
+
+
+def test_final_checkpoint_at_max_steps_mid_epoch_with_ema_resumes_like_model_checkpoint(tmp_path):
+    # max_steps=7 is not a multiple of every_n_train_steps=5 and falls mid-epoch; EMA rewrites the live weights at
+    # on_train_end. Repeated with three seeds.
+    for seed in (5, 6, 7):
+        root = tmp_path / str(seed)
+        ours = AsyncCheckpointCallback(dirpath=str(root / "async"), every_n_train_steps=5)
+        sync = ModelCheckpoint(dirpath=root / "sync", every_n_train_steps=1, save_top_k=-1, filename="{step}")
+        _fit([EMAWeightAveraging(decay=0.5), sync, ours], max_steps=7, seed=seed)
+        store = CheckpointStore(str(root / "async"), check_writable=False)
+        assert [g.step for g in store.generations()] == [5, 7]
+        sync_path = str(root / "sync" / "step=7.ckpt")
+        theirs = without_model_checkpoint_state(load_checkpoint(sync_path))
+        mine = without_model_checkpoint_state(load_checkpoint(store.url(7, "checkpoint.ckpt")))
+        assert_same(theirs, mine, f"seed{seed}.final")
+        # Resuming from either continues identically (mid-epoch, with the EMA state).
+        _, from_ours = _fit(
+            [EMAWeightAveraging(decay=0.5)],
+            max_steps=11,
+            ckpt_path=store.url(7, "checkpoint.ckpt"),
+            enable_checkpointing=False,
+            seed=seed,
+        )
+        _, from_sync = _fit(
+            [EMAWeightAveraging(decay=0.5)], max_steps=11, ckpt_path=sync_path, enable_checkpointing=False, seed=seed
+        )
+        assert_same(from_sync.state_dict(), from_ours.state_dict(), f"seed{seed}.resumed")
+
+
+def test_final_checkpoint_at_the_last_batch_of_the_last_epoch(tmp_path):
+    # max_epochs=2 x 12 batches: the end (step 24) is known at its batch end; not a multiple of 5.
+    _compare_final(tmp_path, 24, max_epochs=2)
+
+
+def test_final_checkpoint_with_accumulation_and_max_steps(tmp_path):
+    _compare_final(tmp_path, 7, max_steps=7, accumulate_grad_batches=2)
