@@ -130,7 +130,8 @@ class AccelerateCheckpointer(DrainOnExit):
             try:
                 state = _layout_state(self.accelerator, rngs)
                 handle = self._save(self._get_engine(), step, state, extra={"layout": "accelerate"})
-                self._book.track(handle)
+                if self._multi:  # only other processes need its outcome
+                    self._book.track(handle)
             except Exception as exc:  # noqa: BLE001 - raised on every process by the collective below
                 error = exc
         decision = self._collective(
