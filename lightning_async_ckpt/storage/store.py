@@ -332,7 +332,9 @@ class CheckpointStore:
         generation recoverable: it is removed, so the step can be committed.
         """
         info = self._read_generation(step)
-        if info.committed or info.newer_format or info.unreadable:
+        if info.unreadable:
+            raise StorageError(f"cannot tell whether step {step} is committed: {info.error}")
+        if info.committed or info.newer_format:
             return True
         if info.error:
             _log.warning("generation %s has a corrupt manifest and was never recoverable (%s)", info.path, info.error)
@@ -424,10 +426,14 @@ class CheckpointStore:
             return self.fs.cat_file(path, start=0, end=MAX_MANIFEST_BYTES + 1)
         except FileNotFoundError:
             raise
-        except Exception:
-            if self.fs.info(path).get("size") == 0:
+        except Exception as exc:
+            try:
+                empty = self.fs.info(path).get("size") == 0
+            except Exception:  # noqa: BLE001 - the read's own error is the one to report
+                empty = False
+            if empty:
                 return b""
-            raise
+            raise exc from None
 
     def _mtime(self, path: str) -> float | None:
         try:
