@@ -174,7 +174,9 @@ def test_gc_with_several_runs_asks_which(store_dir: Path, capsys: pytest.Capture
     assert rc == 2 and "2 runs" in err and "--all-runs" in err and "--run-id" in err
 
     rc, out, _ = _run(capsys, "gc", str(store_dir), "--keep-last", "1", "--run-id", "run-b", "--dry-run")
-    assert rc == 0 and "step 10" not in out and "would remove step 5" in out  # run-b's only step is kept
+    assert rc == 0 and "step 10" not in out and "would remove step 5" not in out  # run-b's only step is kept
+    # run-a's uncommitted leftover may be run-a's save in progress: run-b's retention never removes it, and says so.
+    assert "kept step 5: uncommitted, written by run-a" in out
 
     rc, out, _ = _run(capsys, "gc", str(store_dir), "--keep-last", "2", "--run-id", "run-a")
     assert rc == 0  # keep_last counts run-a's own generations: run-b's newer commit does not evict them

@@ -27,7 +27,9 @@ class UsageError(Exception):
 def cmd_ls(args: argparse.Namespace) -> int:
     """``ls``: list generations (committed or not) with step, size, age and run."""
     store = open_store(args)
-    gens = store.generations(include_uncommitted=True)
+    listing = store.scan(include_uncommitted=True)
+    gens = listing.generations
+    _print_skipped(listing.skipped, to_stderr=args.json)
     now = time.time()
     rows = []
     for g in gens:
@@ -79,7 +81,9 @@ def cmd_ls(args: argparse.Namespace) -> int:
 def cmd_verify(args: argparse.Namespace) -> int:
     """``verify``: re-read generations and check sizes and checksums; 1 when any failed."""
     store = open_store(args)
-    gens = {g.step: g for g in store.generations(include_uncommitted=True)}
+    listing = store.scan(include_uncommitted=True)
+    _print_skipped(listing.skipped, to_stderr=args.json)
+    gens = {g.step: g for g in listing.generations}
     skipped = []
     if args.step:
         missing = [s for s in args.step if s not in gens]
@@ -143,23 +147,31 @@ def cmd_gc(args: argparse.Namespace) -> int:
     elif args.run_id is not None and args.run_id not in runs:
         print(f"note: no committed generation of run {args.run_id!r} here (runs: {runs})", file=sys.stderr)
     # Without --run-id the CLI is not a run: it acts for the whole folder (one run, or --all-runs).
-    removed = store.gc(args.keep_last, all_runs=args.run_id is None, dry_run=args.dry_run)
+    report = store.retain(args.keep_last, all_runs=args.run_id is None, dry_run=args.dry_run)
     by_step = {g.step: g for g in gens}
+    reasons = {r.step: r.reason for r in report.plan.remove}
     verb = "would remove" if args.dry_run else "removed"
-    for step in removed:
+    for step in report.removed:
         g = by_step.get(step)
         kind = "committed" if g is not None and g.committed else "uncommitted leftover"
         size = f", {fmt_bytes(g.manifest.total_bytes)}" if g is not None and g.manifest else ""
-        print(f"{verb} step {step} ({kind}{size})")
-    kept = [g.step for g in gens if g.committed and g.step not in removed]
-    print(f"{verb} {len(removed)} generation(s); committed steps kept: {kept}")
-    if not args.dry_run:
-        # The store's gc is best effort (it logs and goes on); whatever it would still remove is what failed.
-        left = store.gc(args.keep_last, all_runs=args.run_id is None, dry_run=True)
-        if left:
-            print(f"{PROG} gc: could not remove steps {left}; run gc again", file=sys.stderr)
-            return 1
+        print(f"{verb} step {step} ({kind}{size}): {reasons.get(step, '')}")
+    for refusal in report.refused:
+        print(f"kept step {refusal.step}: {one_line(refusal.reason)}")
+    kept = [g.step for g in gens if g.committed and g.step not in report.removed]
+    print(f"{verb} {len(report.removed)} generation(s); committed steps kept: {kept}")
+    if report.failed:
+        for step, error in report.failed:
+            print(f"{PROG} gc: could not remove step {step}: {one_line(error)}", file=sys.stderr)
+        print(f"{PROG} gc: could not remove steps {[s for s, _ in report.failed]}; run gc again", file=sys.stderr)
+        return 1
     return 0
+
+
+def _print_skipped(skipped: list[Any], *, to_stderr: bool) -> None:
+    """Name every folder entry the listing did not read as a generation (never skipped silently)."""
+    for entry in skipped:
+        print(f"skipped {entry.name}: {entry.reason}", file=sys.stderr if to_stderr else sys.stdout)
 
 
 def _check_store_path(store: Any, uri: str) -> None:
