@@ -520,7 +520,7 @@ def test_admission_coalesce_takes_the_next_cut_once_drained(make_ckpt) -> None:
     assert _committed_steps(ckpt.store) == [1, 3]
 
 
-def test_admission_abort_raises_and_changes_nothing(make_ckpt) -> None:
+def test_admission_abort_raises_records_aborted_and_changes_nothing_else(make_ckpt) -> None:
     serializer = GatedSerializer(gate_open=False)
     ckpt = make_ckpt(serializer=serializer, admission="abort")
     model, opt = _model()
@@ -533,7 +533,6 @@ def test_admission_abort_raises_and_changes_nothing(make_ckpt) -> None:
             ckpt.committed_step,
             ckpt.skipped,
             ckpt.pending_coalesce,
-            len(ckpt.records),
             ckpt.pool.retained_bytes,
         )
 
@@ -541,6 +540,12 @@ def test_admission_abort_raises_and_changes_nothing(make_ckpt) -> None:
     with pytest.raises(AdmissionError, match="admission='abort'"):
         ckpt.save(2, _state(model, opt))
     assert observable() == before
+    # The refused request still ends with a record and a save event saying so.
+    aborted = ckpt.records[-1]
+    assert (aborted.requested_step, aborted.decision, aborted.outcome) == (2, "abort", "aborted")
+    assert aborted.backlog == 1
+    saves = [e for e in ckpt.events.events if e["event"] == "save"]
+    assert [(e["requested_step"], e["outcome"]) for e in saves] == [(2, "aborted")]
     serializer.gate.set()
     first.result()
     ckpt.drain()

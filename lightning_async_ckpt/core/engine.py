@@ -1,67 +1,51 @@
-"""The asynchronous checkpoint engine: admission, capture at the cut, fenced staging, upload, commit.
+"""The asynchronous checkpoint engine: ``save``, ``wait``, ``drain`` and ``close``; each role lives in its module.
 
 Pipeline of one request::
 
-    save(step, state) -> admission -> capture plan + copy at the cut -> staging thread (fenced) -> staged
-        -> upload thread: serialize + stream via the store (checksums) -> uploaded -> manifest last -> committed
-        -> retention (only after a newer commit)
+    save(step, state) -> admission (admission.py) -> capture plan + copy at the cut (capture.py, staging.py)
+        -> staging thread (fenced) -> staged -> upload thread: serialize, stream on the I/O thread (persist.py)
+        -> uploaded -> manifest last -> committed -> retention (only after a newer commit)
+
+Threads and the interpreter-exit drain are in ``workers.py``, the plain-loop fences in ``hooks.py``, options in
+``options.py``, records and events in ``telemetry.py``.
 """
 
 from __future__ import annotations
 
-import atexit
-import errno
 import logging
 import threading
 import time
-import weakref
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 import torch
 
-from lightning_async_ckpt.core.admission import POLICIES, AdmissionDecision
+from lightning_async_ckpt.core.admission import Admission, AdmissionDecision, AdmissionResult
 from lightning_async_ckpt.core.capture import CapturePlan, Category, DeferralProof, Fence, prove_deferral
-from lightning_async_ckpt.core.handle import DrainOnExit, SaveHandle, _Worker
+from lightning_async_ckpt.core.handle import DrainOnExit, SaveHandle
+from lightning_async_ckpt.core.hooks import FenceHooks, is_own_hook
+from lightning_async_ckpt.core.lifecycle import Lifecycle
 from lightning_async_ckpt.core.options import CheckpointOptions, Serializer, TorchSaveSerializer
+from lightning_async_ckpt.core.persist import AbandonedError, RetryPolicy, persist
 from lightning_async_ckpt.core.staging import BufferPool, StagingJob, resolve_budget
-from lightning_async_ckpt.core.telemetry import EventLog, SaveRecord
-from lightning_async_ckpt.errors import (
-    AdmissionError,
-    CheckpointError,
-    ConfigError,
-    GenerationExistsError,
-    ManifestError,
-    StorageError,
-    TornSnapshotError,
-)
-from lightning_async_ckpt.storage.store import CheckpointStore, GenerationWriter
+from lightning_async_ckpt.core.telemetry import EventLog, Outcome, SaveRecord
+from lightning_async_ckpt.errors import AdmissionError, CheckpointError, ConfigError, TornSnapshotError
+from lightning_async_ckpt.storage.store import CheckpointStore
 
 __all__ = ["AsyncCheckpointer", "CheckpointOptions", "SaveHandle", "Serializer", "TorchSaveSerializer"]
 
 _log = logging.getLogger("lightning_async_ckpt")
-_THREAD_PREFIX = "lightning_async_ckpt"
 
 
-def _is_transient(exc: BaseException) -> bool:
-    if isinstance(exc, GenerationExistsError | ManifestError | ConfigError | TornSnapshotError):
-        return False
-    cause: BaseException | None = exc
-    while cause is not None:
-        if isinstance(cause, OSError) and cause.errno == errno.ENOSPC:
-            return False
-        cause = cause.__cause__
-    return isinstance(exc, OSError | StorageError | TimeoutError | ConnectionError)
-
-
-class AsyncCheckpointer(DrainOnExit):
+class AsyncCheckpointer(Lifecycle, DrainOnExit):
     """Framework-free asynchronous checkpointing into a :class:`CheckpointStore`.
 
     Thread-safety: ``save``, ``wait``, ``poll``, ``drain`` and ``close`` are called from one training thread; the
-    engine's own work runs on two named threads (``lightning_async_ckpt-stage`` and ``-upload``), created lazily.
-    Background errors are re-raised once, on the training thread, at the next ``save``/``wait``/``poll``/``drain``.
+    engine's own work runs on named threads (``lightning_async_ckpt-stage``, ``-upload`` and ``-io``), created
+    lazily. Background errors are re-raised on the training thread at the next ``save``/``wait``/``poll``/
+    ``drain``, each exactly once, oldest first.
 
     Args:
         store: Where generations go (or a URL to open one).
@@ -94,27 +78,22 @@ class AsyncCheckpointer(DrainOnExit):
         self.store = store
         self.options = options
         self.serializer: Serializer = options.serializer or TorchSaveSerializer()
+        self.retry = RetryPolicy(retries=options.retries, backoff_s=options.retry_backoff_s)
         self.pool = BufferPool(resolve_budget(options.host_memory_budget, options.reserved_host_bytes))
         self.events = EventLog(options.event_log)
         self.records: deque[SaveRecord] = deque(maxlen=10_000)
-        self._stage = _Worker(f"{_THREAD_PREFIX}-stage")
-        self._upload = _Worker(f"{_THREAD_PREFIX}-upload", nice=options.upload_nice)
+        self.admission = Admission(max_outstanding=options.max_outstanding, policy=options.admission)
+        self._fence_hooks = FenceHooks(lambda fence: self.wait(fence))  # late-bound: wait may be wrapped
         self._inflight: deque[SaveHandle] = deque()
         self._errors: deque[BaseException] = deque()
         self._lock = threading.Lock()
         self._demoted: set[Category] = set()
-        self._fences: set[Fence] = set()
-        self._hooks: list[Any] = []
-        self._abandon = threading.Event()
-        self._closed = False
+        self._side_streams: dict[torch.device, Any] = {}
         self.committed_step: int | None = None
         self.last_committed: SaveRecord | None = None
         self.requested_step: int | None = None
-        self.pending_coalesce: int | None = None
-        self.skipped = 0
-        self._side_streams: dict[torch.device, Any] = {}
-        self._atexit = _make_atexit(weakref.ref(self))
-        atexit.register(self._atexit)
+        self.torn_step: int | None = None
+        Lifecycle.__init__(self, upload_nice=options.upload_nice)
 
     # -- saving ------------------------------------------------------------------------------------------
     def save(
@@ -153,50 +132,73 @@ class AsyncCheckpointer(DrainOnExit):
             The save's handle; for a skipped or coalesced request its futures are cancelled.
 
         Raises:
-            AdmissionError: ``admission="abort"`` and the outstanding limit is reached.
+            AdmissionError: ``admission="abort"`` and the outstanding limit is reached (recorded as ``aborted``).
             CheckpointError: A previous save failed in the background (raised once).
         """
-        if self._closed:
+        if self.closed:
             raise CheckpointError("this AsyncCheckpointer is closed; create a new one to keep saving")
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ConfigError(f"step must be a non-negative int, got {step!r}")
         self.raise_pending()
         t0 = time.perf_counter()
         record = SaveRecord(requested_step=step)
-        if admission is not None and admission not in POLICIES:
-            raise ConfigError(f"admission must be one of {', '.join(POLICIES)} or None, got {admission!r}")
-        decision = self._admit(step, admission or self.options.admission)
+        try:
+            decision = self.admission.decide(
+                step, policy=admission, backlog=lambda: self.outstanding, wait_one=self._wait_oldest,
+                committed_step=lambda: self.committed_step,
+            )  # fmt: skip
+        except AdmissionError as exc:
+            self._refused(record, exc.result)  # type: ignore[attr-defined]
+            raise
+        if decision.decision is AdmissionDecision.WAIT:
+            self.raise_pending()
         record.decision, record.backlog, record.admission_wait_s = (
             decision.decision,
             decision.backlog,
             decision.waited_s,
         )
         self.requested_step = step
-        self.events.emit(
-            "request",
-            step=step,
-            decision=decision.decision,
-            backlog=decision.backlog,
-            committed_step=self.committed_step,
-            arrived=record.t_request,
-            waited_s=decision.waited_s,
-        )
+        self._emit_request(record, decision)
         handle = SaveHandle(step=step, record=record, decision=decision)
         if not decision.admitted:
-            record.outcome = "coalesced" if decision.decision == "coalesce" else "skipped"
+            record.outcome = Outcome.COALESCED if decision.decision is AdmissionDecision.COALESCE else Outcome.SKIPPED
             record.committed_step = self.committed_step
-            self.skipped += 1
             for fut in (handle.staged, handle.uploaded, handle.committed):
                 fut.cancel()
             self._finish_record(record)
             return handle
+        self.torn_step = None
+        try:
+            plan, job, buffers = self._capture(state, modules, optimizers, proof, defer)
+        except BaseException as exc:
+            # Admitted but never started: the request still ends with a record.
+            record.outcome, record.error = Outcome.FAILED, f"{type(exc).__name__}: {exc}"
+            record.committed_step, record.blocked_s = self.committed_step, time.perf_counter() - t0
+            self._finish_record(record)
+            raise
+        handle.plan, handle._job = plan, job
+        record.sync_bytes = plan.total_bytes - job.deferred_bytes
+        record.deferred_bytes = job.deferred_bytes
+        record.blocked_s = time.perf_counter() - t0
+        record.mark("cut", record.t_request)
+        cut_meta = {"step": step, "requested_at": record.t_request, **(cut or {})}
+        with self._lock:
+            self._inflight.append(handle)
+        self.stage_worker.submit(job.run)
+        self.upload_worker.submit(lambda: self._persist(handle, job, plan, buffers, cut_meta, extra or {}))
+        return handle
+
+    def _capture(
+        self, state: Any, modules: Sequence[Any], optimizers: Sequence[Any], proof: DeferralProof | None, defer: bool
+    ) -> tuple[CapturePlan, StagingJob, list[torch.Tensor]]:
         if proof is None and defer:
+            fences = self._fence_hooks.fences
             proof = prove_deferral(
                 modules,
                 optimizers,
-                has_optimizer_step_fence=Fence.OPTIMIZER_STEP in self._fences,
-                has_batch_start_fence=Fence.BATCH_START in self._fences,
-                ignore_hooks=_is_own_hook,
+                has_optimizer_step_fence=Fence.OPTIMIZER_STEP in fences,
+                has_batch_start_fence=Fence.BATCH_START in fences,
+                ignore_hooks=is_own_hook,
             )
         plan = CapturePlan.build(
             state, modules=modules, optimizers=optimizers, proof=proof if defer else None, demoted=self._demoted
@@ -209,51 +211,34 @@ class AsyncCheckpointer(DrainOnExit):
         except BaseException:
             self.pool.release(buffers)
             raise
-        handle.plan, handle._job = plan, job
-        record.sync_bytes = plan.total_bytes - job.deferred_bytes
-        record.deferred_bytes = job.deferred_bytes
-        record.blocked_s = time.perf_counter() - t0
-        record.mark("cut", record.t_request)
-        cut_meta = {"step": step, "requested_at": record.t_request, **(cut or {})}
-        with self._lock:
-            self._inflight.append(handle)
-        self._stage.submit(job.run)
-        self._upload.submit(lambda: self._persist(handle, job, plan, buffers, cut_meta, extra or {}))
-        return handle
+        return plan, job, buffers
 
-    def _admit(self, step: int, policy: str) -> AdmissionDecision:
-        backlog = self.outstanding
-        if backlog < self.options.max_outstanding:
-            if self.pending_coalesce is not None:
-                self.pending_coalesce = None
-            return AdmissionDecision(step, "admit", backlog, self.committed_step)
-        if policy == "abort":
-            self.events.emit(
-                "request", step=step, decision="abort", backlog=backlog, committed_step=self.committed_step
-            )
-            raise AdmissionError(
-                f"checkpoint for step {step} requested while {backlog} save(s) are outstanding "
-                f"(max_outstanding={self.options.max_outstanding}, admission='abort'); storage is not keeping up: "
-                "checkpoint less often, raise max_outstanding, or choose admission='wait', 'skip' or 'coalesce'"
-            )
-        if policy == "skip":
-            return AdmissionDecision(step, "skip", backlog, self.committed_step)
-        if policy == "coalesce":
-            self.pending_coalesce = step
-            return AdmissionDecision(step, "coalesce", backlog, self.committed_step)
-        t0 = time.perf_counter()
-        while self.outstanding >= self.options.max_outstanding:
-            with self._lock:
-                oldest = self._inflight[0] if self._inflight else None
-            if oldest is not None:
-                try:
-                    oldest.committed.result()
-                except Exception:  # noqa: BLE001 - its error is delivered through raise_pending
-                    pass
-                self._reap()
-        waited = time.perf_counter() - t0
-        self.raise_pending()
-        return AdmissionDecision(step, "wait", backlog, self.committed_step, waited)
+    def _refused(self, record: SaveRecord, result: AdmissionResult) -> None:
+        record.decision, record.backlog, record.outcome = result.decision, result.backlog, Outcome.ABORTED
+        record.committed_step = self.committed_step
+        self._emit_request(record, result)
+        self._finish_record(record)
+
+    def _emit_request(self, record: SaveRecord, decision: AdmissionResult) -> None:
+        self.events.emit(
+            "request",
+            step=record.requested_step,
+            decision=decision.decision,
+            backlog=decision.backlog,
+            committed_step=self.committed_step,
+            arrived=record.t_request,
+            waited_s=decision.waited_s,
+        )
+
+    def _wait_oldest(self) -> None:
+        with self._lock:
+            oldest = self._inflight[0] if self._inflight else None
+        if oldest is not None:
+            try:
+                oldest.committed.result()
+            except Exception:  # noqa: BLE001 - its error is delivered through raise_pending
+                pass
+        self._reap()
 
     @property
     def outstanding(self) -> int:
@@ -264,7 +249,26 @@ class AsyncCheckpointer(DrainOnExit):
     @property
     def coalesce_due(self) -> bool:
         """True when a coalesced request is waiting and the backlog has drained: take a fresh cut now."""
-        return self.pending_coalesce is not None and self.outstanding < self.options.max_outstanding
+        return self.admission.coalesce_due(self.outstanding)
+
+    @property
+    def retake_due(self) -> bool:
+        """True when the newest admitted save was refused as torn (the guard tripped): take a fresh cut now.
+
+        The torn categories are already demoted to copy-at-cut, so the retake cannot tear the same way. Cleared by
+        the next admitted :meth:`save`.
+        """
+        return self.torn_step is not None
+
+    @property
+    def pending_coalesce(self) -> int | None:
+        """The step of a coalesced request still waiting for its fresh cut."""
+        return self.admission.pending_coalesce
+
+    @property
+    def skipped(self) -> int:
+        """Requests dropped by admission (skipped or coalesced)."""
+        return self.admission.skipped
 
     def _reap(self) -> None:
         with self._lock:
@@ -290,10 +294,11 @@ class AsyncCheckpointer(DrainOnExit):
         record = handle.record
 
         def release() -> None:
-            # Before the save's futures resolve: a caller that saw it end (result(), admission wait) may take
-            # the next cut at once, and must find these buffers free, not grow the pool or hit the budget.
+            # Before the save's futures resolve: a caller that saw it end may take the next cut at once and must
+            # find these buffers free. An abandoned save's buffers may still be read by the I/O thread: kept.
             record.peak_retained_bytes = self.pool.peak_bytes
-            self.pool.release(buffers)
+            if not self.abandoning.is_set():
+                self.pool.release(buffers)
 
         try:
             self._wait_staged(job)
@@ -303,14 +308,28 @@ class AsyncCheckpointer(DrainOnExit):
                 raise job.error
             handle.staged.set_result(handle.step)
             self.events.emit("staged", step=handle.step, staging_s=job.staging_s)
-            state = plan.materialize(buffers)
-            manifest = self._write_with_retries(handle, state, plan, cut, extra)
+            manifest = persist(
+                store=self.store,
+                serializer=self.serializer,
+                step=handle.step,
+                state=plan.materialize(buffers),
+                record=record,
+                policy=self.retry,
+                io=self.io_worker,
+                abandon=self.abandoning,
+                buffers=buffers,
+                on_uploaded=lambda n: self._uploaded(handle, n),
+                commit=lambda w: w.commit(cut=cut, plan=plan.summary(), timings=_timings(record), extra=extra),
+                on_retry=lambda attempt, exc: self.events.emit(
+                    "retry", step=handle.step, attempt=attempt, error=str(exc)
+                ),
+            )
         except BaseException as exc:  # noqa: BLE001 - delivered through the futures and raise_pending
             release()
             self._fail(handle, exc)
             return
         release()
-        record.outcome = "committed"
+        record.outcome = Outcome.COMMITTED
         with self._lock:
             if self.committed_step is None or manifest.step > self.committed_step:
                 self.committed_step = manifest.step
@@ -329,73 +348,24 @@ class AsyncCheckpointer(DrainOnExit):
     def _wait_staged(self, job: StagingJob) -> None:
         job.done.wait()
 
-    def _write_with_retries(
-        self, handle: SaveHandle, state: Any, plan: CapturePlan, cut: dict[str, Any], extra: dict[str, Any]
-    ) -> Any:
-        record = handle.record
-        attempt = 0
-        while True:
-            if self._abandon.is_set():
-                raise CheckpointError(f"save of step {handle.step} abandoned at close; no manifest was written")
-            writer: GenerationWriter | None = None
-            try:
-                t_up = time.time()
-                writer = self.store.begin(handle.step)
-                self.serializer.write(state, writer)
-                record.upload_s = time.time() - t_up
-                record.bytes = sum(o.size for o in writer.objects)
-                record.throughput_bps = record.bytes / record.upload_s if record.upload_s > 0 else None
-                record.mark("upload", t_up)
-                if not handle.uploaded.done():
-                    handle.uploaded.set_result(record.bytes)
-                self.events.emit("uploaded", step=handle.step, bytes=record.bytes, upload_s=record.upload_s)
-                if self._abandon.is_set():
-                    writer.abort()
-                    raise CheckpointError(f"save of step {handle.step} abandoned at close; no manifest was written")
-                t_commit = time.time()
-                timings = {"blocked_s": record.blocked_s, "staging_s": record.staging_s, "upload_s": record.upload_s}
-                manifest = writer.commit(cut=cut, plan=plan.summary(), timings=timings, extra=extra)
-                record.commit_s = time.time() - t_commit
-                record.mark("commit", t_commit)
-                return manifest
-            except BaseException as exc:
-                if writer is not None:
-                    writer.abort()
-                if attempt > 0 and isinstance(exc, GenerationExistsError):
-                    # Attempt 0 found no manifest, so one found now is an earlier attempt's PUT that landed
-                    # although its acknowledgement was lost: the generation is committed, not failed.
-                    landed = self._own_commit(handle.step)
-                    if landed is not None:
-                        return landed
-                if attempt >= self.options.retries or not _is_transient(exc):
-                    raise
-                delay = self.options.retry_backoff_s * (2**attempt)
-                attempt += 1
-                _log.warning("save of step %d failed (%s); retry %d in %.2fs", handle.step, exc, attempt, delay)
-                self.events.emit("retry", step=handle.step, attempt=attempt, error=str(exc))
-                if self._abandon.wait(delay):
-                    raise CheckpointError(f"save of step {handle.step} abandoned at close") from exc
-
-    def _own_commit(self, step: int) -> Any:
-        try:
-            manifest = self.store.manifest(step)
-        except ManifestError:
-            return None
-        if manifest.run_id != self.store.run_id or self.store.check_sizes(manifest):
-            return None
-        return manifest
+    def _uploaded(self, handle: SaveHandle, nbytes: int) -> None:
+        if not handle.uploaded.done():
+            handle.uploaded.set_result(nbytes)
+        self.events.emit("uploaded", step=handle.step, bytes=nbytes, upload_s=handle.record.upload_s)
 
     def _fail(self, handle: SaveHandle, exc: BaseException) -> None:
         record = handle.record
         torn = isinstance(exc, TornSnapshotError)
         if torn:
-            record.outcome = "torn"
+            record.outcome = Outcome.TORN
             if handle._job is not None:
                 self._demoted |= handle._job.torn_categories
+            self.torn_step = handle.step
             _log.warning("checkpoint for step %d refused: %s", handle.step, exc)
             error = exc
         else:
-            record.outcome = "abandoned" if self._abandon.is_set() else "failed"
+            abandoned = isinstance(exc, AbandonedError) or self.abandoning.is_set()
+            record.outcome = Outcome.ABANDONED if abandoned else Outcome.FAILED
             error = (
                 exc
                 if isinstance(exc, CheckpointError)
@@ -409,7 +379,7 @@ class AsyncCheckpointer(DrainOnExit):
             self.events.emit("failed", step=handle.step, outcome=record.outcome, error=record.error)
             # The error is pending (and the record final) before the futures resolve, so a caller that saw the
             # future fail gets the error at its very next save/wait/poll/drain, never one call late.
-            if not torn and record.outcome == "failed":
+            if record.outcome is Outcome.FAILED:
                 if self.options.on_error == "raise":
                     with self._lock:
                         self._errors.append(error)
@@ -447,7 +417,8 @@ class AsyncCheckpointer(DrainOnExit):
     def wait(self, fence: Fence, *, raise_errors: bool = True) -> float:
         """Block at ``fence`` until every outstanding save's storages fenced there are staged.
 
-        Cheap when nothing is outstanding; call it right before the first mutation of the fenced categories.
+        Cheap when nothing is outstanding; call it right before the first mutation of the fenced categories. A
+        wait that blocked is recorded in the saves' records and emitted as a ``fence_wait`` event.
 
         Args:
             fence: The fence being passed.
@@ -461,34 +432,38 @@ class AsyncCheckpointer(DrainOnExit):
             self.raise_pending()
         if not self._inflight:
             return 0.0
-        waited = 0.0
+        waited, steps = 0.0, []
         with self._lock:
             handles = list(self._inflight)
         for handle in handles:
             w = handle.wait(fence)
             if w:
                 handle.record.fence_wait_s[fence.value] = handle.record.fence_wait_s.get(fence.value, 0.0) + w
+                steps.append(handle.step)
             waited += w
+        if steps:
+            self.events.emit("fence_wait", fence=fence.value, wait_s=waited, steps=steps)
         return waited
 
     def raise_pending(self) -> None:
-        """Re-raise the oldest background error once (then it is cleared)."""
+        """Re-raise the oldest pending background error (each error is raised exactly once, oldest first)."""
         if self._errors:
             error = self.take_pending_error()
             if error is not None:
                 raise error
 
     def take_pending_error(self) -> BaseException | None:
-        """Remove and return the pending background error, if any (for callers that raise it collectively)."""
+        """Remove and return the oldest pending background error, if any (for callers that raise collectively).
+
+        Later errors stay pending for the next call; none is dropped.
+        """
         with self._lock:
-            error = self._errors.popleft() if self._errors else None
-            self._errors.clear()
-        return error
+            return self._errors.popleft() if self._errors else None
 
     @property
-    def closed(self) -> bool:
-        """Whether :meth:`close` was called."""
-        return self._closed
+    def pending_errors(self) -> int:
+        """How many background errors wait to be raised."""
+        return len(self._errors)
 
     def poll(self) -> None:
         """Raise a pending background error, if any."""
@@ -518,6 +493,12 @@ class AsyncCheckpointer(DrainOnExit):
         self.raise_pending()
         return finished
 
+    def in_flight_steps(self) -> list[int]:
+        """Steps of the saves admitted and not yet ended, oldest first."""
+        self._reap()
+        with self._lock:
+            return [h.step for h in self._inflight]
+
     # -- plain PyTorch loops -----------------------------------------------------------------------------
     def attach(
         self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | Iterable[torch.optim.Optimizer]
@@ -527,112 +508,20 @@ class AsyncCheckpointer(DrainOnExit):
         Afterwards ``save(..., modules=[model], optimizers=[optimizer])`` defers what the proof allows, without
         other code changes. :meth:`detach` removes the hooks.
         """
-        optimizers = [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer)
-        for opt in optimizers:
-            if not isinstance(opt, torch.optim.Optimizer):
-                raise ConfigError(f"optimizer must be a torch.optim.Optimizer, got {type(opt).__name__}")
-            self._hooks.append(opt.register_step_pre_hook(_fence_hook(self, Fence.OPTIMIZER_STEP)))
-        self._hooks.append(model.register_forward_pre_hook(_fence_hook(self, Fence.BATCH_START)))
-        self._fences |= {Fence.OPTIMIZER_STEP, Fence.BATCH_START}
+        self._fence_hooks.attach(model, optimizer)
 
     def detach(self) -> None:
         """Remove the hooks installed by :meth:`attach` (after waiting at every fence)."""
         self.wait(Fence.OPTIMIZER_STEP)
-        for hook in self._hooks:
-            hook.remove()
-        self._hooks.clear()
-        self._fences.clear()
+        self._fence_hooks.remove()
 
     def declare_fences(self, fences: Iterable[Fence]) -> None:
         """Tell the engine which fences the caller calls (integrations that install their own hooks)."""
-        self._fences = set(fences)
+        self._fence_hooks.declare(fences)
 
-    # -- lifecycle ---------------------------------------------------------------------------------------
-    def close(self, timeout: float | None = None, *, abandon: bool = False) -> None:
-        """Drain outstanding saves (or abandon them, leaving no manifest), stop the threads; idempotent.
-
-        Args:
-            timeout: Bound on the drain; on expiry the rest is abandoned (no manifest is written for it).
-            abandon: Do not wait for uploads: uncommitted saves are aborted.
-
-        Raises:
-            CheckpointError: A background error that was not raised yet.
-        """
-        if self._closed:
-            return
-        self._closed = True
-        atexit.unregister(self._atexit)
-        for hook in self._hooks:
-            hook.remove()
-        self._hooks.clear()
-        if abandon:
-            self._abandon.set()
-            # An upload stuck in storage must not hang close(abandon=True): bound every wait.
-            timeout = self.options.drain_timeout_s if timeout is None else timeout
-        # One deadline for the whole close: the drain and the thread joins share it.
-        deadline = None if timeout is None else time.monotonic() + timeout
-
-        def remaining() -> float | None:
-            return None if deadline is None else max(0.0, deadline - time.monotonic())
-
-        error: BaseException | None = None
-        try:
-            finished = self.drain(remaining())
-        except CheckpointError as exc:
-            error = exc
-            finished = self.drain_quietly(remaining())
-        if not finished:
-            self._abandon.set()
-            _log.warning("close: saves still outstanding after %ss were abandoned; no manifest for them", timeout)
-        # Drained threads are idle and exit at once; after a timed-out drain only what is left of the bound is given.
-        join = None if finished else remaining()
-        stopped = self._stage.stop(join) & self._upload.stop(join)
-        if not stopped:
-            _log.warning("close: a checkpoint thread is still blocked in storage; it was left to the interpreter")
-        self.events.close()
-        self.pool.clear()
-        if error is not None:
-            raise error
-
-    def drain_quietly(self, timeout: float | None) -> bool:
-        """Like :meth:`drain` but never raises; returns whether everything ended."""
-        try:
-            return self.drain(timeout)
-        except Exception:  # noqa: BLE001 - used on shutdown paths where the error was already reported
-            return not self._inflight
-
-    def __del__(self) -> None:
-        if not getattr(self, "_closed", True) and getattr(self, "_inflight", None):
-            _log.warning("AsyncCheckpointer garbage-collected with saves outstanding; call close()")
+    def _remove_hooks(self) -> None:
+        self._fence_hooks.remove()
 
 
-def _fence_hook(engine: AsyncCheckpointer, fence: Fence) -> Callable[..., None]:
-    def hook(*_: Any) -> None:  # returns None: a forward pre-hook's return value would replace the input
-        engine.wait(fence)
-
-    hook._lightning_async_ckpt = True  # type: ignore[attr-defined]
-    return hook
-
-
-def _is_own_hook(hook: Any) -> bool:
-    return bool(getattr(hook, "_lightning_async_ckpt", False))
-
-
-def _make_atexit(ref: weakref.ReferenceType) -> Callable[[], None]:
-    def _drain_at_exit() -> None:
-        engine = ref()
-        if engine is None or engine._closed:
-            return
-        pending = engine.outstanding
-        t0 = time.monotonic()
-        done = engine.drain_quietly(engine.options.drain_timeout_s)
-        _log.warning(
-            "interpreter exit: drained %d outstanding checkpoint save(s) in %.2fs (%s); last committed step %s",
-            pending,
-            time.monotonic() - t0,
-            "complete" if done else "timed out, rest abandoned",
-            engine.committed_step,
-        )
-        engine._closed = True
-
-    return _drain_at_exit
+def _timings(record: SaveRecord) -> dict[str, float]:
+    return {"blocked_s": record.blocked_s, "staging_s": record.staging_s, "upload_s": record.upload_s}

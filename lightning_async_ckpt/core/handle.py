@@ -1,18 +1,13 @@
-"""The handle of one save (three real futures) and the engine's named worker threads."""
+"""The handle of one save (three real futures), and the context-manager behaviour of the checkpointers."""
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import os
-import queue
-import threading
-from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-from lightning_async_ckpt.core.admission import AdmissionDecision
+from lightning_async_ckpt.core.admission import AdmissionResult
 from lightning_async_ckpt.core.capture import CapturePlan, Fence
 from lightning_async_ckpt.core.staging import StagingJob
 from lightning_async_ckpt.core.telemetry import SaveRecord
@@ -31,17 +26,31 @@ class SaveHandle:
         committed: Resolves to the :class:`~lightning_async_ckpt.storage.manifest.Manifest` once it is durably written:
             only then is the generation recoverable. A skipped or coalesced request's futures are cancelled.
         record: Telemetry of this save.
-        decision: The admission decision.
+        decision: The admission result (``decision.decision`` is the :class:`AdmissionDecision`).
+        plan: The capture plan (``None`` for a request that was not admitted).
     """
 
     step: int
     record: SaveRecord
-    decision: AdmissionDecision
+    decision: AdmissionResult
     staged: Future = field(default_factory=Future)
     uploaded: Future = field(default_factory=Future)
     committed: Future = field(default_factory=Future)
     plan: CapturePlan | None = None
-    _job: StagingJob | None = None
+    _job: StagingJob | None = field(default=None, repr=False)
+
+    @property
+    def staging(self) -> StagingJob | None:
+        """The staging job (its host ``buffers`` and per-fence state); ``None`` when the request was not admitted.
+
+        Read-only view for diagnostics and tests: e.g. whether the buffers are pinned.
+        """
+        return self._job
+
+    @property
+    def outcome(self) -> str:
+        """How the save ended so far (the record's :class:`~lightning_async_ckpt.core.telemetry.Outcome`)."""
+        return self.record.outcome
 
     @property
     def done(self) -> bool:
@@ -55,47 +64,6 @@ class SaveHandle:
     def result(self, timeout: float | None = None) -> Any:
         """The committed manifest (raises the save's error)."""
         return self.committed.result(timeout)
-
-
-class _Worker:
-    """A named daemon thread running submitted callables in order, optionally at a lower CPU priority."""
-
-    def __init__(self, name: str, nice: int = 0) -> None:
-        self.name = name
-        self.nice = nice
-        self._queue: queue.Queue = queue.Queue()
-        self._thread: threading.Thread | None = None
-
-    def submit(self, fn: Callable[[], Any]) -> Future:
-        if self._thread is None:
-            # Daemon: the interpreter may exit while storage hangs; the atexit drain bounds that wait.
-            self._thread = threading.Thread(target=self._loop, name=self.name, daemon=True)
-            self._thread.start()
-        future: Future = Future()
-        self._queue.put((fn, future))
-        return future
-
-    def _loop(self) -> None:
-        if self.nice:
-            # Linux threads carry their own nice value: the upload yields the cores to the training threads.
-            with contextlib.suppress(AttributeError, OSError):
-                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self.nice)
-        while (item := self._queue.get()) is not None:
-            fn, future = item
-            try:
-                future.set_result(fn())
-            except BaseException as exc:  # noqa: BLE001 - delivered through the future
-                future.set_exception(exc)
-
-    def stop(self, timeout: float | None) -> bool:
-        if self._thread is None:
-            return True
-        self._queue.put(None)
-        self._thread.join(timeout)
-        alive = self._thread.is_alive()
-        if not alive:
-            self._thread = None
-        return not alive
 
 
 class DrainOnExit:

@@ -9,15 +9,37 @@ import math
 import threading
 import time
 from dataclasses import asdict, dataclass, field
+from enum import StrEnum
 from typing import IO, Any
 
 import fsspec
 
 from lightning_async_ckpt.errors import ConfigError
 
-__all__ = ["EventLog", "SaveRecord", "read_events"]
+__all__ = ["EventLog", "Outcome", "SaveRecord", "read_events"]
 
 _log = logging.getLogger("lightning_async_ckpt")
+
+
+class Outcome(StrEnum):
+    """How one save request ended (the ``outcome`` of its record and ``save`` event; a ``str``)."""
+
+    PENDING = "pending"
+    """Still in flight."""
+    COMMITTED = "committed"
+    """The manifest is durable: recoverable progress."""
+    FAILED = "failed"
+    """Capture, staging or upload failed; the error is raised on the training thread."""
+    TORN = "torn"
+    """The runtime guard saw a deferred tensor change before staging; refused, retake due."""
+    SKIPPED = "skipped"
+    """Admission dropped the request (``skip``)."""
+    COALESCED = "coalesced"
+    """Admission dropped the request and a fresh cut follows once drained (``coalesce``)."""
+    ABORTED = "aborted"
+    """Admission refused the request with ``AdmissionError`` (``abort``)."""
+    ABANDONED = "abandoned"
+    """``close`` (or the interpreter-exit drain) gave up on it; no manifest was written."""
 
 
 @dataclass
@@ -27,8 +49,8 @@ class SaveRecord:
     Attributes:
         requested_step: The step the caller asked to save.
         committed_step: Newest committed step once this save ended (``None`` before the first commit).
-        decision: The admission decision.
-        outcome: ``committed``, ``failed``, ``torn``, ``skipped``, ``coalesced``, ``aborted`` or ``abandoned``.
+        decision: The admission decision (an ``AdmissionDecision`` value).
+        outcome: How it ended: an :class:`Outcome`.
         backlog: Saves outstanding when the request arrived.
         blocked_s: Seconds the caller was blocked at the cut (admission wait, capture and copy-at-cut).
         admission_wait_s: Part of ``blocked_s`` spent waiting for admission.
@@ -50,7 +72,7 @@ class SaveRecord:
     requested_step: int
     committed_step: int | None = None
     decision: str = "admit"
-    outcome: str = "pending"
+    outcome: Outcome = Outcome.PENDING
     backlog: int = 0
     blocked_s: float = 0.0
     admission_wait_s: float = 0.0

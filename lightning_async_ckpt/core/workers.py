@@ -1,0 +1,165 @@
+"""Where the engine's work runs: named worker threads, and the one interpreter-exit trampoline.
+
+Worker threads are daemons (a non-daemon thread would be joined by the interpreter *before* any exit handler
+runs, so an outstanding save could never be drained or bounded), but they are never left to the interpreter
+while they may still touch torch or storage: every checkpointer registers its exit drain through
+:func:`register_at_exit`, which drains within the configured bound, then flags the rest abandoned and joins the
+threads (bounded) before finalization starts. A daemon thread that wakes up inside a C++ frame (``torch.save``
+calling back into a file's ``write``) after finalization started is killed by ``pthread_exit`` and takes the
+process down with SIGABRT or SIGSEGV; that is what the join prevents.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import logging
+import os
+import queue
+import threading
+import weakref
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+__all__ = ["THREAD_PREFIX", "ExitHook", "Worker", "register_at_exit"]
+
+THREAD_PREFIX = "lightning_async_ckpt"
+_log = logging.getLogger("lightning_async_ckpt")
+
+
+class Worker:
+    """A named daemon thread running submitted callables in order, optionally at a lower CPU priority.
+
+    Created lazily on the first :meth:`submit`. Thread-safe: any thread may submit; :meth:`stop` is called by
+    the owner once.
+
+    Args:
+        name: Thread name (prefixed with ``lightning_async_ckpt-`` by convention).
+        nice: Linux nice value of the thread (0 leaves it unchanged).
+    """
+
+    def __init__(self, name: str, nice: int = 0) -> None:
+        self.name = name
+        self.nice = nice
+        self._queue: queue.Queue = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self._stopping = False
+
+    def submit(self, fn: Callable[[], Any]) -> Future:
+        """Run ``fn`` on the thread after everything submitted before; returns its future."""
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name=self.name, daemon=True)
+                self._thread.start()
+        future: Future = Future()
+        self._queue.put((fn, future))
+        return future
+
+    def _loop(self) -> None:
+        if self.nice:
+            # Linux threads carry their own nice value: the upload yields the cores to the training threads.
+            with contextlib.suppress(AttributeError, OSError):
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self.nice)
+        while (item := self._queue.get()) is not None:
+            fn, future = item
+            try:
+                future.set_result(fn())
+            except BaseException as exc:  # noqa: BLE001 - delivered through the future
+                future.set_exception(exc)
+
+    @property
+    def alive(self) -> bool:
+        """Whether the thread exists and has not ended."""
+        thread = self._thread
+        return thread is not None and thread.is_alive()
+
+    def stop(self, timeout: float | None) -> bool:
+        """Ask the thread to end after its queued work and join it for at most ``timeout`` seconds.
+
+        Returns:
+            True when the thread ended (or never started).
+        """
+        with self._lock:
+            thread = self._thread
+            if thread is None:
+                return True
+            if not self._stopping:
+                self._stopping = True
+                self._queue.put(None)
+        thread.join(timeout)
+        return not thread.is_alive()
+
+    def join(self, timeout: float | None) -> bool:
+        """Join the thread (after :meth:`stop`) for at most ``timeout`` seconds; True when it ended."""
+        thread = self._thread
+        if thread is None:
+            return True
+        thread.join(timeout)
+        return not thread.is_alive()
+
+
+class ExitHook:
+    """A registration made by :func:`register_at_exit`; :meth:`unregister` removes it (idempotent)."""
+
+    def __init__(self, ref: weakref.ReferenceType | Callable[[], Any]) -> None:
+        self._ref = ref
+
+    def unregister(self) -> None:
+        """Do not call the callback at interpreter exit."""
+        with _registry_lock:
+            if self in _hooks:
+                _hooks.remove(self)
+
+    def _callback(self) -> Callable[[], Any] | None:
+        return self._ref()  # type: ignore[call-arg]
+
+
+_hooks: list[ExitHook] = []
+_registry_lock = threading.Lock()
+_installed = False
+
+
+def register_at_exit(method: Callable[[], Any]) -> ExitHook:
+    """Call the bound method ``method`` at interpreter exit, before finalization, unless its object is gone.
+
+    Every checkpointer (the engine, and integrations that own engines, e.g. Accelerate's) registers here instead
+    of with :mod:`atexit` directly: one trampoline runs the callbacks newest first (like :mod:`atexit`, so an
+    integration that registers after creating its engines runs before them), each with its exceptions logged,
+    and the owner is only weakly referenced (an unclosed checkpointer can still be garbage-collected).
+
+    Args:
+        method: A bound method (held through a weak reference) or a plain function (held strongly).
+
+    Returns:
+        The registration; call :meth:`ExitHook.unregister` once the owner was closed.
+    """
+    global _installed
+    try:
+        ref: Any = weakref.WeakMethod(method)  # type: ignore[arg-type]
+    except TypeError:
+        ref = lambda: method  # noqa: E731 - a plain function is held strongly
+
+    hook = ExitHook(ref)
+    with _registry_lock:
+        _hooks.append(hook)
+        if not _installed:
+            atexit.register(_run_exit_hooks)
+            _installed = True
+    return hook
+
+
+def _run_exit_hooks() -> None:
+    while True:
+        with _registry_lock:
+            if not _hooks:
+                return
+            hook = _hooks.pop()
+        callback = hook._callback()
+        if callback is None:
+            continue
+        try:
+            callback()
+        except Exception:  # noqa: BLE001 - nothing can be raised at interpreter exit; it is logged
+            _log.warning("checkpoint exit handler failed", exc_info=True)
