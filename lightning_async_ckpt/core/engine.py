@@ -206,6 +206,7 @@ class AsyncCheckpointer(Lifecycle, DrainOnExit):
         self.pool.check(plan.total_bytes)
         buffers = self.pool.acquire(plan.slots)
         job = StagingJob(plan.slots, buffers, guard=self.options.guard)
+        job.abandon = self.abandoning
         try:
             job.copy_at_cut(self._streams_for(plan))
         except BaseException:

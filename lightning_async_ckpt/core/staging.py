@@ -23,11 +23,13 @@ import torch
 
 from lightning_async_ckpt.core.capture import Category, Fence, StorageSlot
 from lightning_async_ckpt.core.guard import CutGuard, GuardMode, resolve_guard_mode
-from lightning_async_ckpt.errors import ConfigError, HostMemoryBudgetError, TornSnapshotError
+from lightning_async_ckpt.errors import CheckpointError, ConfigError, HostMemoryBudgetError, TornSnapshotError
 
 __all__ = ["AUTO_BUDGET_FRACTION", "BufferPool", "StagingJob", "resolve_budget"]
 
 AUTO_BUDGET_FRACTION = 0.5
+# Background host copies run in chunks of this many bytes, so an abandoned save stops within one chunk.
+_COPY_CHUNK = 64 << 20
 
 
 def resolve_budget(budget: int | str | None, reserved_bytes: int = 0) -> int | None:
@@ -70,6 +72,11 @@ class BufferPool:
         self.retained_bytes = 0
         self.peak_bytes = 0
         self.in_use_bytes = 0
+        #: Buffers allocated so far (by :meth:`acquire` at a cut, or :meth:`reserve` ahead of it).
+        self.allocations = 0
+        #: Of those, allocated by :meth:`acquire`, i.e. at a cut, on the training thread.
+        self.allocations_at_cut = 0
+        self._reserving: list[threading.Event] = []
 
     def check(self, needed_bytes: int) -> None:
         """Raise before training if one snapshot of ``needed_bytes`` cannot fit the budget."""
@@ -81,7 +88,9 @@ class BufferPool:
             )
 
     def acquire(self, slots: Sequence[StorageSlot]) -> list[torch.Tensor]:
-        """Hand out one buffer per slot, reusing free ones of the same size."""
+        """Hand out one buffer per slot, reusing free ones of the same size (after a pending :meth:`reserve`)."""
+        for reserving in list(self._reserving):
+            reserving.wait()
         out: list[torch.Tensor] = []
         with self._lock:
             needed = sum(s.nbytes for s in slots)
@@ -104,6 +113,8 @@ class BufferPool:
                 else:
                     out.append(torch.empty(s.nbytes, dtype=torch.uint8, pin_memory=_pin(s)))
                     self.retained_bytes += s.nbytes
+                    self.allocations += 1
+                    self.allocations_at_cut += 1
             self.in_use_bytes += needed
             self.peak_bytes = max(self.peak_bytes, self.retained_bytes)
         return out
@@ -114,6 +125,51 @@ class BufferPool:
             for buf in buffers:
                 self._free.setdefault((buf.numel(), buf.is_pinned()), []).append(buf)
                 self.in_use_bytes -= buf.numel()
+
+    def begin_reserve(self) -> threading.Event:
+        """Announce a :meth:`reserve` (returns its ticket): :meth:`acquire` waits for it instead of allocating."""
+        ticket = threading.Event()
+        with self._lock:
+            self._reserving.append(ticket)
+        return ticket
+
+    def reserve(self, slots: Sequence[StorageSlot], *, ticket: threading.Event | None = None) -> int:
+        """Allocate free buffers for ``slots`` ahead of the cut (pinned for CUDA storages), within the budget.
+
+        Buffers already free count; the rest are allocated outside the lock (pinned allocation is slow).
+
+        Returns:
+            Bytes newly allocated.
+        """
+        try:
+            with self._lock:
+                wanted = Counter((s.nbytes, _pin(s)) for s in slots)
+                have = {k: len(self._free.get(k, ())) for k in wanted}
+                missing = {k: n - have[k] for k, n in wanted.items() if n > have[k]}
+                grow = sum(k[0] * n for k, n in missing.items())
+                if self.budget_bytes is not None and self.retained_bytes + grow > self.budget_bytes:
+                    raise HostMemoryBudgetError(
+                        f"reserving {grow:,} bytes of staging buffers would exceed host_memory_budget "
+                        f"({self.budget_bytes:,}; {self.retained_bytes:,} retained); raise host_memory_budget"
+                    )
+                self.retained_bytes += grow  # counted now: a concurrent acquire sees the budget as taken
+            made = [
+                (key, torch.empty(key[0], dtype=torch.uint8, pin_memory=key[1]))
+                for key, count in missing.items()
+                for _ in range(count)
+            ]
+            with self._lock:
+                for key, buf in made:
+                    self._free.setdefault(key, []).append(buf)
+                self.allocations += len(made)
+                self.peak_bytes = max(self.peak_bytes, self.retained_bytes)
+            return grow
+        finally:
+            if ticket is not None:
+                with self._lock:
+                    if ticket in self._reserving:
+                        self._reserving.remove(ticket)
+                ticket.set()
 
     def _trim(self, excess: int, keep: Counter | None = None) -> None:
         for key in list(self._free):
@@ -132,6 +188,14 @@ class BufferPool:
 
 def _pin(slot: StorageSlot) -> bool:
     return slot.device.type == "cuda"
+
+
+def _copy_in_chunks(dst: np.ndarray, src: np.ndarray, abandon: threading.Event | None) -> None:
+    """``np.copyto`` in chunks, stopping between them once ``abandon`` is set (never touching memory after it)."""
+    for start in range(0, max(len(src), 1), _COPY_CHUNK):
+        if abandon is not None and abandon.is_set():
+            raise CheckpointError("staging abandoned: the save was abandoned at close")
+        np.copyto(dst[start : start + _COPY_CHUNK], src[start : start + _COPY_CHUNK])
 
 
 def _as_bytes(storage: torch.UntypedStorage) -> torch.Tensor:
@@ -172,6 +236,8 @@ class StagingJob:
         self.stage_started = 0.0
         self.stage_started_wall = 0.0
         self.stage_ended = 0.0
+        #: Set by the owner when the save is abandoned: the copy stops at the next chunk.
+        self.abandon: threading.Event | None = None
         self._deferred = [s for s in self.slots if s.fence != Fence.CUT]
         self._guard = CutGuard(self._deferred, self.guard)
         # Earlier fences first, so the first wait is released as soon as possible.
@@ -213,7 +279,7 @@ class StagingJob:
                 else:
                     # A single-threaded memcpy that releases the GIL: torch's copy_ would start a second OpenMP team
                     # on this thread, whose spinning workers compete with the training thread's team.
-                    np.copyto(buf.numpy(), _as_bytes(slot.storage).numpy())
+                    _copy_in_chunks(buf.numpy(), _as_bytes(slot.storage).numpy(), self.abandon)
                 pending[slot.fence] -= 1
                 if pending[slot.fence] == 0:
                     # Version counters are read before the fence opens: the optimizer's own step comes after it.
