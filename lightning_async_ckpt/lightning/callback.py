@@ -18,69 +18,24 @@ import logging
 from typing import Any, Literal
 
 import lightning.pytorch as pl
-import numpy as np
 import torch
-from lightning.fabric.utilities.seed import _collect_rng_states
-from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.trainer.states import TrainerFn
+from typing_extensions import override
 
 from lightning_async_ckpt.core.capture import DeferralProof, Fence, prove_deferral
 from lightning_async_ckpt.core.engine import AsyncCheckpointer, CheckpointOptions
-from lightning_async_ckpt.errors import CheckpointError, ConfigError, GenerationExistsError
+from lightning_async_ckpt.errors import ConfigError, GenerationExistsError
+from lightning_async_ckpt.lightning.collective import agree_on
+from lightning_async_ckpt.lightning.hooks import Window, override_failures
 from lightning_async_ckpt.lightning.resume import latest_checkpoint
+from lightning_async_ckpt.lightning.rng import collect_portable_rng, restore_rng
 from lightning_async_ckpt.storage.store import CheckpointStore
 
 __all__ = ["CHECKPOINT_NAME", "AsyncCheckpointCallback", "latest_checkpoint"]
 
 _log = logging.getLogger("lightning_async_ckpt")
 CHECKPOINT_NAME = "checkpoint.ckpt"
-# Hooks that run between the cut and this callback's batch-start fence (the rest of the batch end, validation,
-# epoch boundaries, the end of training, other callbacks' batch start). A user override there may write any state
-# before any fence: everything is then copied at the cut.
-_BETWEEN_EPOCHS_AND_VALIDATION = (
-    "on_train_epoch_end",
-    "on_train_epoch_start",
-    "on_validation_start",
-    "on_validation_epoch_start",
-    "on_validation_batch_start",
-    "on_validation_batch_end",
-    "on_validation_epoch_end",
-    "on_validation_end",
-)
-_MODULE_HOOKS_BEFORE_BATCH_FENCE = (
-    "on_train_batch_end",
-    *_BETWEEN_EPOCHS_AND_VALIDATION,
-    "on_validation_model_eval",
-    "on_validation_model_train",
-)
-_CALLBACK_HOOKS_BEFORE_BATCH_FENCE = ("on_train_batch_start", *_BETWEEN_EPOCHS_AND_VALIDATION, "on_train_end")
-# Hooks between the batch-start fence and the optimizer update: parameters and optimizer state fall back to the
-# batch-start fence when one is overridden.
-_MODULE_HOOKS_BEFORE_STEP = (
-    "on_train_batch_start",
-    "on_before_backward",
-    "on_after_backward",
-    "optimizer_step",
-    "on_before_zero_grad",
-)
-_CALLBACK_HOOKS_BEFORE_STEP = (
-    "on_before_backward",
-    "on_after_backward",
-    "on_before_optimizer_step",
-)
-# Lightning callbacks known to read parameters only. A callback of your own can declare the same with a class
-# attribute `lightning_async_ckpt_read_only = True`.
-_READ_ONLY_CALLBACKS = (
-    "ProgressBar",
-    "ModelSummary",
-    "LearningRateMonitor",
-    "Timer",
-    "EarlyStopping",
-    "DeviceStatsMonitor",
-    "ThroughputMonitor",
-    "GradientAccumulationScheduler",
-    "Checkpoint",
-)
 # Optimizer state multiple of the parameters, for the budget check before the first step.
 _OPTIMIZER_STATE_FACTOR = {"Adam": 2, "AdamW": 2, "SGD": 1, "RMSprop": 1, "Adagrad": 1}
 
@@ -204,12 +159,14 @@ class AsyncCheckpointCallback(ModelCheckpoint):
         self._guard_pending = False
 
     @property
+    @override
     def state_key(self) -> str:
         return self._generate_state_key(
             dirpath=self.dirpath, every_n_train_steps=self.every_n_train_steps, every_n_epochs=self.every_n_epochs
         )
 
     # -- setup and teardown ------------------------------------------------------------------------------
+    @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
@@ -236,8 +193,9 @@ class AsyncCheckpointCallback(ModelCheckpoint):
                 self._committed_before = {g.step for g in self.store.generations()}
             except Exception as exc:  # noqa: BLE001 - raised below on every rank
                 error = exc
-        self._all_ranks_raise(trainer, error, "setting up checkpointing")
+        agree_on(trainer, error, "setting up checkpointing")
 
+    @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # Like ModelCheckpoint: no cut at the step training starts from (fresh: 0; resumed: the restored step).
         self._last_cut_step = trainer.global_step
@@ -250,21 +208,14 @@ class AsyncCheckpointCallback(ModelCheckpoint):
                 self.checkpointer.pool.check(_estimate_checkpoint_bytes(pl_module, trainer.optimizers))
             except Exception as exc:  # noqa: BLE001 - raised below on every rank
                 error = exc
-        self._all_ranks_raise(trainer, error, "checking the host-memory budget")
+        agree_on(trainer, error, "checking the host-memory budget")
 
-    def _all_ranks_raise(self, trainer: pl.Trainer, error: BaseException | None, doing: str) -> None:
-        """Raise ``error`` here and a matching error on every other rank (a collective in DDP)."""
-        if self._distributed:
-            failed = trainer.strategy.reduce_boolean_decision(error is not None, all=False)
-            if failed and error is None:
-                error = CheckpointError(f"{doing} failed on another rank; see that rank's log")
-        if error is not None:
-            raise error
-
+    @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage == "fit":
             self._close(trainer, raise_errors=True)
 
+    @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         # teardown is not called on exceptions: drain here so the in-flight save lands, within a bound.
         if self.checkpointer is not None:
@@ -280,9 +231,11 @@ class AsyncCheckpointCallback(ModelCheckpoint):
                 self.requested_step,
             )
 
+    @override
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """No-op: cuts are taken at training batch and epoch ends only (ModelCheckpoint would save here)."""
 
+    @override
     def _find_last_checkpoints(self, trainer: pl.Trainer) -> set[str]:
         # Lightning's `ckpt_path="last"` lookup (before any hook runs): the newest committed checkpoint only.
         dirpath = self.dirpath or f"{str(trainer.default_root_dir).rstrip('/')}/checkpoints"
@@ -294,6 +247,7 @@ class AsyncCheckpointCallback(ModelCheckpoint):
         return {path} if path else set()
 
     # -- fences ------------------------------------------------------------------------------------------
+    @override
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
@@ -301,11 +255,13 @@ class AsyncCheckpointCallback(ModelCheckpoint):
             # In DDP, errors are raised only at collective points, so one rank never leaves the others hanging.
             self.checkpointer.wait(Fence.BATCH_START, raise_errors=not self._distributed)
 
+    @override
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
         if self.checkpointer is not None:
             self.checkpointer.wait(Fence.OPTIMIZER_STEP, raise_errors=not self._distributed)
 
     # -- cuts --------------------------------------------------------------------------------------------
+    @override
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
@@ -351,12 +307,14 @@ class AsyncCheckpointCallback(ModelCheckpoint):
             self._last_handle = None
         return retake
 
+    @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._skip(trainer) or self.every_n_epochs is None:
             return
         if (trainer.current_epoch + 1) % self.every_n_epochs == 0:
             self._cut(trainer, pl_module, trainer.global_step)
 
+    @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # The final cut, when the end was not known at a batch end (early stopping, max_time, should_stop set by
         # user code), is taken here, after epoch-end bookkeeping and after every other callback's on_train_end: it
@@ -408,15 +366,9 @@ class AsyncCheckpointCallback(ModelCheckpoint):
                     handle.committed.add_done_callback(_log_commit)
         except Exception as exc:  # noqa: BLE001 - re-raised below, after the other ranks heard of it
             error = exc
-        if self._distributed:
-            # Every rank records the same decision, and a capture failure on one rank fails all of them
-            # instead of leaving the others waiting in the next collective.
-            decision = trainer.strategy.broadcast(decision, src=0)
-            failed = trainer.strategy.reduce_boolean_decision(error is not None, all=False)
-            if failed and error is None:
-                error = CheckpointError(f"capturing the checkpoint for step {step} failed on another rank")
-        if error is not None:
-            raise error
+        # Every rank records rank 0's decision, and a capture failure on one rank fails all of them instead of
+        # leaving the others waiting in the next collective.
+        decision = agree_on(trainer, error, f"capturing the checkpoint for step {step}", decision)
         if decision in ("skip", "coalesce"):
             self.skipped += 1
         else:
@@ -425,45 +377,21 @@ class AsyncCheckpointCallback(ModelCheckpoint):
         self._coalesce_pending = decision == "coalesce" or (self._coalesce_pending and decision == "skip")
 
     def _raise_collectively(self, trainer: pl.Trainer, local: BaseException | None = None) -> None:
-        if not self._distributed:
-            if local is not None:
-                raise local
-            if self.checkpointer is not None:
-                self.checkpointer.raise_pending()
-            return
+        # A background error from an earlier save is raised here, at a collective point, on every rank.
         if local is None and self.checkpointer is not None:
             local = self.checkpointer.take_pending_error()
-        failed = trainer.strategy.reduce_boolean_decision(local is not None, all=False)
-        if local is not None:
-            raise local
-        if failed:
-            raise CheckpointError("a checkpoint save failed on another rank; see that rank's log")
+        agree_on(trainer, local, "a checkpoint save")
 
     def _proof(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> DeferralProof:
-        before_batch_fence, before_step = [], []
-        for hook in _MODULE_HOOKS_BEFORE_BATCH_FENCE:
-            if _overrides(pl_module, pl.LightningModule, hook):
-                before_batch_fence.append(f"the LightningModule overrides {hook}, which runs before any fence")
-        for hook in _MODULE_HOOKS_BEFORE_STEP:
-            if _overrides(pl_module, pl.LightningModule, hook):
-                before_step.append(f"the LightningModule overrides {hook}, which runs before the next update")
-        for cb in trainer.callbacks:
-            if cb is self or _read_only(cb):
-                continue
-            for hook in _CALLBACK_HOOKS_BEFORE_BATCH_FENCE:
-                if _overrides(cb, Callback, hook):
-                    before_batch_fence.append(f"callback {type(cb).__name__} overrides {hook}, before any fence")
-            for hook in _CALLBACK_HOOKS_BEFORE_STEP:
-                if _overrides(cb, Callback, hook):
-                    before_step.append(f"callback {type(cb).__name__} overrides {hook}")
-        if before_batch_fence:
+        failures = override_failures(trainer, pl_module, self)
+        if failures[Window.BEFORE_BATCH_START]:
             # No fence can protect state that user code may write right after the cut: copy it all at the cut.
-            return DeferralProof(fences={}, rules=(), failures=tuple(before_batch_fence))
+            return DeferralProof(fences={}, rules=(), failures=tuple(failures[Window.BEFORE_BATCH_START]))
         return prove_deferral(
             [pl_module],
             trainer.optimizers,
             automatic_optimization=pl_module.automatic_optimization,
-            extra_failures=before_step,
+            extra_failures=failures[Window.BEFORE_OPTIMIZER_STEP],
         )
 
     def _close(self, trainer: pl.Trainer, *, raise_errors: bool) -> None:
@@ -478,13 +406,11 @@ class AsyncCheckpointCallback(ModelCheckpoint):
             except Exception as exc:  # noqa: BLE001 - raised below, after every rank took part in the collective
                 error = exc
             self._sync_progress()
-        if self._distributed:
-            failed = trainer.strategy.reduce_boolean_decision(error is not None, all=False)
-            self.committed_step = trainer.strategy.broadcast(self.committed_step, src=0)
-            if failed and error is None:
-                error = CheckpointError("a checkpoint save failed on another rank; see that rank's log")
-        if error is not None and raise_errors:
-            raise error
+        try:
+            self.committed_step = agree_on(trainer, error, "draining checkpoint saves", self.committed_step)
+        except Exception:
+            if raise_errors:
+                raise
 
     # -- progress ----------------------------------------------------------------------------------------
     def _sync_progress(self) -> None:
@@ -529,11 +455,13 @@ class AsyncCheckpointCallback(ModelCheckpoint):
             )
 
     # -- checkpoint state --------------------------------------------------------------------------------
+    @override
     def state_dict(self) -> dict[str, Any]:
         # RNG states at the cut, in a form torch.load(weights_only=True) accepts.
         # The run id travels with the checkpoint, so a resumed run keeps it and keep_last reaches across restarts.
-        return {"rng_states": _portable_rng(_collect_rng_states()), "run_id": self.run_id}
+        return {"rng_states": collect_portable_rng(), "run_id": self.run_id}
 
+    @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         run_id = state_dict.get("run_id")
         if isinstance(run_id, str) and run_id:
@@ -542,7 +470,7 @@ class AsyncCheckpointCallback(ModelCheckpoint):
                 self.store.run_id = run_id
         rng_states = state_dict.get("rng_states")
         if self.restore_rng and rng_states:
-            _restore_rng(rng_states)
+            restore_rng(rng_states)
 
 
 def _is_last_batch(trainer: pl.Trainer, batch_idx: int) -> bool:
@@ -557,17 +485,6 @@ def _is_last_batch(trainer: pl.Trainer, batch_idx: int) -> bool:
     )
 
 
-def _read_only(callback: Callback) -> bool:
-    if getattr(callback, "lightning_async_ckpt_read_only", False):
-        return True
-    return any(k.__name__ in _READ_ONLY_CALLBACKS for k in type(callback).__mro__)
-
-
-def _overrides(obj: Any, base: type, hook: str) -> bool:
-    impl = getattr(type(obj), hook, None)
-    return impl is not None and impl is not getattr(base, hook, None)
-
-
 def _estimate_checkpoint_bytes(module: torch.nn.Module, optimizers: list[Any]) -> int:
     params = sum(p.numel() * p.element_size() for p in module.parameters())
     buffers = sum(b.numel() * b.element_size() for b in module.buffers())
@@ -580,30 +497,6 @@ def _estimate_checkpoint_bytes(module: torch.nn.Module, optimizers: list[Any]) -
         owned = sum(p.numel() * p.element_size() for g in opt.param_groups for p in g["params"])
         state += present or owned * _OPTIMIZER_STATE_FACTOR.get(type(opt).__name__, 2)
     return params + buffers + state
-
-
-def _portable_rng(states: dict[str, Any]) -> dict[str, Any]:
-    out = dict(states)
-    if "numpy" in out:
-        kind, keys, pos, has_gauss, cached = out["numpy"]
-        out["numpy"] = (
-            kind,
-            torch.from_numpy(np.asarray(keys, dtype=np.int64)),
-            int(pos),
-            int(has_gauss),
-            float(cached),
-        )
-    return out
-
-
-def _restore_rng(states: dict[str, Any]) -> None:
-    from lightning.fabric.utilities.seed import _set_rng_states
-
-    states = dict(states)
-    if "numpy" in states:
-        kind, keys, pos, has_gauss, cached = states["numpy"]
-        states["numpy"] = (kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached)
-    _set_rng_states(states)
 
 
 def _log_commit(future: Any) -> None:
