@@ -371,3 +371,28 @@ def test_optimizer_in_backward_and_global_hooks_demote_the_deferral() -> None:
         handle.remove()
     assert proof.fences[Category.PARAMETER] == Fence.BATCH_START
     assert any("global module hook" in f for f in proof.failures)
+
+
+@pytest.mark.parametrize(
+    ("table", "pinned"),
+    [
+        (nn.Embedding(100, 4, max_norm=1.0), True),
+        (nn.EmbeddingBag(100, 4, max_norm=1.0), True),
+        (nn.Embedding(100, 4), False),
+    ],
+)
+def test_parameters_a_module_writes_in_forward_are_pinned_to_the_cut(table: nn.Module, pinned: bool) -> None:
+    model = nn.Sequential(table, nn.Linear(4, 2))
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.tensor([[1, 2]])).sum().backward()
+    opt.step()
+    proof = prove_deferral([model], [opt])
+    assert proof.failures == ()  # the rest of the proof holds: only the table's weight is pinned
+    state = {"model": model.state_dict(), "optim": opt.state_dict()}
+    plan = CapturePlan.build(state, modules=[model], optimizers=[opt], proof=proof)
+    fence_of = {name: slot.fence for slot in plan.slots for name in slot.names}
+    assert fence_of["model.0.weight"] is (Fence.CUT if pinned else Fence.OPTIMIZER_STEP)
+    assert fence_of["model.1.weight"] is Fence.OPTIMIZER_STEP
+    assert fence_of["optim.state.0.exp_avg"] is Fence.OPTIMIZER_STEP  # moments are only written by the step
+    rules = [r["rule"] for r in plan.rows() if r["category"] == "parameter" and r["fence"] == "cut"]
+    assert bool(rules) is pinned and all("max_norm" in rule for rule in rules)
