@@ -15,14 +15,16 @@ other      check, then write (best effort, racy)            whatever the filesys
 from __future__ import annotations
 
 import os
+import uuid
 from typing import IO, Any
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
+from lightning_async_ckpt.errors import ConfigError
 from lightning_async_ckpt.storage.io import exclusive_local_write, fsync_dir, open_local_write
 
-__all__ = ["Backend", "backend_for", "protocols"]
+__all__ = ["Backend", "backend_for", "open_filesystem", "protocols"]
 
 
 def protocols(fs: fsspec.AbstractFileSystem) -> tuple[str, ...]:
@@ -102,6 +104,56 @@ class Backend:
     def missing_root_error(self, root: str) -> str | None:
         """Why a root that lists as missing cannot be read, or ``None`` when missing simply means empty."""
         return None
+
+    def check_writable(self, root: str, uri: str) -> None:
+        """Fail before training when ``root`` cannot hold checkpoints.
+
+        Local disk and ``memory://`` are written to; elsewhere the bucket (or root) must exist and be listable.
+
+        Raises:
+            ConfigError: Naming the location (and the bucket) and the fix.
+        """
+        if self.kind != "local" and "memory" not in protocols(self.fs):
+            why = self.missing_root_error(root)
+            if why is not None:
+                raise ConfigError(f"dirpath {uri!r} cannot be used: {why}; create it or fix the URL")
+            return
+        try:
+            self.fs.makedirs(root, exist_ok=True)
+            probe = f"{root}/.write-probe-{uuid.uuid4().hex[:8]}"
+            self.fs.pipe_file(probe, b"")
+            self.fs.rm_file(probe)
+        except Exception as exc:
+            raise ConfigError(
+                f"dirpath {uri!r} is not writable ({exc}); choose a writable folder or fix its permissions"
+            ) from exc
+
+    def read_capped(self, path: str, limit: int) -> bytes:
+        """Read at most ``limit + 1`` bytes of ``path`` (so a caller can tell an oversized file without reading it)."""
+        try:
+            return self.fs.cat_file(path, start=0, end=limit + 1)
+        except FileNotFoundError:
+            raise
+        except Exception as exc:
+            # Object stores refuse a range on an empty object: that one is read as empty.
+            try:
+                empty = self.fs.info(path).get("size") == 0
+            except Exception:  # noqa: BLE001 - the read's own error is the one to report
+                empty = False
+            if empty:
+                return b""
+            raise exc from None
+
+    def mtime(self, path: str) -> float | None:
+        """Modification time of ``path`` when the filesystem reports one (informational)."""
+        try:
+            info = self.fs.info(path)
+        except Exception:  # noqa: BLE001 - the age of a leftover is informational
+            return None
+        value = info.get("mtime") or info.get("LastModified") or info.get("created")
+        if hasattr(value, "timestamp"):
+            return value.timestamp()
+        return float(value) if isinstance(value, int | float) else None
 
 
 class LocalBackend(Backend):
@@ -188,3 +240,33 @@ def backend_for(fs: fsspec.AbstractFileSystem, block_size: int | None = None) ->
     if "s3" in protocols(fs) and type(fs).__module__.startswith("s3fs"):
         return S3Backend(fs, block_size)
     return Backend(fs, block_size)
+
+
+_EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs", "az": "azure", "abfs": "azure"}
+
+
+def open_filesystem(uri: str, options: dict[str, Any]) -> tuple[fsspec.AbstractFileSystem, str]:
+    """The filesystem and root path of ``uri``.
+
+    Raises:
+        ConfigError: Unknown scheme, a backend that is not installed (names the extra), or bad options.
+    """
+    scheme = uri.split("://", 1)[0].lower() if "://" in uri else "file"
+    extra = _EXTRAS.get(scheme)
+    hint = f"pip install 'lightning_async_ckpt[{extra}]'" if extra else f"install the fsspec backend for {scheme!r}"
+    try:
+        fsspec.get_filesystem_class(scheme)
+    except ImportError as exc:
+        raise ConfigError(f"uri {uri!r} needs an fsspec backend that is not installed: {hint} ({exc})") from exc
+    except ValueError as exc:
+        raise ConfigError(
+            f"uri {uri!r} has unknown scheme {scheme!r}; use a local path, file://, memory://, s3:// or another "
+            "fsspec protocol"
+        ) from exc
+    try:
+        fs, path = fsspec.core.url_to_fs(uri, **options)
+    except ImportError as exc:
+        raise ConfigError(f"uri {uri!r} needs an fsspec backend that is not installed: {hint} ({exc})") from exc
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"could not open {uri!r} with storage_options {sorted(options)}: {exc}") from exc
+    return fs, path

@@ -13,19 +13,12 @@ what differs per filesystem :mod:`~lightning_async_ckpt.storage.backend`.
 
 from __future__ import annotations
 
-import enum
 import logging
-import os
-import re
-import socket
 import threading
 import uuid
 import warnings
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from typing import IO, Any
-
-import fsspec
 
 from lightning_async_ckpt.errors import (
     ConfigError,
@@ -36,16 +29,21 @@ from lightning_async_ckpt.errors import (
     StoreUnavailableError,
 )
 from lightning_async_ckpt.storage import retention
-from lightning_async_ckpt.storage.backend import backend_for, protocols
+from lightning_async_ckpt.storage.backend import backend_for, open_filesystem
+from lightning_async_ckpt.storage.generation import (
+    GenerationInfo,
+    GenerationState,
+    Listing,
+    Skipped,
+    VerifyResult,
+    generation_name,
+    parse_generation_name,
+)
 from lightning_async_ckpt.storage.io import (
     DEFAULT_CHECKSUM,
     Checksum,
-    DirectFile,
-    atomic_local_write,
-    checksum_algorithm,
     crc32c_module,
     fsync_dir,
-    open_local_write,
     read_verified,
 )
 from lightning_async_ckpt.storage.manifest import (
@@ -55,17 +53,11 @@ from lightning_async_ckpt.storage.manifest import (
     ObjectEntry,
     validate_object_name,
 )
-from lightning_async_ckpt.storage.writer import CLAIM_NAME, GenerationWriter, claim_body, new_token
+from lightning_async_ckpt.storage.writer import GenerationWriter, claim_step
 
-# Old private names, kept while other packages move to the public ones in ``storage.io`` / ``storage.backend``.
+# Old private names, kept while callers move to the public ones in ``storage.io``.
 _Checksum = Checksum
-_DirectFile = DirectFile
 _fsync_dir = fsync_dir
-_atomic_local_write = atomic_local_write
-_open_local = open_local_write
-_checksum_algorithm = checksum_algorithm
-_crc32c_module = crc32c_module
-_protocols = protocols
 
 __all__ = [
     "CheckpointStore",
@@ -80,104 +72,6 @@ __all__ = [
 ]
 
 _log = logging.getLogger(__name__)
-_GEN_RE = re.compile(r"^step-([0-9]{8,})$")
-_EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs", "az": "azure", "abfs": "azure"}
-
-
-def generation_name(step: int) -> str:
-    """Folder name of the generation for ``step`` (zero-padded so names sort by step)."""
-    return f"step-{step:08d}"
-
-
-def parse_generation_name(name: str) -> int | None:
-    """The step of a canonical generation folder name, or ``None`` (``step-000000004`` and non-ASCII digits
-    are not canonical: two names for one step would make retention and listing disagree)."""
-    match = _GEN_RE.match(name)
-    if not match or generation_name(int(match.group(1))) != name:
-        return None
-    return int(match.group(1))
-
-
-class GenerationState(enum.Enum):
-    """What a listed generation is."""
-
-    COMMITTED = "committed"
-    UNCOMMITTED = "uncommitted"  # no manifest: in progress, or a crashed write
-    REJECTED = "rejected"  # a manifest that is invalid (never recoverable)
-    NEWER_FORMAT = "newer_format"  # written by a newer library version: never deleted or overwritten
-    UNREADABLE = "unreadable"  # present but could not be read right now: left alone
-
-
-@dataclass(frozen=True)
-class GenerationInfo:
-    """What a listing knows about one generation.
-
-    Attributes:
-        step: The generation's step.
-        path: Its folder, as a URL of the store's filesystem.
-        committed: Whether a valid manifest exists.
-        manifest: The parsed manifest, when committed.
-        error: Why a present manifest was rejected, if it was.
-        mtime: Newest modification time seen, when the filesystem reports one.
-        newer_format: The manifest was written by a newer format version (never deleted or overwritten).
-        unreadable: The manifest exists but could not be read (a storage error); retention leaves it alone.
-    """
-
-    step: int
-    path: str
-    committed: bool
-    manifest: Manifest | None = None
-    error: str | None = None
-    mtime: float | None = None
-    newer_format: bool = False
-    unreadable: bool = False
-
-    @property
-    def run_id(self) -> str | None:
-        """The writer's run id, when committed."""
-        return self.manifest.run_id if self.manifest else None
-
-    @property
-    def state(self) -> GenerationState:
-        """The generation's state."""
-        if self.committed:
-            return GenerationState.COMMITTED
-        if self.newer_format:
-            return GenerationState.NEWER_FORMAT
-        if self.unreadable:
-            return GenerationState.UNREADABLE
-        return GenerationState.REJECTED if self.error else GenerationState.UNCOMMITTED
-
-
-@dataclass(frozen=True)
-class Skipped:
-    """An entry of the store's folder that a listing did not read as a generation, and why."""
-
-    name: str
-    reason: str
-
-
-@dataclass(frozen=True)
-class Listing:
-    """A listing: the generations, and what was skipped (never silently)."""
-
-    generations: list[GenerationInfo] = field(default_factory=list)
-    skipped: list[Skipped] = field(default_factory=list)
-
-
-@dataclass(frozen=True)
-class VerifyResult:
-    """Outcome of :meth:`CheckpointStore.verify` for one generation.
-
-    Attributes:
-        step: The generation's step.
-        ok: True when every object exists with the manifest's size and checksum.
-        problems: One line per failed check.
-    """
-
-    step: int
-    ok: bool
-    problems: tuple[str, ...] = ()
 
 
 class CheckpointStore:
@@ -238,14 +132,14 @@ class CheckpointStore:
         self.storage_options = dict(storage_options or {})
         self.run_id = run_id or self.new_run_id()
         self.checksum = checksum
-        self.fs, root = _make_fs(uri, self.storage_options)
+        self.fs, root = open_filesystem(uri, self.storage_options)
         self.root = root.rstrip("/") or "/"
         self.backend = backend_for(self.fs, block_size)
         self.is_local = self.backend.kind == "local"
         self._lock = threading.Lock()
         self._writing: set[int] = set()
         if check_writable:
-            self._check_writable()
+            self.backend.check_writable(self.root, uri)
 
     @staticmethod
     def new_run_id() -> str:
@@ -291,39 +185,13 @@ class CheckpointStore:
                     f"generation step {step} is already committed at {self.url(step)}; committed checkpoints are "
                     "never overwritten: use another dirpath, or remove it with `lightning-async-ckpt gc`"
                 )
-            self.backend.prepare_folder(path)
-            token = new_token()
-            claim = f"{path}/{CLAIM_NAME}"
-            if self._claim(claim, step, token):
-                return GenerationWriter(self, step, self.checksum, claim=claim)
-            prefix = f"w-{token}/"
-            self.backend.prepare_folder(f"{path}/{prefix}")
-            self.fs.pipe_file(f"{path}/{prefix}{CLAIM_NAME}", claim_body(self.run_id, step, token))
-            _log.warning("generation %s is claimed by another writer; writing under %s", self.url(step), prefix)
-            return GenerationWriter(self, step, self.checksum, prefix=prefix, claim=f"{path}/{prefix}{CLAIM_NAME}")
+            return claim_step(self, step)
         except GenerationExistsError:
             self.end_write(step)
             raise
         except Exception as exc:
             self.end_write(step)
             raise StorageError(f"could not prepare generation {self.url(step)}: {exc}") from exc
-
-    def _claim(self, claim: str, step: int, token: str) -> bool:
-        body = claim_body(self.run_id, step, token)
-        try:
-            self.backend.create_exclusive(claim, body)
-            return True
-        except FileExistsError:
-            pass
-        if not _stale_local_claim(self.fs, claim):
-            return False
-        # The claimant was a process of this host that is gone (a crash): take the step over.
-        self.fs.rm_file(claim)
-        try:
-            self.backend.create_exclusive(claim, body)
-        except FileExistsError:
-            return False
-        return True
 
     def _holds_manifest(self, step: int, manifest_path: str) -> bool:
         """Whether ``step`` has a manifest that must not be overwritten (valid, or from a newer format version).
@@ -403,9 +271,9 @@ class CheckpointStore:
         path = self._gen_path(step)
         url = self.url(step)
         try:
-            data = self._cat_capped(f"{path}/{MANIFEST_NAME}")
+            data = self.backend.read_capped(f"{path}/{MANIFEST_NAME}", MAX_MANIFEST_BYTES)
         except FileNotFoundError:
-            return GenerationInfo(step=step, path=url, committed=False, mtime=self._mtime(path))
+            return GenerationInfo(step=step, path=url, committed=False, mtime=self.backend.mtime(path))
         except Exception as exc:  # noqa: BLE001 - an unreadable manifest makes the generation untrusted, not fatal
             # Present but unreadable right now (a transient storage error): never treated as a leftover.
             error = f"unreadable manifest: {exc}"
@@ -418,32 +286,6 @@ class CheckpointStore:
             newer = isinstance(exc, ManifestVersionError)
             return GenerationInfo(step=step, path=url, committed=False, error=str(exc), newer_format=newer)
         return GenerationInfo(step=step, path=url, committed=True, manifest=manifest, mtime=manifest.committed_at)
-
-    def _cat_capped(self, path: str) -> bytes:
-        # A ranged read never pulls more than the cap (a hostile 1 GB manifest costs 16 MiB); object stores refuse
-        # a range on an empty object, which is then read as empty (and rejected as a manifest).
-        try:
-            return self.fs.cat_file(path, start=0, end=MAX_MANIFEST_BYTES + 1)
-        except FileNotFoundError:
-            raise
-        except Exception as exc:
-            try:
-                empty = self.fs.info(path).get("size") == 0
-            except Exception:  # noqa: BLE001 - the read's own error is the one to report
-                empty = False
-            if empty:
-                return b""
-            raise exc from None
-
-    def _mtime(self, path: str) -> float | None:
-        try:
-            info = self.fs.info(path)
-        except Exception:  # noqa: BLE001 - the age of a leftover is informational
-            return None
-        value = info.get("mtime") or info.get("LastModified") or info.get("created")
-        if hasattr(value, "timestamp"):
-            return value.timestamp()
-        return float(value) if isinstance(value, int | float) else None
 
     def manifest(self, step: int) -> Manifest:
         """Return the validated manifest of committed generation ``step``.
@@ -592,22 +434,6 @@ class CheckpointStore:
         except Exception:  # noqa: BLE001 - not every filesystem caches
             pass
 
-    def _check_writable(self) -> None:
-        if not (self.is_local or "memory" in protocols(self.fs)):
-            why = self.backend.missing_root_error(self.root)
-            if why is not None:
-                raise ConfigError(f"dirpath {self.uri!r} cannot be used: {why}; create it or fix the URL")
-            return
-        try:
-            self.fs.makedirs(self.root, exist_ok=True)
-            probe = f"{self.root}/.write-probe-{uuid.uuid4().hex[:8]}"
-            self.fs.pipe_file(probe, b"")
-            self.fs.rm_file(probe)
-        except Exception as exc:
-            raise ConfigError(
-                f"dirpath {self.uri!r} is not writable ({exc}); choose a writable folder or fix its permissions"
-            ) from exc
-
     def __repr__(self) -> str:
         return f"CheckpointStore({self.uri!r}, run_id={self.run_id!r})"
 
@@ -615,41 +441,3 @@ class CheckpointStore:
 class _Discard:
     def write(self, data: bytes) -> int:
         return len(data)
-
-
-def _stale_local_claim(fs: fsspec.AbstractFileSystem, claim: str) -> bool:
-    """Whether a claim was left by a process of this host that no longer exists (a crashed writer)."""
-    import json
-
-    try:
-        body = json.loads(fs.cat_file(claim, start=0, end=64 << 10))
-        if body.get("host") != socket.gethostname() or not isinstance(body.get("pid"), int):
-            return False
-        os.kill(body["pid"], 0)
-    except ProcessLookupError:
-        return True
-    except Exception:  # noqa: BLE001 - unreadable or foreign: not provably stale
-        return False
-    return False
-
-
-def _make_fs(uri: str, options: dict[str, Any]) -> tuple[fsspec.AbstractFileSystem, str]:
-    scheme = uri.split("://", 1)[0].lower() if "://" in uri else "file"
-    extra = _EXTRAS.get(scheme)
-    hint = f"pip install 'lightning_async_ckpt[{extra}]'" if extra else f"install the fsspec backend for {scheme!r}"
-    try:
-        fsspec.get_filesystem_class(scheme)
-    except ImportError as exc:
-        raise ConfigError(f"uri {uri!r} needs an fsspec backend that is not installed: {hint} ({exc})") from exc
-    except ValueError as exc:
-        raise ConfigError(
-            f"uri {uri!r} has unknown scheme {scheme!r}; use a local path, file://, memory://, s3:// or another "
-            "fsspec protocol"
-        ) from exc
-    try:
-        fs, path = fsspec.core.url_to_fs(uri, **options)
-    except ImportError as exc:
-        raise ConfigError(f"uri {uri!r} needs an fsspec backend that is not installed: {hint} ({exc})") from exc
-    except (TypeError, ValueError) as exc:
-        raise ConfigError(f"could not open {uri!r} with storage_options {sorted(options)}: {exc}") from exc
-    return fs, path

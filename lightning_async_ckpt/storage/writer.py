@@ -29,7 +29,15 @@ from lightning_async_ckpt.storage.manifest import MANIFEST_NAME, Manifest, Objec
 if TYPE_CHECKING:
     from lightning_async_ckpt.storage.store import CheckpointStore
 
-__all__ = ["CLAIM_NAME", "GenerationWriter", "ObjectStream", "claim_body"]
+__all__ = [
+    "CLAIM_NAME",
+    "GenerationWriter",
+    "ObjectStream",
+    "claim_body",
+    "claim_step",
+    "new_token",
+    "stale_local_claim",
+]
 
 _log = logging.getLogger(__name__)
 CLAIM_NAME = ".writer.json"
@@ -300,6 +308,39 @@ class GenerationWriter:
             raise WriterUsageError(f"generation step {self.step} is already committed or aborted")
 
 
+def claim_step(store: CheckpointStore, step: int) -> GenerationWriter:
+    """Claim ``step`` for a new writer, or give the writer its own prefix when another writer holds the claim."""
+    path = store._gen_path(step)
+    store.backend.prepare_folder(path)
+    token = new_token()
+    claim = f"{path}/{CLAIM_NAME}"
+    body = claim_body(store.run_id, step, token)
+    if _take_claim(store, claim, body):
+        return GenerationWriter(store, step, store.checksum, claim=claim)
+    prefix = f"w-{token}/"
+    store.backend.prepare_folder(f"{path}/{prefix}")
+    store.fs.pipe_file(f"{path}/{prefix}{CLAIM_NAME}", body)
+    _log.warning("generation %s is claimed by another writer; writing under %s", store.url(step), prefix)
+    return GenerationWriter(store, step, store.checksum, prefix=prefix, claim=f"{path}/{prefix}{CLAIM_NAME}")
+
+
+def _take_claim(store: CheckpointStore, claim: str, body: bytes) -> bool:
+    try:
+        store.backend.create_exclusive(claim, body)
+        return True
+    except FileExistsError:
+        pass
+    if not stale_local_claim(store.fs, claim):
+        return False
+    # The claimant was a process of this host that is gone (a crash): take the step over.
+    store.fs.rm_file(claim)
+    try:
+        store.backend.create_exclusive(claim, body)
+    except FileExistsError:
+        return False
+    return True
+
+
 def new_token() -> str:
     """A random writer token."""
     return uuid.uuid4().hex[:12]
@@ -313,3 +354,17 @@ def _versions() -> dict[str, str]:
         except importlib.metadata.PackageNotFoundError:
             continue
     return out
+
+
+def stale_local_claim(fs: Any, claim: str) -> bool:
+    """Whether a claim was left by a process of this host that no longer exists (a crashed writer)."""
+    try:
+        body = json.loads(fs.cat_file(claim, start=0, end=64 << 10))
+        if body.get("host") != socket.gethostname() or not isinstance(body.get("pid"), int):
+            return False
+        os.kill(body["pid"], 0)
+    except ProcessLookupError:
+        return True
+    except Exception:  # noqa: BLE001 - unreadable or foreign: not provably stale
+        return False
+    return False
