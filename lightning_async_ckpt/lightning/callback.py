@@ -18,7 +18,6 @@ import logging
 from typing import Any, Literal
 
 import lightning.pytorch as pl
-import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
@@ -27,17 +26,17 @@ from lightning_async_ckpt.core.capture import DeferralProof, Fence, prove_deferr
 from lightning_async_ckpt.core.engine import AsyncCheckpointer, CheckpointOptions
 from lightning_async_ckpt.errors import ConfigError, GenerationExistsError
 from lightning_async_ckpt.lightning.collective import agree_on
-from lightning_async_ckpt.lightning.hooks import Window, override_failures
+from lightning_async_ckpt.lightning.hooks import Window, is_last_batch, override_failures
+from lightning_async_ckpt.lightning.progress import estimate_checkpoint_bytes, log_commit, log_progress
 from lightning_async_ckpt.lightning.resume import latest_checkpoint
 from lightning_async_ckpt.lightning.rng import collect_portable_rng, restore_rng
+from lightning_async_ckpt.lightning.schedule import CutSchedule
 from lightning_async_ckpt.storage.store import CheckpointStore
 
 __all__ = ["CHECKPOINT_NAME", "AsyncCheckpointCallback", "latest_checkpoint"]
 
 _log = logging.getLogger("lightning_async_ckpt")
 CHECKPOINT_NAME = "checkpoint.ckpt"
-# Optimizer state multiple of the parameters, for the budget check before the first step.
-_OPTIMIZER_STATE_FACTOR = {"Adam": 2, "AdamW": 2, "SGD": 1, "RMSprop": 1, "Adagrad": 1}
 
 
 class AsyncCheckpointCallback(ModelCheckpoint):
@@ -152,11 +151,7 @@ class AsyncCheckpointCallback(ModelCheckpoint):
         self._committed_before: set[int] = set()
         self._last_cut_step: int | None = None
         self._fit_closed = True
-        self._last_admitted_step: int | None = None
-        self._coalesce_pending = False
-        self._coalesce_polled: int | None = None
-        self._last_handle: Any = None
-        self._guard_pending = False
+        self._schedule = CutSchedule()
 
     @property
     @override
@@ -199,13 +194,12 @@ class AsyncCheckpointCallback(ModelCheckpoint):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # Like ModelCheckpoint: no cut at the step training starts from (fresh: 0; resumed: the restored step).
         self._last_cut_step = trainer.global_step
-        self._last_admitted_step = trainer.global_step
-        self._coalesce_pending = False
+        self._schedule.start(trainer.global_step)
         error = None
         if self.checkpointer is not None:
             # The budget is checked before the first step: optimizer state does not exist yet, so it is estimated.
             try:
-                self.checkpointer.pool.check(_estimate_checkpoint_bytes(pl_module, trainer.optimizers))
+                self.checkpointer.pool.check(estimate_checkpoint_bytes(pl_module, trainer.optimizers))
             except Exception as exc:  # noqa: BLE001 - raised below on every rank
                 error = exc
         agree_on(trainer, error, "checking the host-memory budget")
@@ -273,39 +267,17 @@ class AsyncCheckpointCallback(ModelCheckpoint):
             return
         step = trainer.global_step
         due = self.every_n_train_steps is not None and step % self.every_n_train_steps == 0
-        if not due and self._coalesce_pending and self._coalesce_polled != step:
-            # A coalesced request takes a fresh cut once the backlog drained; polled once per step, and every
-            # rank knows a coalesce is pending (the decision was broadcast), so all of them poll together.
-            self._coalesce_polled = step
-            due = self.checkpointer is not None and self.checkpointer.coalesce_due
-            if self._distributed:
-                due = bool(trainer.strategy.broadcast(due, src=0))
-        retake = self._poll_guard(trainer)
+        # A coalesced request takes a fresh cut once the backlog drained.
+        due = due or self._schedule.coalesce_due(trainer, self.checkpointer, step)
+        # A save the guard refused is retaken at the first batch end after its verdict.
+        retake = self._schedule.retake_due(trainer, self.checkpointer)
         # The end of training is known here when max_steps is reached or this is the last batch of the last epoch:
         # the final checkpoint is taken now, before epoch-end bookkeeping and other callbacks' on_train_end (an EMA
         # callback copies its averaged weights into the model there), so it resumes like an uninterrupted run.
-        final = self.save_on_train_end and _is_last_batch(trainer, batch_idx)
+        final = self.save_on_train_end and is_last_batch(trainer, batch_idx)
         if due or retake or final:
             self._cut(trainer, pl_module, step, final=final)
         self._log_progress(pl_module)
-
-    def _poll_guard(self, trainer: pl.Trainer) -> bool:
-        """Whether the newest admitted save was refused by the guard (torn) and must be retaken now.
-
-        Polled at each batch end until that save's staging is resolved; in DDP rank 0 (the only one staging)
-        decides and every rank learns it in one broadcast, so all ranks take the retake at the same step.
-        """
-        if not self._guard_pending:
-            return False
-        handle = self._last_handle
-        resolved = handle is None or handle.staged.done()
-        retake = bool(resolved and self.checkpointer is not None and self.checkpointer.retake_due)
-        if self._distributed:
-            resolved, retake = trainer.strategy.broadcast((resolved, retake), src=0)
-        if resolved:
-            self._guard_pending = False
-            self._last_handle = None
-        return retake
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -321,7 +293,11 @@ class AsyncCheckpointCallback(ModelCheckpoint):
         # holds what they changed (see docs/concepts.md, "The final checkpoint"). It is skipped when that very step
         # was admitted already (a skipped or coalesced request does not count); it waits for admission whatever
         # the policy, so training ends recoverable.
-        if self.save_on_train_end and not trainer.fast_dev_run and self._last_admitted_step != trainer.global_step:
+        if (
+            self.save_on_train_end
+            and not trainer.fast_dev_run
+            and self._schedule.last_admitted_step != trainer.global_step
+        ):
             self._cut(trainer, pl_module, trainer.global_step, final=True)
         self._close(trainer, raise_errors=True)
 
@@ -346,7 +322,7 @@ class AsyncCheckpointCallback(ModelCheckpoint):
             )
         self._raise_collectively(trainer, clash)
         self.requested_step = step
-        decision, error = "admit", None
+        decision, error, handle = "admit", None, None
         try:
             checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
             if self.checkpointer is not None:
@@ -361,9 +337,8 @@ class AsyncCheckpointCallback(ModelCheckpoint):
                     admission="wait" if final else None,
                 )
                 decision = handle.decision.decision
-                self._last_handle = handle
                 if self.verbose:
-                    handle.committed.add_done_callback(_log_commit)
+                    handle.committed.add_done_callback(log_commit)
         except Exception as exc:  # noqa: BLE001 - re-raised below, after the other ranks heard of it
             error = exc
         # Every rank records rank 0's decision, and a capture failure on one rank fails all of them instead of
@@ -371,10 +346,7 @@ class AsyncCheckpointCallback(ModelCheckpoint):
         decision = agree_on(trainer, error, f"capturing the checkpoint for step {step}", decision)
         if decision in ("skip", "coalesce"):
             self.skipped += 1
-        else:
-            self._last_admitted_step = step
-            self._guard_pending = self.defer
-        self._coalesce_pending = decision == "coalesce" or (self._coalesce_pending and decision == "skip")
+        self._schedule.recorded(step, decision, handle, deferred=self.defer)
 
     def _raise_collectively(self, trainer: pl.Trainer, local: BaseException | None = None) -> None:
         # A background error from an earlier save is raised here, at a collective point, on every rank.
@@ -418,41 +390,9 @@ class AsyncCheckpointCallback(ModelCheckpoint):
             self.committed_step = self.checkpointer.committed_step
 
     def _log_progress(self, pl_module: pl.LightningModule) -> None:
-        ck = self.checkpointer
-        if ck is None:
-            return
-        self.committed_step = ck.committed_step
-        state = (self.requested_step, self.committed_step, self.skipped, ck.outstanding)
-        if state == self._logged:
-            return  # logging is not free: only on change
-        self._logged = state
-        metrics = {
-            "ckpt/requested_step": self.requested_step,
-            "ckpt/backlog": ck.outstanding,
-            "ckpt/skipped": self.skipped,
-        }
-        last = ck.last_committed
-        if last is not None:
-            metrics.update(
-                {
-                    "ckpt/blocked_s": last.blocked_s,
-                    "ckpt/staging_s": last.staging_s,
-                    "ckpt/cut_to_committed_s": last.cut_to_committed_s,
-                    "ckpt/bytes": last.bytes,
-                }
-            )
-        for key, value in metrics.items():
-            if value is not None:
-                pl_module.log(key, float(value), on_step=True, on_epoch=False, batch_size=1)
-        if self.committed_step is not None:
-            pl_module.log(
-                "ckpt/committed_step",
-                float(self.committed_step),
-                on_step=True,
-                on_epoch=False,
-                prog_bar=True,
-                batch_size=1,
-            )
+        if self.checkpointer is not None:
+            self.committed_step = self.checkpointer.committed_step
+            self._logged = log_progress(pl_module, self.checkpointer, self.requested_step, self.skipped, self._logged)
 
     # -- checkpoint state --------------------------------------------------------------------------------
     @override
@@ -471,35 +411,3 @@ class AsyncCheckpointCallback(ModelCheckpoint):
         rng_states = state_dict.get("rng_states")
         if self.restore_rng and rng_states:
             restore_rng(rng_states)
-
-
-def _is_last_batch(trainer: pl.Trainer, batch_idx: int) -> bool:
-    """Whether training ends after this batch by its configured length (max_steps, or max_epochs' last batch)."""
-    if trainer.max_steps is not None and trainer.max_steps >= 0 and trainer.global_step >= trainer.max_steps:
-        return True
-    max_epochs = trainer.max_epochs
-    if max_epochs is None or max_epochs < 0 or trainer.current_epoch + 1 < max_epochs:
-        return False
-    return (
-        bool(trainer.fit_loop.epoch_loop.batch_progress.is_last_batch) or batch_idx + 1 >= trainer.num_training_batches
-    )
-
-
-def _estimate_checkpoint_bytes(module: torch.nn.Module, optimizers: list[Any]) -> int:
-    params = sum(p.numel() * p.element_size() for p in module.parameters())
-    buffers = sum(b.numel() * b.element_size() for b in module.buffers())
-    state = 0
-    for opt in optimizers:
-        opt = getattr(opt, "optimizer", opt)
-        present = sum(
-            v.numel() * v.element_size() for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)
-        )
-        owned = sum(p.numel() * p.element_size() for g in opt.param_groups for p in g["params"])
-        state += present or owned * _OPTIMIZER_STATE_FACTOR.get(type(opt).__name__, 2)
-    return params + buffers + state
-
-
-def _log_commit(future: Any) -> None:
-    if not future.cancelled() and future.exception() is None:
-        manifest = future.result()
-        _log.info("committed checkpoint step %d (%d bytes)", manifest.step, manifest.total_bytes)

@@ -27,7 +27,16 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 
-__all__ = ["COVERED", "READ_ONLY_CALLBACKS", "WINDOWS", "Role", "Window", "is_read_only", "override_failures"]
+__all__ = [
+    "COVERED",
+    "READ_ONLY_CALLBACKS",
+    "WINDOWS",
+    "Role",
+    "Window",
+    "is_last_batch",
+    "is_read_only",
+    "override_failures",
+]
 
 
 class Role(str, Enum):
@@ -182,3 +191,20 @@ def override_failures(trainer: pl.Trainer, pl_module: pl.LightningModule, this: 
                 if _overrides(obj, base, hook):
                     failures[window].append(f"{name} overrides {hook}, which runs {where[window]}")
     return failures
+
+
+def is_last_batch(trainer: pl.Trainer, batch_idx: int) -> bool:
+    """Whether training ends after this batch by its configured length (max_steps, or max_epochs' last batch).
+
+    Called in ``on_train_batch_end``: when true, the final checkpoint is taken there, before the end-of-epoch
+    bookkeeping and the other callbacks' ``on_train_end``. Ends decided later (early stopping, ``max_time``,
+    ``should_stop``) are not known here.
+    """
+    if trainer.max_steps is not None and trainer.max_steps >= 0 and trainer.global_step >= trainer.max_steps:
+        return True
+    max_epochs = trainer.max_epochs
+    if max_epochs is None or max_epochs < 0 or trainer.current_epoch + 1 < max_epochs:
+        return False
+    if trainer.fit_loop.epoch_loop.batch_progress.is_last_batch:
+        return True
+    return batch_idx + 1 >= trainer.num_training_batches

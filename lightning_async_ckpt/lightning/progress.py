@@ -1,0 +1,71 @@
+"""What the callback reports through Lightning: progress metrics, the budget estimate, the committed-step log."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+
+from lightning_async_ckpt.core.engine import AsyncCheckpointer
+
+__all__ = ["estimate_checkpoint_bytes", "log_commit", "log_progress"]
+
+_log = logging.getLogger("lightning_async_ckpt")
+# Optimizer state multiple of the parameters, for the budget check before the first step.
+_OPTIMIZER_STATE_FACTOR = {"Adam": 2, "AdamW": 2, "SGD": 1, "RMSprop": 1, "Adagrad": 1}
+
+
+def log_progress(
+    pl_module: pl.LightningModule, ck: AsyncCheckpointer, requested_step: int | None, skipped: int, last: tuple
+) -> tuple:
+    """Log ``ckpt/*`` metrics when something changed since ``last``; returns the new state to pass next time.
+
+    ``ckpt/committed_step`` goes to the progress bar: only it is recoverable progress.
+    """
+    committed_step = ck.committed_step
+    state = (requested_step, committed_step, skipped, ck.outstanding)
+    if state == last:
+        return last  # logging is not free: only on change
+    metrics = {"ckpt/requested_step": requested_step, "ckpt/backlog": ck.outstanding, "ckpt/skipped": skipped}
+    record = ck.last_committed
+    if record is not None:
+        metrics.update(
+            {
+                "ckpt/blocked_s": record.blocked_s,
+                "ckpt/staging_s": record.staging_s,
+                "ckpt/cut_to_committed_s": record.cut_to_committed_s,
+                "ckpt/bytes": record.bytes,
+            }
+        )
+    for key, value in metrics.items():
+        if value is not None:
+            pl_module.log(key, float(value), on_step=True, on_epoch=False, batch_size=1)
+    if committed_step is not None:
+        pl_module.log(
+            "ckpt/committed_step", float(committed_step), on_step=True, on_epoch=False, prog_bar=True, batch_size=1
+        )
+    return state
+
+
+def estimate_checkpoint_bytes(module: torch.nn.Module, optimizers: list[Any]) -> int:
+    """Parameters, buffers and optimizer state (estimated from the optimizer class before its first step)."""
+    params = sum(p.numel() * p.element_size() for p in module.parameters())
+    buffers = sum(b.numel() * b.element_size() for b in module.buffers())
+    state = 0
+    for opt in optimizers:
+        opt = getattr(opt, "optimizer", opt)
+        present = sum(
+            v.numel() * v.element_size() for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)
+        )
+        owned = sum(p.numel() * p.element_size() for g in opt.param_groups for p in g["params"])
+        state += present or owned * _OPTIMIZER_STATE_FACTOR.get(type(opt).__name__, 2)
+    return params + buffers + state
+
+
+def log_commit(future: Any) -> None:
+    """A done-callback of the ``committed`` future: log the committed step at INFO level."""
+    if not future.cancelled() and future.exception() is None:
+        manifest = future.result()
+        _log.info("committed checkpoint step %d (%d bytes)", manifest.step, manifest.total_bytes)

@@ -1,0 +1,72 @@
+"""When the callback takes a cut besides its interval: a coalesced request once the backlog drained, and a retake
+after the runtime guard refused a save.
+
+Only rank 0 stages and writes, so only it knows whether a coalesced request is due or a save was torn. Every rank
+holds one :class:`CutSchedule` and polls it at the same batch ends (they all know, from the broadcast decision, that
+a poll is pending); rank 0's answer is broadcast, so all ranks take the extra cut at the same step.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+
+from lightning_async_ckpt.core.engine import AsyncCheckpointer
+
+__all__ = ["CutSchedule"]
+
+
+class CutSchedule:
+    """The cut bookkeeping shared by every rank: last admitted step, pending coalesce, pending guard verdict.
+
+    Not thread-safe: used on the training thread only.
+    """
+
+    def __init__(self) -> None:
+        self.last_admitted_step: int | None = None
+        self.coalesce_pending = False
+        self._coalesce_polled: int | None = None
+        self._handle: Any = None
+        self._verdict_pending = False
+
+    def start(self, step: int) -> None:
+        """At the start of training (fresh or resumed at ``step``): nothing pending."""
+        self.last_admitted_step = step
+        self.coalesce_pending = False
+        self._verdict_pending = False
+        self._handle = None
+
+    def recorded(self, step: int, decision: str, handle: Any, *, deferred: bool) -> None:
+        """After a cut's decision (the same on every rank); ``handle`` is rank 0's save handle, else ``None``."""
+        if decision not in ("skip", "coalesce"):
+            self.last_admitted_step = step
+            self._handle = handle
+            # Only a save with deferred state can be refused by the guard.
+            self._verdict_pending = deferred
+        self.coalesce_pending = decision == "coalesce" or (self.coalesce_pending and decision == "skip")
+
+    def coalesce_due(self, trainer: pl.Trainer, ck: AsyncCheckpointer | None, step: int) -> bool:
+        """Whether a coalesced request should take its fresh cut now (polled at most once per step)."""
+        if not self.coalesce_pending or self._coalesce_polled == step:
+            return False
+        self._coalesce_polled = step
+        due = ck is not None and ck.coalesce_due
+        return bool(trainer.strategy.broadcast(due, src=0)) if trainer.world_size > 1 else due
+
+    def retake_due(self, trainer: pl.Trainer, ck: AsyncCheckpointer | None) -> bool:
+        """Whether the newest admitted save was refused by the guard (torn) and must be retaken now.
+
+        Polled at each batch end until that save's staging is resolved (usually the next one: the copies land
+        before the next optimizer step's fence); one broadcast per poll in DDP.
+        """
+        if not self._verdict_pending:
+            return False
+        resolved = self._handle is None or self._handle.staged.done()
+        retake = bool(resolved and ck is not None and ck.retake_due)
+        if trainer.world_size > 1:
+            resolved, retake = trainer.strategy.broadcast((resolved, retake), src=0)
+        if resolved:
+            self._verdict_pending = False
+            self._handle = None
+        return retake
