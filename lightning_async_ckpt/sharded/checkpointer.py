@@ -1,0 +1,273 @@
+"""Asynchronous sharded checkpoints for plain loops and raw FSDP2: copy local shards at the cut, ``dcp.save`` behind.
+
+One save: on the training thread, every tensor of the state dict (a DTensor's local shard, or a plain tensor) is
+copied into a host buffer that is reused by the next save of the same shape; then ``dcp.save`` runs on a
+background thread with a :class:`~lightning_async_ckpt.sharded.dcp_writer.StoreStorageWriter`, over a gloo
+process group created once for checkpoints, so DCP's plan exchange and commit gather never interleave with the
+training's collectives. The manifest is written last by the coordinator (see
+:mod:`~lightning_async_ckpt.sharded.commit`).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.tensor import DTensor
+
+from lightning_async_ckpt.errors import CheckpointError, ConfigError
+from lightning_async_ckpt.sharded.dcp_writer import RankObjects, StoreStorageWriter
+from lightning_async_ckpt.storage.manifest import Manifest
+from lightning_async_ckpt.storage.store import CheckpointStore
+
+__all__ = ["ShardedCheckpointer", "ShardedSaveError", "ShardedSaveHandle"]
+
+_log = logging.getLogger(__name__)
+
+
+class ShardedSaveError(CheckpointError):
+    """A sharded save failed on some rank; raised on every rank, with the failing ranks named."""
+
+
+@dataclass(eq=False)
+class ShardedSaveHandle:
+    """One sharded save, with three real futures.
+
+    Attributes:
+        step: The generation's step.
+        staged: Resolves when the local shards were copied to host buffers (the training may mutate them).
+        uploaded: Resolves to this rank's :class:`RankObjects` once its objects are durable.
+        committed: Resolves to the committed :class:`Manifest` (on every rank) once the coordinator wrote it.
+        blocked_s: Seconds the training thread spent in ``save`` (waiting for the previous save, and copying).
+    """
+
+    step: int
+    staged: Future = field(default_factory=Future)
+    uploaded: Future = field(default_factory=Future)
+    committed: Future = field(default_factory=Future)
+    blocked_s: float = 0.0
+
+    def result(self, timeout: float | None = None) -> Manifest:
+        """The committed manifest (raises the save's error)."""
+        return self.committed.result(timeout)
+
+
+class ShardedCheckpointer:
+    """Asynchronous DCP-format checkpoints of a sharded (or plain) state dict into a :class:`CheckpointStore`.
+
+    Every rank constructs one (the constructor creates the gloo group: a collective call) and calls :meth:`save`
+    at the same steps. One save is in flight at a time: the next ``save`` waits for the previous one, because the
+    host buffers are reused. A background failure is raised once, on the training thread, at the next ``save``
+    or :meth:`drain`; every rank raises it (DCP agrees on failures across ranks).
+
+    Thread-safety: call ``save``, ``drain`` and ``close`` from one thread (the training thread).
+
+    Args:
+        store: A :class:`CheckpointStore` or its URL (local path, ``s3://...``, any fsspec URL).
+        process_group: The group to checkpoint over. Default: a new gloo group over all ranks when
+            ``torch.distributed`` is initialized, none in a single process.
+        timeout_s: Timeout of the gloo group created here: no collective of a save waits longer.
+        thread_count: DCP's I/O threads per rank.
+        storage_options: Passed to the store when ``store`` is a URL.
+        run_id: Run id of the store when ``store`` is a URL.
+
+    Raises:
+        ConfigError: A bad argument.
+    """
+
+    def __init__(
+        self,
+        store: CheckpointStore | str,
+        *,
+        process_group: Any = None,
+        timeout_s: float = 300.0,
+        thread_count: int = 1,
+        storage_options: dict[str, Any] | None = None,
+        run_id: str | None = None,
+    ) -> None:
+        if isinstance(timeout_s, bool) or not isinstance(timeout_s, int | float) or timeout_s <= 0:
+            raise ConfigError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
+        if isinstance(thread_count, bool) or not isinstance(thread_count, int) or thread_count < 1:
+            raise ConfigError(f"thread_count must be an int >= 1, got {thread_count!r}")
+        self.store = (
+            store if isinstance(store, CheckpointStore) else CheckpointStore(store, storage_options, run_id=run_id)
+        )
+        self.timeout_s = float(timeout_s)
+        self.thread_count = thread_count
+        self._own_group = False
+        if process_group is None and dist.is_available() and dist.is_initialized():
+            process_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+            self._own_group = True
+        self.process_group = process_group
+        self.rank = dist.get_rank(process_group) if process_group is not None else 0
+        self._buffers: dict[str, torch.Tensor] = {}
+        self._executor: ThreadPoolExecutor | None = None
+        self._inflight: ShardedSaveHandle | None = None
+        self._error: BaseException | None = None
+        self._closed = False
+
+    def __enter__(self) -> ShardedCheckpointer:
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is None:
+            self.close()
+            return
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - the body's exception wins; this one is logged
+            _log.warning("closing the sharded checkpointer while unwinding failed", exc_info=True)
+
+    # -- training thread -----------------------------------------------------------------------------------
+    def save(self, step: int, state_dict: dict[str, Any]) -> ShardedSaveHandle:
+        """Copy the local shards at the cut and write generation ``step`` in the background.
+
+        Args:
+            step: The generation's step (a non-negative int, the same on every rank).
+            state_dict: E.g. ``{"model": msd, "optim": osd}`` from
+                ``torch.distributed.checkpoint.state_dict.get_state_dict(model, optimizer)``.
+
+        Returns:
+            The save's handle; ``staged`` is already resolved.
+
+        Raises:
+            ShardedSaveError: The previous save failed (raised once).
+            ConfigError: A bad step, or the checkpointer is closed.
+        """
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ConfigError(f"step must be a non-negative int, got {step!r}")
+        if self._closed:
+            raise ConfigError("this ShardedCheckpointer is closed; create a new one")
+        start = time.perf_counter()
+        self._wait_inflight(self.timeout_s * 2)
+        self._raise_pending()
+        handle = ShardedSaveHandle(step=step)
+        with torch.no_grad():
+            staged = self._stage(state_dict, "")
+        handle.staged.set_result(None)
+        handle.blocked_s = time.perf_counter() - start
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(1, thread_name_prefix="lightning_async_ckpt-sharded")
+        self._inflight = handle
+        self._executor.submit(self._persist, handle, staged)
+        return handle
+
+    def drain(self, timeout: float | None = None) -> None:
+        """Wait for the save in flight; raise a background failure once.
+
+        Args:
+            timeout: Seconds to wait (default: twice the group timeout).
+
+        Raises:
+            ShardedSaveError: A save failed, or did not end within ``timeout``.
+        """
+        self._wait_inflight(self.timeout_s * 2 if timeout is None else timeout)
+        self._raise_pending()
+
+    def close(self, timeout: float | None = None) -> None:
+        """Drain, stop the background thread and release the gloo group created here; idempotent."""
+        if self._closed:
+            return
+        try:
+            self.drain(timeout)
+        finally:
+            self._closed = True
+            if self._executor is not None:
+                self._executor.shutdown(wait=True)
+                self._executor = None
+            self._buffers.clear()
+            if self._own_group and dist.is_initialized():
+                dist.destroy_process_group(self.process_group)
+            self._own_group = False
+
+    def _wait_inflight(self, timeout: float) -> None:
+        handle = self._inflight
+        if handle is None:
+            return
+        try:
+            handle.committed.exception(timeout)
+        except FutureTimeout:
+            raise ShardedSaveError(
+                f"the sharded save of step {handle.step} did not end within {timeout:.0f} s; a rank may be hung "
+                "or dead (its collectives time out after the group timeout)"
+            ) from None
+        self._inflight = None
+
+    def _raise_pending(self) -> None:
+        error, self._error = self._error, None
+        if error is not None:
+            raise error
+
+    def _stage(self, obj: Any, key: str) -> Any:
+        if isinstance(obj, DTensor):
+            buf = self._copy(key, obj.to_local())
+            if buf.device.type == obj.device_mesh.device_type:
+                return DTensor.from_local(
+                    buf, obj.device_mesh, obj.placements, run_check=False, shape=obj.shape, stride=obj.stride()
+                )
+            # A host copy of an accelerator DTensor keeps its sharding spec, as DCP's own CPU staging does
+            # (from_local would move it back to the mesh's device).
+            return DTensor(buf, obj._spec, requires_grad=False)
+        if isinstance(obj, torch.Tensor):
+            return self._copy(key, obj)
+        if isinstance(obj, dict):
+            return {k: self._stage(v, f"{key}/{k}") for k, v in obj.items()}
+        if isinstance(obj, list | tuple):
+            staged = [self._stage(v, f"{key}/{i}") for i, v in enumerate(obj)]
+            return staged if isinstance(obj, list) else type(obj)(staged)
+        return copy.deepcopy(obj)
+
+    def _copy(self, key: str, src: torch.Tensor) -> torch.Tensor:
+        buf = self._buffers.get(key)
+        if buf is None or buf.shape != src.shape or buf.dtype != src.dtype:
+            buf = torch.empty(src.shape, dtype=src.dtype, device="cpu", pin_memory=src.is_cuda)
+            self._buffers[key] = buf
+        buf.copy_(src.detach())
+        return buf
+
+    # -- background thread ---------------------------------------------------------------------------------
+    def _persist(self, handle: ShardedSaveHandle, staged: dict[str, Any]) -> None:
+        def written(report: RankObjects) -> None:
+            handle.uploaded.set_result(report)
+
+        writer = StoreStorageWriter(self.store, handle.step, thread_count=self.thread_count, on_written=written)
+        try:
+            dcp.save(
+                staged,
+                storage_writer=writer,
+                process_group=self.process_group,
+                no_dist=self.process_group is None,
+            )
+            manifest = writer.commit_result if writer.committed else self.store.manifest(handle.step)
+        except (Exception, CheckpointException) as exc:  # noqa: BLE001 - any failure fails this save, raised later
+            writer.abort()
+            error = ShardedSaveError(f"sharded save of step {handle.step} failed, not committed: {_describe(exc)}")
+            error.__cause__ = exc
+            if not handle.uploaded.done():
+                handle.uploaded.set_exception(error)
+            self._error = error
+            handle.committed.set_exception(error)
+            return
+        handle.committed.set_result(manifest)
+
+
+def _describe(exc: BaseException) -> str:
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict) and failures:
+        parts = []
+        for rank in sorted(failures):
+            err = failures[rank]
+            err = err[0] if isinstance(err, tuple) else err
+            parts.append(f"rank {rank}: {type(err).__name__}: {err}")
+        return "; ".join(parts)
+    return f"{type(exc).__name__}: {exc}"

@@ -1,0 +1,265 @@
+"""A torch DCP ``StorageWriter`` that writes one generation of a :class:`CheckpointStore`, checksumming as it goes.
+
+The format is DCP's own: every rank writes ``__<rank>_<n>.distcp`` data files, the coordinator writes
+``.metadata``; ``torch.distributed.checkpoint.load`` and ``dcp_to_torch_save`` read the folder at any world size.
+On top of DCP, each object's size and checksum are computed as its bytes pass, and each rank's list of objects
+travels to the coordinator inside DCP's own gather of write results (one extra :class:`WriteResult` per rank,
+removed again before DCP's metadata is written), so the commit needs no collective of its own.
+
+Call sequence (DCP's ``save`` drives it; steps as in DCP's ``StorageWriter`` docstring):
+
+0. ``reset`` / ``set_up_storage_writer`` on every rank;
+1. ``prepare_local_plan`` on every rank: the generation folder exists;
+2. ``prepare_global_plan`` on the coordinator: the step is claimed in the store (refused if already committed);
+3. ``write_data`` on every rank: data objects written, durable (``Backend.finish``), and reported;
+4. ``finish`` on the coordinator, only when every rank's ``write_data`` succeeded: ``.metadata``, then
+   ``manifest.json`` last (:func:`~lightning_async_ckpt.sharded.commit.commit_generation`).
+
+If a rank fails, DCP raises on every rank and ``finish`` never runs: no manifest. Call :meth:`abort` then.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import IO, TYPE_CHECKING, Any
+
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.filesystem import FileSystemBase
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
+
+from lightning_async_ckpt.errors import GenerationExistsError, StorageError
+from lightning_async_ckpt.storage.generation import generation_name
+from lightning_async_ckpt.storage.io import Checksum, fsync_dir
+from lightning_async_ckpt.storage.manifest import ObjectEntry, validate_object_name
+
+if TYPE_CHECKING:
+    from lightning_async_ckpt.storage.store import CheckpointStore
+    from lightning_async_ckpt.storage.writer import GenerationWriter
+
+__all__ = ["METADATA_NAME", "REPORT_FQN", "RankObjects", "StoreStorageWriter"]
+
+#: DCP's metadata file name inside a generation.
+METADATA_NAME = ".metadata"
+#: The fully qualified name of the per-rank report results (never written into DCP's metadata).
+REPORT_FQN = "__lightning_async_ckpt_rank_objects__"
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankObjects:
+    """What one rank wrote into a generation: sent to the coordinator inside DCP's gather of write results.
+
+    Attributes:
+        rank: The rank in the checkpoint's process group.
+        objects: The rank's data objects with sizes and checksums.
+    """
+
+    rank: int
+    objects: tuple[ObjectEntry, ...]
+
+
+class _ChecksumStream:
+    """Write-only stream over a backend object: counts and checksums bytes; closing is left to the file system."""
+
+    def __init__(self, raw: IO[bytes], algorithm: str) -> None:
+        self.raw = raw
+        self.digest = Checksum(algorithm)
+        self.size = 0
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        self.raw.write(view)
+        self.digest.update(view)
+        self.size += len(view)
+        return len(view)
+
+    def tell(self) -> int:
+        return self.size
+
+    def writable(self) -> bool:
+        return True
+
+    def readable(self) -> bool:
+        return False
+
+    def seekable(self) -> bool:
+        return False
+
+    def flush(self) -> None:
+        # The backend flushes and syncs once at the end; a direct-I/O file must not flush its tail early.
+        pass
+
+    def close(self) -> None:
+        # DCP closes the stream inside its ``with``; the file system makes it durable after the block.
+        pass
+
+
+class _StoreFileSystem(FileSystemBase):
+    """DCP's file-system seam over a store's fsspec filesystem and backend; records every object written."""
+
+    def __init__(self, store: CheckpointStore) -> None:
+        self.store = store
+        self.objects: dict[str, ObjectEntry] = {}
+        self._lock = threading.Lock()
+
+    @contextmanager
+    def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[Any]:
+        path = str(path)
+        if "w" not in mode:
+            with self.store.fs.open(path, mode) as f:
+                yield f
+            return
+        name = validate_object_name(path.rsplit("/", 1)[-1])
+        backend = self.store.backend
+        try:
+            raw = backend.open_write(path, direct_io=self.store.direct_io, subfolder=False)
+        except Exception as exc:
+            raise StorageError(f"could not open {path!r} for writing: {exc}") from exc
+        stream = _ChecksumStream(raw, self.store.checksum)
+        try:
+            yield stream
+        except BaseException:
+            backend.discard(raw)
+            raise
+        try:
+            backend.finish(raw)
+        except Exception as exc:
+            raise StorageError(f"could not finish {path!r}: {exc}") from exc
+        with self._lock:
+            self.objects[name] = ObjectEntry(name=name, size=stream.size, checksum=stream.digest.hexdigest())
+
+    def concat_path(self, path: str | os.PathLike, suffix: str) -> str:
+        return f"{str(path).rstrip('/')}/{suffix}"
+
+    def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:
+        path, new_path = str(path), str(new_path)
+        if self.store.is_local:
+            os.replace(path, new_path)
+            fsync_dir(os.path.dirname(new_path))
+        else:
+            self.store.fs.mv(path, new_path)
+        old, new = path.rsplit("/", 1)[-1], validate_object_name(new_path.rsplit("/", 1)[-1])
+        with self._lock:
+            entry = self.objects.pop(old)
+            self.objects[new] = ObjectEntry(name=new, size=entry.size, checksum=entry.checksum)
+
+    def init_path(self, path: str | os.PathLike) -> str:
+        return str(path)
+
+    def mkdir(self, path: str | os.PathLike) -> None:
+        self.store.backend.prepare_folder(str(path))
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        return True
+
+    def exists(self, path: str | os.PathLike) -> bool:
+        return self.store.fs.exists(str(path))
+
+    def rm_file(self, path: str | os.PathLike) -> None:
+        self.store.fs.rm_file(str(path))
+
+
+class StoreStorageWriter(FileSystemWriter):
+    """DCP ``StorageWriter`` for one generation (``<root>/step-XXXXXXXX/``) of a store; one instance per save.
+
+    Reuses DCP's ``FileSystemWriter`` for planning, file layout and serialization, through a file system that
+    writes with the store's backend (``O_DIRECT`` and fsync on local disks, multipart uploads on S3) and
+    checksums every object. Not thread-safe: DCP's ``save`` drives one instance from one thread.
+
+    Args:
+        store: The store; its ``root`` holds the generation.
+        step: The generation's step.
+        thread_count: DCP's I/O threads per rank.
+        on_written: Called on every rank with this rank's :class:`RankObjects` once its objects are durable
+            (before the commit): resolves a handle's ``uploaded`` future.
+        on_commit: Called on the coordinator in ``finish`` with ``(claim, objects of every rank)`` after DCP's
+            ``.metadata`` is durable; writes the manifest (default:
+            :func:`~lightning_async_ckpt.sharded.commit.commit_generation`).
+    """
+
+    def __init__(
+        self,
+        store: CheckpointStore,
+        step: int,
+        *,
+        thread_count: int = 1,
+        on_written: Callable[[RankObjects], None] | None = None,
+        on_commit: Callable[[GenerationWriter, list[RankObjects]], Any] | None = None,
+    ) -> None:
+        path = f"{store.root}/{generation_name(step)}"
+        super().__init__(path, single_file_per_rank=True, sync_files=False, thread_count=thread_count)
+        self.fs = _StoreFileSystem(store)
+        self.path = path
+        self.store = store
+        self.step = step
+        self.claim: GenerationWriter | None = None
+        self.commit_result: Any = None
+        self.committed = False
+        self._on_written = on_written
+        self._on_commit = on_commit
+
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        """Start a save (DCP step 0); the location is fixed by the store and step."""
+        if checkpoint_id is not None and str(checkpoint_id) != self.path:
+            raise StorageError(f"this writer writes {self.path!r}; it cannot write checkpoint_id {checkpoint_id!r}")
+        super().reset(None)
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        """Create the generation folder (DCP step 1); whether the step may be written is decided by the claim."""
+        self.fs.mkdir(self.path)
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        """Claim the step on the coordinator (DCP step 2): refuses a committed step or another writer's claim."""
+        claim = self.store.begin(self.step)
+        if claim.prefix:
+            claim.abort()
+            raise GenerationExistsError(
+                f"generation {self.store.url(self.step)} is being written by another writer; not writing it twice"
+            )
+        self.claim = claim
+        return super().prepare_global_plan(plans)
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        """Write this rank's objects (DCP step 3) and append this rank's object report to its results."""
+        results = super().write_data(plan, planner).value()
+        with self.fs._lock:
+            objects = tuple(sorted(self.fs.objects.values(), key=lambda e: e.name))
+        report = RankObjects(rank=self.rank if self.rank is not None else 0, objects=objects)
+        if self._on_written is not None:
+            self._on_written(report)
+        index = MetadataIndex(fqn=f"{REPORT_FQN}{report.rank}")
+        out: Future[list[WriteResult]] = Future()
+        out.set_result([*results, WriteResult(index=index, size_in_bytes=0, storage_data=report)])
+        return out
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        """Write DCP's ``.metadata``, then commit the manifest listing every rank's objects (DCP step 4)."""
+        reports = [wr.storage_data for rank in results for wr in rank if isinstance(wr.storage_data, RankObjects)]
+        plain = [[wr for wr in rank if not isinstance(wr.storage_data, RankObjects)] for rank in results]
+        if len(reports) != len(results):
+            raise StorageError(f"{len(results)} ranks wrote but only {len(reports)} reported their objects")
+        super().finish(metadata, plain)
+        entry = self.fs.objects[METADATA_NAME]
+        reports.append(RankObjects(rank=-1, objects=(entry,)))
+        if self.claim is None:
+            raise StorageError("finish() ran on a rank that did not claim the step (not the coordinator)")
+        if self._on_commit is None:
+            from lightning_async_ckpt.sharded.commit import commit_generation
+
+            self.commit_result = commit_generation(self.claim, reports)
+        else:
+            self.commit_result = self._on_commit(self.claim, reports)
+        self.committed = True
+
+    def abort(self) -> None:
+        """Release the claim after a failed save (idempotent); data objects left behind are never trusted."""
+        if self.claim is not None and not self.committed:
+            self.claim.abort()

@@ -1,0 +1,110 @@
+"""One rank of the sharded-checkpoint tests: raw FSDP2 ``fully_shard`` on CPU (gloo) with ``ShardedCheckpointer``.
+
+Usage: ``python _sharded_worker.py <out> <mode>`` under ``tests._dist.launch_ranks``; prints one ``RESULT {json}``.
+
+Modes:
+    ok: save steps 2 and 3 asynchronously (the weights change right after each cut) and, before each, a synchronous
+        ``dcp.save`` of the same state into ``<out>/sync-<step>`` for comparison.
+    fault: rank 1's data file fails to open at the second save: both ranks must raise at ``drain``; the step-1
+        generation stays ``latest()``; a third save commits again.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+from lightning_async_ckpt.sharded import ShardedCheckpointer, ShardedSaveError
+from lightning_async_ckpt.storage.store import CheckpointStore
+from lightning_async_ckpt.testing import Fault
+
+GROUP_TIMEOUT_S = 30.0
+
+
+def make_model() -> torch.nn.Module:
+    """The model every test builds (seeded, so every rank and the test process agree)."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8))
+
+
+def _train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, rank: int, i: int) -> None:
+    gen = torch.Generator().manual_seed(100 * i + rank)
+    loss = model(torch.randn(4, 16, generator=gen)).square().mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def _state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict:
+    msd, osd = get_state_dict(model, opt)
+    return {"model": msd, "optim": osd}
+
+
+def main(out: str, mode: str) -> None:
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    model = make_model()
+    for layer in (model[0], model[2]):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    _train_step(model, opt, rank, 0)
+    result: dict = {"rank": rank}
+    if mode == "ok":
+        ckpt = ShardedCheckpointer(f"{out}/store", timeout_s=GROUP_TIMEOUT_S)
+        committed, blocked = [], []
+        for step in (2, 3):
+            _train_step(model, opt, rank, step)
+            dcp.save(_state(model, opt), checkpoint_id=f"{out}/sync-{step}")
+            handle = ckpt.save(step, _state(model, opt))
+            assert handle.staged.done()
+            blocked.append(handle.blocked_s)
+            _train_step(model, opt, rank, 100 + step)  # mutates the weights while the save is in flight
+            manifest = handle.result(timeout=2 * GROUP_TIMEOUT_S)
+            committed.append(manifest.step)
+            result["uploaded"] = [e.name for e in handle.uploaded.result().objects]
+        ckpt.close()
+        result.update(committed=committed, blocked_s=blocked)
+    elif mode == "fault":
+        faults = [Fault(op="open", path="__1_0.distcp", at=2, error="oserror")]
+        ckpt = ShardedCheckpointer(
+            f"faulty://{out}/store",
+            storage_options={"target_protocol": "file", "faults": faults},
+            timeout_s=GROUP_TIMEOUT_S,
+        )
+        ckpt.save(1, _state(model, opt)).result(timeout=2 * GROUP_TIMEOUT_S)
+        _train_step(model, opt, rank, 1)
+        ckpt.save(2, _state(model, opt))
+        start = time.monotonic()
+        try:
+            ckpt.drain()
+        except ShardedSaveError as exc:
+            result["error"] = str(exc)
+        result["error_after_s"] = time.monotonic() - start
+        ckpt.drain()  # raised once, then cleared
+        latest = CheckpointStore(out + "/store", check_writable=False).latest()
+        result["latest_after_failure"] = latest.step if latest else None
+        dist.barrier()
+        ckpt.save(3, _state(model, opt)).result(timeout=2 * GROUP_TIMEOUT_S)
+        ckpt.close()
+        result["recovered"] = True
+    else:
+        raise SystemExit(f"unknown mode {mode!r}")
+    dist.barrier()
+    dist.destroy_process_group()
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    main(sys.argv[1], sys.argv[2])

@@ -1,0 +1,180 @@
+"""Sharded generations in torch DCP's format: ShardedCheckpointer, StoreStorageWriter and the manifest-last commit."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from torch.distributed.checkpoint.state_dict import get_state_dict
+
+from lightning_async_ckpt.errors import GenerationExistsError
+from lightning_async_ckpt.sharded import DCP_FORMAT, ShardedCheckpointer, ShardedSaveError
+from lightning_async_ckpt.storage.manifest import MANIFEST_NAME
+from lightning_async_ckpt.storage.store import CheckpointStore
+from lightning_async_ckpt.testing import Fault
+from tests._dist import launch_ranks
+from tests._sharded_worker import make_model
+
+WORKER = Path(__file__).with_name("_sharded_worker.py")
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+
+
+def _trained() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    model = make_model()
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    model(torch.randn(4, 16)).square().mean().backward()
+    opt.step()
+    return model, opt
+
+
+def _state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
+    msd, osd = get_state_dict(model, opt)
+    return {"model": msd, "optim": osd}
+
+
+def _as_torch(folder: Path, tmp_path: Path) -> dict[str, Any]:
+    out = tmp_path / f"{folder.parent.name}-{folder.name}.pt"
+    dcp_to_torch_save(str(folder), str(out))
+    return torch.load(out, weights_only=True)
+
+
+def _assert_same(a: Any, b: Any, where: str = "") -> None:
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and a.keys() == b.keys(), f"{where}: {sorted(a)} != {sorted(b)}"
+        for key in a:
+            _assert_same(a[key], b[key], f"{where}.{key}")
+    elif isinstance(a, list | tuple):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            _assert_same(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, f"{where}: {a!r} != {b!r}"
+
+
+def test_save_equals_synchronous_dcp_save_and_the_store_verifies_it(tmp_path):
+    model, opt = _trained()
+    dcp.save(_state(model, opt), checkpoint_id=str(tmp_path / "sync"))
+    with ShardedCheckpointer(str(tmp_path / "store")) as ckpt:
+        handle = ckpt.save(1, _state(model, opt))
+        assert handle.staged.done()
+        manifest = handle.result(timeout=60)
+        assert [e.name for e in handle.uploaded.result().objects] == ["__0_0.distcp"]
+    assert manifest.extra["format"] == DCP_FORMAT and manifest.extra["ranks"] == {"0": ["__0_0.distcp"]}
+    assert {e.name for e in manifest.objects} == {".metadata", "__0_0.distcp"}
+    gen = tmp_path / "store" / "step-00000001"
+    _assert_same(_as_torch(gen, tmp_path), _as_torch(tmp_path / "sync", tmp_path))
+    store = CheckpointStore(str(tmp_path / "store"))
+    assert store.verify(1).ok
+    assert store.latest().step == 1
+
+
+def test_the_cut_is_copied_and_buffers_are_reused_across_saves(tmp_path):
+    model, opt = _trained()
+    at_cut = {k: v.clone() for k, v in model.state_dict().items()}
+    with ShardedCheckpointer(str(tmp_path)) as ckpt:
+        first = ckpt.save(1, _state(model, opt))
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(1.0)  # after the cut: must not reach generation 1
+        first.result(timeout=60)
+        ckpt.save(2, _state(model, opt)).result(timeout=60)
+    gen1 = _as_torch(tmp_path / "step-00000001", tmp_path)["model"]
+    gen2 = _as_torch(tmp_path / "step-00000002", tmp_path)["model"]
+    _assert_same(gen1, at_cut)
+    _assert_same(gen2, model.state_dict())
+
+
+def test_storage_failure_commits_nothing_and_raises_once(tmp_path):
+    faults = [Fault(op="open", path="__0_0.distcp", at=2, error="enospc")]
+    root = f"faulty://{tmp_path}"
+    model, opt = _trained()
+    with ShardedCheckpointer(root, storage_options={"target_protocol": "file", "faults": faults}) as ckpt:
+        ckpt.save(1, _state(model, opt)).result(timeout=60)
+        failed = ckpt.save(2, _state(model, opt))
+        with pytest.raises(ShardedSaveError, match="step 2 failed, not committed.*No space left"):
+            ckpt.drain(timeout=60)
+        with pytest.raises(ShardedSaveError):
+            failed.result(timeout=0)
+        ckpt.drain()  # raised once, then cleared
+        assert not (tmp_path / "step-00000002" / MANIFEST_NAME).exists()
+        assert CheckpointStore(str(tmp_path)).latest().step == 1
+        ckpt.save(3, _state(model, opt)).result(timeout=60)  # the next save commits again
+    assert CheckpointStore(str(tmp_path)).latest().step == 3
+
+
+def test_a_committed_step_is_never_rewritten(tmp_path):
+    model, opt = _trained()
+    with ShardedCheckpointer(str(tmp_path)) as ckpt:
+        before = ckpt.save(1, _state(model, opt)).result(timeout=60)
+        ckpt.save(1, _state(model, opt))
+        with pytest.raises(ShardedSaveError, match="already committed") as info:
+            ckpt.drain(timeout=60)
+    assert GenerationExistsError.__name__ in str(info.value)
+    store = CheckpointStore(str(tmp_path))
+    assert store.manifest(1) == before and store.verify(1).ok
+
+
+def test_bad_arguments_are_config_errors(tmp_path):
+    from lightning_async_ckpt.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="timeout_s"):
+        ShardedCheckpointer(str(tmp_path), timeout_s=0)
+    with ShardedCheckpointer(str(tmp_path)) as ckpt, pytest.raises(ConfigError, match="step"):
+        ckpt.save(-1, {})
+
+
+# -- two processes, raw FSDP2 fully_shard over gloo ---------------------------------------------------------------
+def _launch(out: Path, mode: str) -> list[dict[str, Any]]:
+    procs: list[subprocess.CompletedProcess] = launch_ranks([sys.executable, str(WORKER), str(out), mode], timeout=90)
+    results = []
+    for proc in procs:
+        lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+        assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+        results.append(json.loads(lines[-1].removeprefix("RESULT ")))
+    return results
+
+
+@pytest.mark.slow
+def test_fsdp2_two_ranks_equal_sync_dcp_save_reshard_to_one_process_and_verify(tmp_path):
+    results = _launch(tmp_path, "ok")
+    assert [r["committed"] for r in results] == [[2, 3], [2, 3]]
+    assert [r["uploaded"] for r in results] == [["__0_0.distcp"], ["__1_0.distcp"]]
+    store = CheckpointStore(str(tmp_path / "store"))
+    for step in (2, 3):
+        gen = tmp_path / "store" / f"step-{step:08d}"
+        ours = _as_torch(gen, tmp_path)
+        _assert_same(ours, _as_torch(tmp_path / f"sync-{step}", tmp_path))  # (a) tensor for tensor
+        manifest = store.manifest(step)
+        assert manifest.extra["ranks"] == {"0": ["__0_0.distcp"], "1": ["__1_0.distcp"]}
+        assert manifest.cut["world_size"] == 2
+        assert store.verify(step).ok  # (d)
+        # (b) written by 2 ranks, loaded by DCP into a plain module in this single process.
+        plain = make_model()
+        target = {"model": plain.state_dict()}
+        dcp.load(target, checkpoint_id=str(gen), planner=DefaultLoadPlanner(allow_partial_load=True))
+        _assert_same(target["model"], ours["model"])
+    assert store.latest().step == 3
+
+
+@pytest.mark.slow
+def test_one_rank_storage_failure_no_manifest_both_ranks_raise(tmp_path):
+    results = _launch(tmp_path, "fault")
+    for r in results:
+        assert "step 2 failed, not committed" in r["error"] and "rank 1" in r["error"], r
+        assert r["error_after_s"] < 30  # bounded: no rank waits for the group timeout
+        assert r["latest_after_failure"] == 1 and r["recovered"]
+    assert results[0]["error"] == results[1]["error"]  # the same error on every rank
+    assert not (tmp_path / "store" / "step-00000002" / MANIFEST_NAME).exists()
+    store = CheckpointStore(str(tmp_path / "store"))
+    assert [g.step for g in store.generations()] == [1, 3]
+    assert store.verify(1).ok and store.latest().step == 3
