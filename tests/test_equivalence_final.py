@@ -76,3 +76,21 @@ def test_final_checkpoint_at_the_last_batch_of_the_last_epoch(tmp_path):
 
 def test_final_checkpoint_with_accumulation_and_max_steps(tmp_path):
     _compare_final(tmp_path, 7, max_steps=7, accumulate_grad_batches=2)
+
+
+class _StopsAtStep5(pl.Callback):
+    lightning_async_ckpt_read_only = True
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == 5:
+            trainer.should_stop = True  # an end the checkpoint callback cannot know at this batch end
+
+
+def test_an_end_not_known_at_the_batch_end_is_checkpointed_at_on_train_end(tmp_path):
+    # The documented rule: taken in on_train_end, after Lightning's end-of-training bookkeeping; still committed.
+    ours = AsyncCheckpointCallback(dirpath=str(tmp_path), every_n_train_steps=3)
+    trainer, _ = _fit([_StopsAtStep5(), ours], max_steps=20)
+    assert trainer.global_step == 5
+    store = CheckpointStore(str(tmp_path), check_writable=False)
+    assert [g.step for g in store.generations()] == [3, 5]
+    assert load_checkpoint(store.url(5, "checkpoint.ckpt"))["global_step"] == 5
