@@ -7,12 +7,15 @@ Modes:
         ``dcp.save`` of the same state into ``<out>/sync-<step>`` for comparison.
     fault: rank 1's data file fails to open at the second save: both ranks must raise at ``drain``; the step-1
         generation stays ``latest()``; a third save commits again.
+    kill: rank 1 SIGKILLs itself in the middle of writing its step-2 data file; rank 0 must raise at ``drain``
+        within the group timeout, and the step-1 generation stays ``latest()``.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import time
 
@@ -28,6 +31,11 @@ from lightning_async_ckpt.storage.store import CheckpointStore
 from lightning_async_ckpt.testing import Fault
 
 GROUP_TIMEOUT_S = 30.0
+KILL_GROUP_TIMEOUT_S = 20.0
+
+
+def _kill_self(call: object) -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def make_model() -> torch.nn.Module:
@@ -98,6 +106,28 @@ def main(out: str, mode: str) -> None:
         ckpt.save(3, _state(model, opt)).result(timeout=2 * GROUP_TIMEOUT_S)
         ckpt.close()
         result["recovered"] = True
+    elif mode == "kill":
+        faults = [Fault(op="write", path="step-00000002/__1_0.distcp", at=2, callback=_kill_self)]
+        ckpt = ShardedCheckpointer(
+            f"faulty://{out}/store",
+            storage_options={"target_protocol": "file", "faults": faults},
+            timeout_s=KILL_GROUP_TIMEOUT_S,
+        )
+        ckpt.save(1, _state(model, opt)).result(timeout=2 * GROUP_TIMEOUT_S)
+        _train_step(model, opt, rank, 1)
+        ckpt.save(2, _state(model, opt))
+        start = time.monotonic()
+        try:
+            ckpt.drain()
+        except ShardedSaveError as exc:
+            result["error"] = str(exc)
+        result["error_after_s"] = time.monotonic() - start
+        latest = CheckpointStore(out + "/store", check_writable=False).latest()
+        result["latest_after_failure"] = latest.step if latest else None
+        ckpt.close()
+        # The peer is dead: the default group cannot barrier or shut down cleanly; report and leave.
+        print("RESULT " + json.dumps(result), flush=True)
+        os._exit(0)
     else:
         raise SystemExit(f"unknown mode {mode!r}")
     dist.barrier()

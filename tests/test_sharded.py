@@ -178,3 +178,18 @@ def test_one_rank_storage_failure_no_manifest_both_ranks_raise(tmp_path):
     store = CheckpointStore(str(tmp_path / "store"))
     assert [g.step for g in store.generations()] == [1, 3]
     assert store.verify(1).ok and store.latest().step == 3
+
+
+@pytest.mark.slow
+def test_a_rank_killed_mid_upload_fails_the_save_on_the_survivor_without_a_hang(tmp_path):
+    procs = launch_ranks([sys.executable, str(WORKER), str(tmp_path), "kill"], timeout=90)
+    assert procs[1].returncode == -9, procs[1].stderr[-3000:]
+    lines = [line for line in procs[0].stdout.splitlines() if line.startswith("RESULT ")]
+    assert procs[0].returncode == 0 and lines, procs[0].stderr[-3000:]
+    survivor = json.loads(lines[-1].removeprefix("RESULT "))
+    assert "step 2 failed, not committed" in survivor["error"]
+    assert survivor["error_after_s"] < 20  # within the checkpoint group's timeout, far below the default group's
+    assert survivor["latest_after_failure"] == 1
+    assert not (tmp_path / "store" / "step-00000002" / MANIFEST_NAME).exists()
+    store = CheckpointStore(str(tmp_path / "store"))
+    assert store.latest().step == 1 and store.verify(1).ok
