@@ -9,7 +9,8 @@ Where each hook sits in one training step of automatic optimization (lightning 2
     on_train_batch_end     <- the cut: the checkpoint ModelCheckpoint(every_n_train_steps) would write
 
 With ``accumulate_grad_batches=k`` ``on_before_optimizer_step`` fires only before real updates, so the fence moves
-with it.
+with it. Which other hooks run between the cut and each fence, and what overriding them does to the deferral, is
+listed in :mod:`lightning_async_ckpt.lightning.hooks` (derived from Lightning's call order by a test).
 """
 
 from __future__ import annotations
@@ -61,7 +62,10 @@ class AsyncCheckpointCallback(ModelCheckpoint):
         dirpath: Local folder or fsspec URL (``s3://bucket/prefix``). Default: ``<default_root_dir>/checkpoints``.
         every_n_train_steps: Take a cut every N optimizer steps.
         every_n_epochs: Take a cut at the end of every N-th training epoch. Default 1 when neither interval is set.
-        save_on_train_end: Take a final cut when training ends (if that step was not saved already).
+        save_on_train_end: Take a final cut when training ends (if that step was not saved already): at the last
+            batch end when the end is known there (``max_steps``, last batch of ``max_epochs``), so it equals
+            ``ModelCheckpoint``'s checkpoint of that step; otherwise (early stopping, ``max_time``) in
+            ``on_train_end``, after the other callbacks' ``on_train_end``.
         keep_last: Committed generations to keep; ``None`` keeps all.
         admission: When a cut arrives while ``max_outstanding`` saves are in flight: ``wait``, ``skip``,
             ``coalesce`` or ``abort``.
