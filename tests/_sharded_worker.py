@@ -81,6 +81,7 @@ def main(out: str, mode: str) -> None:
             manifest = handle.result(timeout=2 * GROUP_TIMEOUT_S)
             committed.append(manifest.step)
             result["uploaded"] = [e.name for e in handle.uploaded.result().objects]
+        result["run_id"] = ckpt.store.run_id
         ckpt.close()
         result.update(committed=committed, blocked_s=blocked)
     elif mode == "fault":

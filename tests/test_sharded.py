@@ -124,11 +124,24 @@ def test_a_committed_step_is_never_rewritten(tmp_path):
     assert store.manifest(1) == before and store.verify(1).ok
 
 
+def test_keep_last_removes_whole_older_generations_after_each_commit(tmp_path):
+    model, opt = _trained()
+    with ShardedCheckpointer(str(tmp_path), keep_last=2) as ckpt:
+        for step in (1, 2, 3):
+            ckpt.save(step, _state(model, opt)).result(timeout=60)
+    store = CheckpointStore(str(tmp_path))
+    assert [g.step for g in store.generations(include_uncommitted=True)] == [2, 3]
+    assert not (tmp_path / "step-00000001").exists()  # data, DCP metadata and claim: the whole generation
+    assert all(store.verify(step).ok for step in (2, 3))
+
+
 def test_bad_arguments_are_config_errors(tmp_path):
     from lightning_async_ckpt.errors import ConfigError
 
     with pytest.raises(ConfigError, match="timeout_s"):
         ShardedCheckpointer(str(tmp_path), timeout_s=0)
+    with pytest.raises(ConfigError, match="keep_last"):
+        ShardedCheckpointer(str(tmp_path), keep_last=0)
     with ShardedCheckpointer(str(tmp_path)) as ckpt, pytest.raises(ConfigError, match="step"):
         ckpt.save(-1, {})
 
@@ -157,6 +170,7 @@ def test_fsdp2_two_ranks_equal_sync_dcp_save_reshard_to_one_process_and_verify(t
         manifest = store.manifest(step)
         assert manifest.extra["ranks"] == {"0": ["__0_0.distcp"], "1": ["__1_0.distcp"]}
         assert manifest.cut["world_size"] == 2
+        assert manifest.run_id == results[0]["run_id"] == results[1]["run_id"]  # one run id on every rank
         assert store.verify(step).ok  # (d)
         # (b) written by 2 ranks, loaded by DCP into a plain module in this single process.
         plain = make_model()

@@ -79,7 +79,10 @@ class ShardedCheckpointer:
         timeout_s: Timeout of the gloo group created here: no collective of a save waits longer.
         thread_count: DCP's I/O threads per rank.
         storage_options: Passed to the store when ``store`` is a URL.
-        run_id: Run id of the store when ``store`` is a URL.
+        run_id: Run id of the store when ``store`` is a URL. Default: a new id, the same on every rank (broadcast
+            from rank 0 of the group). Pass a store object with the same ``run_id`` on every rank otherwise.
+        keep_last: After each commit, the coordinator removes this run's committed generations older than the newest
+            ``keep_last`` (whole generations, manifest first; see ``CheckpointStore.gc``). ``None`` keeps all.
 
     Raises:
         ConfigError: A bad argument.
@@ -94,22 +97,32 @@ class ShardedCheckpointer:
         thread_count: int = 1,
         storage_options: dict[str, Any] | None = None,
         run_id: str | None = None,
+        keep_last: int | None = None,
     ) -> None:
         if isinstance(timeout_s, bool) or not isinstance(timeout_s, int | float) or timeout_s <= 0:
             raise ConfigError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
         if isinstance(thread_count, bool) or not isinstance(thread_count, int) or thread_count < 1:
             raise ConfigError(f"thread_count must be an int >= 1, got {thread_count!r}")
-        self.store = (
-            store if isinstance(store, CheckpointStore) else CheckpointStore(store, storage_options, run_id=run_id)
-        )
+        if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
+            raise ConfigError(f"keep_last must be None (keep everything) or an int >= 1, got {keep_last!r}")
         self.timeout_s = float(timeout_s)
         self.thread_count = thread_count
+        self.keep_last = keep_last
         self._own_group = False
         if process_group is None and dist.is_available() and dist.is_initialized():
             process_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
             self._own_group = True
         self.process_group = process_group
         self.rank = dist.get_rank(process_group) if process_group is not None else 0
+        if isinstance(store, CheckpointStore):
+            self.store = store
+        else:
+            if run_id is None and process_group is not None:
+                # One run id on every rank: the coordinator's manifest names it, retention keys on it.
+                ids = [CheckpointStore.new_run_id()]
+                dist.broadcast_object_list(ids, src=dist.get_global_rank(process_group, 0), group=process_group)
+                run_id = ids[0]
+            self.store = CheckpointStore(store, storage_options, run_id=run_id)
         self._buffers: dict[str, torch.Tensor] = {}
         self._executor: ThreadPoolExecutor | None = None
         self._inflight: ShardedSaveHandle | None = None
@@ -258,6 +271,11 @@ class ShardedCheckpointer:
             self._error = error
             handle.committed.set_exception(error)
             return
+        if self.keep_last is not None and self.rank == 0:
+            try:
+                self.store.gc(self.keep_last)
+            except Exception:  # noqa: BLE001 - retention failing never fails the committed save
+                _log.warning("retention after the commit of step %s failed", handle.step, exc_info=True)
         handle.committed.set_result(manifest)
 
 
