@@ -24,6 +24,7 @@ from __future__ import annotations
 import secrets
 from collections.abc import Sequence
 from enum import Enum
+from typing import Any
 
 import numpy as np
 import torch
@@ -129,25 +130,29 @@ class CutGuard:
         self.mode = mode
         self._versions: dict[int, list[int | None]] = {}
         self._sealed: dict[int, list[int | None]] = {}
-        self._samples: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._samples: dict[int, tuple[Any, Any]] = {}
         self._sums: dict[int, int] = {}
 
     def record(self) -> None:
         """At the cut: version counters, and the sampled bytes or full checksums of every deferred storage."""
         if self.mode == GuardMode.OFF:
             return
-        gen = torch.Generator().manual_seed(secrets.randbits(63))
-        for slot in self.slots:
+        # One draw for every storage, from a private generator: training's RNG streams are untouched. Positions
+        # floor(u * n) with u uniform in [0, 1) are uniform over the n bytes (n is far below 2**53).
+        rng = np.random.default_rng(secrets.randbits(63))
+        sizes = np.array([slot.nbytes for slot in self.slots], dtype=np.float64)
+        positions = (rng.random((len(self.slots), FINGERPRINT_SAMPLES)) * sizes[:, None]).astype(np.int64)
+        for row, slot in enumerate(self.slots):
             self._versions[slot.index] = _versions(slot)
             data = _as_bytes(slot.storage)
             if self.mode == GuardMode.FULL:
                 self._sums[slot.index] = checksum(data)
-            elif slot.nbytes <= FINGERPRINT_SAMPLES:
-                idx = torch.arange(slot.nbytes)
-                self._samples[slot.index] = (idx, data[idx.to(slot.device)].clone())
+                continue
+            idx = np.arange(slot.nbytes) if slot.nbytes <= FINGERPRINT_SAMPLES else positions[row]
+            if slot.device.type == "cpu":
+                self._samples[slot.index] = (idx, data.numpy()[idx])  # fancy indexing copies
             else:
-                idx = torch.randint(0, slot.nbytes, (FINGERPRINT_SAMPLES,), generator=gen)
-                self._samples[slot.index] = (idx, data[idx.to(slot.device)].clone())
+                self._samples[slot.index] = (idx, data[torch.from_numpy(idx).to(slot.device)].clone())
 
     def seal(self, slots: Sequence[StorageSlot]) -> None:
         """Right after ``slots`` were copied and before their fence opens: read their version counters again."""
@@ -167,7 +172,9 @@ class CutGuard:
                     torn[slot.index] = (slot, "checksum")
             else:
                 idx, expected = self._samples[slot.index]
-                if not torch.equal(buf[idx], expected.cpu()):
+                if isinstance(expected, torch.Tensor):
+                    expected = expected.cpu().numpy()
+                if not np.array_equal(buf.numpy()[idx], expected):
                     torn[slot.index] = (slot, "fingerprint")
         for slot in self.slots:
             sealed = self._sealed.get(slot.index) or _versions(slot)
