@@ -9,8 +9,15 @@ import pytest
 import torch
 
 from lightning_async_ckpt.core.capture import CapturePlan, Category, DeferralProof, Fence
-from lightning_async_ckpt.core.guard import FINGERPRINT_SAMPLES, checksum, miss_probability
+from lightning_async_ckpt.core.guard import (
+    FINGERPRINT_SAMPLES,
+    GuardMode,
+    checksum,
+    miss_probability,
+    resolve_guard_mode,
+)
 from lightning_async_ckpt.core.staging import BufferPool, StagingJob
+from lightning_async_ckpt.errors import ConfigError
 
 # A float32 whose four bytes are all 0x01: writing it over zeros changes every byte of the element.
 ALL_BYTES_SET = torch.tensor([0x01010101], dtype=torch.int32).view(torch.float32).item()
@@ -107,3 +114,13 @@ def test_checksum_sees_any_single_word_and_tail_byte_change():
         changed = data.clone()
         changed[i] ^= 0x10
         assert checksum(changed) != base
+
+
+@pytest.mark.parametrize(("value", "mode"), [(True, "sample"), (False, "off"), ("full", "full"), ("sample", "sample")])
+def test_guard_settings_name_a_mode(value, mode):
+    assert resolve_guard_mode(value) is GuardMode(mode)
+
+
+def test_an_unknown_guard_setting_names_the_choices():
+    with pytest.raises(ConfigError, match="'sample', 'full'"):
+        resolve_guard_mode("paranoid")
