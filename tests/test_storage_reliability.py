@@ -82,8 +82,9 @@ def test_gc_refuses_to_count_a_bit_flipped_generation(tmp_path: Path) -> None:
     store = CheckpointStore(str(tmp_path), run_id="a")
     for step in (1, 2, 3):
         _commit(store, step)
-    _rewrite(store, 3, _flip)  # same size: only the checksum can tell (cheap: a small generation)
-    report = store.retain(keep_last=1)
+    _rewrite(store, 3, _flip)  # same size: only the checksum can tell
+    assert store.gc(keep_last=1, dry_run=True) == [1, 2]  # sizes only (after each commit): not caught
+    report = store.retain(keep_last=1)  # checksums of small generations (what the CLI runs)
     assert report.removed == [1] and report.plan.keep == (2,)
     assert [r.step for r in report.refused] == [3] and "checksum" in report.refused[0].reason
 

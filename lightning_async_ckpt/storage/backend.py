@@ -79,6 +79,20 @@ class Backend:
             raise FileExistsError(path)
         self.fs.pipe_file(path, data)
 
+    def create_claim(self, path: str, data: bytes) -> None:
+        """Create a writer claim at ``path`` only if none is there (as :meth:`create_exclusive`).
+
+        Written as a stream rather than one ``pipe_file``, so the only ``pipe_file`` of a generation stays its
+        manifest (what operators and fault plans count).
+
+        Raises:
+            FileExistsError: A claim is there.
+        """
+        if self.fs.exists(path):
+            raise FileExistsError(path)
+        with self.fs.open(path, "wb") as f:
+            f.write(data)
+
     def prepare_folder(self, path: str) -> None:
         """Create a generation folder where folders exist."""
 
@@ -177,6 +191,9 @@ class LocalBackend(Backend):
     def create_exclusive(self, path: str, data: bytes) -> None:
         exclusive_local_write(path, data)
 
+    def create_claim(self, path: str, data: bytes) -> None:
+        exclusive_local_write(path, data)
+
     def prepare_folder(self, path: str) -> None:
         os.makedirs(path, exist_ok=True)
 
@@ -218,6 +235,9 @@ class S3Backend(Backend):
             if "PreconditionFailed" in str(exc) or "412" in str(exc):
                 raise FileExistsError(path) from exc
             raise
+
+    def create_claim(self, path: str, data: bytes) -> None:
+        self.create_exclusive(path, data)
 
     def remove_folder_if_empty(self, path: str) -> None:
         return

@@ -4,12 +4,14 @@ The plan (:func:`plan_retention`) reads nothing and deletes nothing: it gets wha
 generation, whether its objects are complete, who claims an uncommitted one) and decides. Its rules:
 
 - only **verified complete** generations count toward ``keep_last`` (every object present at its manifest
-  size; checksums too where cheap or asked); a damaged generation is never counted and is reported as refused;
+  size; checksums too when asked, or where cheap with ``verify=None``); a damaged generation is never counted
+  and is reported as refused;
 - a committed generation is removed only when it belongs to this run (or ``all_runs``) and is older than the
   oldest kept complete one, so retention never leaves fewer recoverable generations than ``keep_last`` (or
   than there were, when there were fewer);
 - an uncommitted leftover is removed only when it is older than the newest complete commit, is not being
-  written by this store, and every writer claim in it is this run's (a crashed attempt of this run); with
+  written by this store, and every writer claim in it is this run's (a crashed attempt of this run) or it has
+  none (every writer claims a step before writing data, so it is no save in progress); with
   ``all_runs`` (the operator acting for the whole folder) any leftover at least ``min_leftover_age_s`` old.
   Another run's leftover may be a save in progress: it is refused, with the reason.
 """
@@ -149,8 +151,10 @@ def _leftover_refusal(c: Candidate, newest: int | None, run_id: str, all_runs: b
         return f"manifest unreadable right now ({info.error})"
     if newest is None or info.step >= newest:
         return "uncommitted and newer than the newest verified commit: may be in progress"
-    if info.error or (c.writers and all(w == run_id for w in c.writers)):
-        return None  # a rejected manifest was never recoverable; or this run's own crashed attempt
+    if info.error or all(w == run_id for w in c.writers):
+        # A rejected manifest was never recoverable; every writer claims the step before writing data, so a
+        # leftover without a claim is no save in progress; a claim of this run is this run's crashed attempt.
+        return None
     if all_runs and (c.age_s is None or c.age_s >= min_age_s):
         return None
     who = ", ".join(sorted(set(c.writers))) if c.writers else "an unknown writer"
@@ -163,10 +167,14 @@ def execute(
     *,
     all_runs: bool = False,
     dry_run: bool = False,
-    verify: bool = False,
+    verify: bool | None = False,
     min_leftover_age_s: float = 0.0,
 ) -> RetentionReport:
-    """Look at ``store``, plan retention and carry it out (removals: manifest first, then data)."""
+    """Look at ``store``, plan retention and carry it out (removals: manifest first, then data).
+
+    ``verify``: ``True`` checks the checksums of the generations counted as kept, ``None`` only of those up to
+    ``CHEAP_VERIFY_BYTES``, ``False`` sizes only.
+    """
     gens = store.generations(include_uncommitted=True)
     candidates = []
     kept = 0
@@ -176,7 +184,7 @@ def execute(
         age = None
         if info.committed and info.manifest is not None:
             if (all_runs or info.run_id == store.run_id) and kept < keep_last:
-                cheap = verify or info.manifest.total_bytes <= CHEAP_VERIFY_BYTES
+                cheap = verify or (verify is None and info.manifest.total_bytes <= CHEAP_VERIFY_BYTES)
                 problems = tuple(store.verify(info.step).problems if cheap else store.check_sizes(info.manifest))
                 kept += not problems
         elif not info.unreadable and not info.newer_format:
@@ -230,19 +238,33 @@ def _claims(store: CheckpointStore, info: GenerationInfo) -> tuple[tuple[str, ..
 def _remove(store: CheckpointStore, info: GenerationInfo) -> None:
     path = store._gen_path(info.step)
     if info.manifest is None:
-        store.fs.rm(path, recursive=True)
+        try:
+            store.fs.rm(path, recursive=True)
+        except FileNotFoundError:
+            pass
     else:
         # Manifest first (a crash leaves an uncommitted leftover, never a manifest without data), then this
         # generation's objects; another writer's prefix ("w-<token>/" not listed here) is left alone.
         store.fs.rm_file(f"{path}/{MANIFEST_NAME}")
         store.backend.sync_folder(path)
         own = {obj.key.split("/", 1)[0] for obj in info.manifest.objects if obj.path}
-        # The claim goes last: a removal cut short leaves a leftover that still names its run.
-        for f in sorted(store.fs.find(path), key=lambda f: f.endswith("/" + CLAIM_NAME)):
-            rel = f[len(path) + 1 :] if f.startswith(path + "/") else f.rsplit("/", 1)[-1]
-            top = rel.split("/", 1)[0]
-            if "/" in rel and top.startswith("w-") and top not in own:
-                continue
-            store.fs.rm_file(f)
+        files = store.fs.find(path)
+        foreign = [f for f in files if _prefix(f, path) not in own and _prefix(f, path).startswith("w-")]
+        if not foreign:
+            try:
+                store.fs.rm(path, recursive=True)
+            except FileNotFoundError:
+                pass
+            store._invalidate()
+            return
+        for f in files:
+            if f not in foreign:
+                store.fs.rm_file(f)
         store.backend.remove_folder_if_empty(path)
     store._invalidate()
+
+
+def _prefix(file: str, folder: str) -> str:
+    """The first folder of ``file`` below ``folder`` ("" for a file directly in it)."""
+    rel = file[len(folder) + 1 :] if file.startswith(folder + "/") else file.rsplit("/", 1)[-1]
+    return rel.split("/", 1)[0] if "/" in rel else ""

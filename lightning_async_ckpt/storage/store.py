@@ -402,7 +402,7 @@ class CheckpointStore:
         *,
         all_runs: bool = False,
         dry_run: bool = False,
-        verify: bool = False,
+        verify: bool | None = None,
         min_leftover_age_s: float = 0.0,
     ) -> retention.RetentionReport:
         """Apply retention and report ``removed``, ``failed`` and ``refused`` (rules: :mod:`.retention`).
@@ -411,7 +411,9 @@ class CheckpointStore:
             keep_last: How many verified complete committed generations to keep (at least 1).
             all_runs: Act for every run in the folder (the operator), not only this store's run.
             dry_run: Only plan; ``removed`` lists what would be removed.
-            verify: Verify checksums of the generations counted as kept (otherwise only those up to 64 MiB).
+            verify: Which kept generations get their checksums verified before they count: ``True`` all,
+                ``None`` (default) those up to 64 MiB, ``False`` none (sizes only, what ``gc`` does after a commit:
+                the new generation's checksums were computed as it was written).
             min_leftover_age_s: With ``all_runs``, leave other runs' uncommitted leftovers younger than this.
         """
         if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1:
@@ -422,9 +424,14 @@ class CheckpointStore:
             self, keep_last, all_runs=all_runs, dry_run=dry_run, verify=verify, min_leftover_age_s=min_leftover_age_s
         )
 
-    def gc(self, keep_last: int, *, all_runs: bool = False, dry_run: bool = False) -> list[int]:
-        """Delete old generations and return the steps removed (or that would be); see :meth:`retain`."""
-        return self.retain(keep_last, all_runs=all_runs, dry_run=dry_run).removed
+    def gc(
+        self, keep_last: int, *, all_runs: bool = False, dry_run: bool = False, verify: bool | None = False
+    ) -> list[int]:
+        """Delete old generations and return the steps removed (or that would be); see :meth:`retain`.
+
+        Sizes only by default: it runs after every commit, and must not re-read generations each time.
+        """
+        return self.retain(keep_last, all_runs=all_runs, dry_run=dry_run, verify=verify).removed
 
     # -- helpers -----------------------------------------------------------------------------------------
     def _invalidate(self) -> None:

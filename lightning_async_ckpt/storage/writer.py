@@ -319,14 +319,14 @@ def claim_step(store: CheckpointStore, step: int) -> GenerationWriter:
         return GenerationWriter(store, step, store.checksum, claim=claim)
     prefix = f"w-{token}/"
     store.backend.prepare_folder(f"{path}/{prefix}")
-    store.fs.pipe_file(f"{path}/{prefix}{CLAIM_NAME}", body)
+    store.backend.create_claim(f"{path}/{prefix}{CLAIM_NAME}", body)
     _log.warning("generation %s is claimed by another writer; writing under %s", store.url(step), prefix)
     return GenerationWriter(store, step, store.checksum, prefix=prefix, claim=f"{path}/{prefix}{CLAIM_NAME}")
 
 
 def _take_claim(store: CheckpointStore, claim: str, body: bytes) -> bool:
     try:
-        store.backend.create_exclusive(claim, body)
+        store.backend.create_claim(claim, body)
         return True
     except FileExistsError:
         pass
@@ -335,7 +335,7 @@ def _take_claim(store: CheckpointStore, claim: str, body: bytes) -> bool:
     # The claimant was a process of this host that is gone (a crash): take the step over.
     store.fs.rm_file(claim)
     try:
-        store.backend.create_exclusive(claim, body)
+        store.backend.create_claim(claim, body)
     except FileExistsError:
         return False
     return True
