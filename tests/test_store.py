@@ -654,10 +654,10 @@ _CRASH_WRITER = textwrap.dedent(
         torch.save(payload, GateAfter(stream, 6 << 20))
     else:
         # Every object is durable and the manifest's temporary file is written and fsynced; die before the
-        # rename that commits it.
+        # exclusive link that commits it.
         with second.open("checkpoint.ckpt") as stream:
             torch.save(payload, stream)
-        os.replace = lambda src, dst: gate("WRITING")
+        os.link = lambda src, dst: gate("WRITING")
         second.commit()
     print("NOT REACHED", flush=True)
     """
