@@ -7,6 +7,7 @@ Modes:
         ``dcp.save`` of the same state into ``<out>/sync-<step>`` for comparison.
     fault: rank 1's data file fails to open at the second save: both ranks must raise at ``drain``; the step-1
         generation stays ``latest()``; a third save commits again.
+    replicated: no sharding (every rank holds the same state, as under DDP): DCP's dedup gives each rank a slice.
     kill: rank 1 SIGKILLs itself in the middle of writing its step-2 data file; rank 0 must raise at ``drain``
         within the group timeout, and the step-1 generation stays ``latest()``.
 """
@@ -60,15 +61,24 @@ def _state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict:
 def main(out: str, mode: str) -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     model = make_model()
-    for layer in (model[0], model[2]):
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    if mode != "replicated":
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        for layer in (model[0], model[2]):
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
     opt = torch.optim.Adam(model.parameters(), lr=0.1)
-    _train_step(model, opt, rank, 0)
+    _train_step(model, opt, 0 if mode == "replicated" else rank, 0)  # replicated: the same data on every rank
     result: dict = {"rank": rank}
-    if mode == "ok":
+    if mode == "replicated":
+        dcp.save(_state(model, opt), checkpoint_id=f"{out}/sync-1")
+        if rank == 0:
+            torch.save(model.state_dict(), f"{out}/full.pt")
+        with ShardedCheckpointer(f"{out}/store", timeout_s=GROUP_TIMEOUT_S) as ckpt:
+            handle = ckpt.save(1, _state(model, opt))
+            handle.result(timeout=2 * GROUP_TIMEOUT_S)
+        result["uploaded"] = {e.name: e.size for e in handle.uploaded.result().objects}
+    elif mode == "ok":
         ckpt = ShardedCheckpointer(f"{out}/store", timeout_s=GROUP_TIMEOUT_S)
         committed, blocked = [], []
         for step in (2, 3):

@@ -207,3 +207,21 @@ def test_a_rank_killed_mid_upload_fails_the_save_on_the_survivor_without_a_hang(
     assert not (tmp_path / "store" / "step-00000002" / MANIFEST_NAME).exists()
     store = CheckpointStore(str(tmp_path / "store"))
     assert store.latest().step == 1 and store.verify(1).ok
+
+
+@pytest.mark.slow
+def test_replicated_state_is_written_once_in_slices_by_every_rank(tmp_path):
+    results = _launch(tmp_path, "replicated")
+    sizes = [r["uploaded"] for r in results]
+    assert [list(s) for s in sizes] == [["__0_0.distcp"], ["__1_0.distcp"]]
+    assert all(size > 0 for s in sizes for size in s.values())  # every rank wrote a slice
+    gen = tmp_path / "store" / "step-00000001"
+    sync = tmp_path / "sync-1"
+    # DCP's dedup: each replicated item is written by exactly one rank, as a synchronous dcp.save would.
+    assert sum(size for s in sizes for size in s.values()) == sum(
+        (sync / name).stat().st_size for name in ("__0_0.distcp", "__1_0.distcp")
+    )
+    ours = _as_torch(gen, tmp_path)
+    _assert_same(ours, _as_torch(sync, tmp_path))
+    _assert_same(ours["model"], torch.load(tmp_path / "full.pt", weights_only=True))
+    assert CheckpointStore(str(tmp_path / "store")).verify(1).ok
