@@ -32,7 +32,7 @@ import torch
 from lightning_async_ckpt.core.capture import Fence, StorageSlot
 from lightning_async_ckpt.errors import ConfigError
 
-__all__ = ["FINGERPRINT_SAMPLES", "CutGuard", "GuardMode", "miss_probability", "resolve_guard_mode"]
+__all__ = ["FINGERPRINT_SAMPLES", "CutGuard", "GuardMode", "checksum", "miss_probability", "resolve_guard_mode"]
 
 FINGERPRINT_SAMPLES = 64
 _CHUNK_WORDS = 1 << 19  # 4 MiB of int64 words per checksum chunk: bounded temporaries
