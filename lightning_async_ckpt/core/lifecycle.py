@@ -134,11 +134,14 @@ class Lifecycle:
         )
 
     def _stop_workers(self, bound: float | None) -> bool:
-        """Stop the threads: unbounded after a full drain, else the abandon bound for staging and upload."""
+        """Stop the threads: unbounded after a full drain; after an abandon, staging and upload (the threads that
+        run torch code) get at least :data:`ABANDON_JOIN_S`, the I/O thread (plain Python, waiting on storage) only
+        ``bound``."""
+        own = bound
         if self.abandoning.is_set():
-            bound = ABANDON_JOIN_S if bound is None else max(bound, ABANDON_JOIN_S)
+            own = ABANDON_JOIN_S if bound is None else max(bound, ABANDON_JOIN_S)
         # Upload before I/O: an upload's last submissions (aborting a writer) run before the I/O thread stops.
-        stopped = self.stage_worker.stop(bound) & self.upload_worker.stop(bound)
+        stopped = self.stage_worker.stop(own) & self.upload_worker.stop(own)
         io_stopped = self.io_worker.stop(bound)
         if not stopped:
             _log.warning("close: a checkpoint thread is still blocked in storage; it is joined again at exit")
@@ -149,7 +152,7 @@ class Lifecycle:
     def _at_exit(self) -> None:
         if self._closed:
             # Closed with threads left (an abandoned save): join them before the interpreter finalizes.
-            self._stop_workers(ABANDON_JOIN_S)
+            self._stop_workers(0.0)
             return
         pending = len(self.in_flight_steps())  # type: ignore[attr-defined]
         t0 = time.monotonic()
