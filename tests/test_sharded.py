@@ -78,6 +78,27 @@ def test_save_equals_synchronous_dcp_save_and_the_store_verifies_it(tmp_path):
     assert store.latest().step == 1
 
 
+@pytest.mark.parametrize("backend", ["memory", "s3"])
+def test_object_store_generations_commit_verify_and_load_with_dcp(backend, request):
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+    if backend == "s3":
+        uri, options = request.getfixturevalue("s3_uri")
+    else:
+        uri, options = request.getfixturevalue("memory_uri"), {}
+    model, opt = _trained()
+    with ShardedCheckpointer(uri, storage_options=options) as ckpt:
+        manifest = ckpt.save(5, _state(model, opt)).result(timeout=60)
+    assert {e.name for e in manifest.objects} == {".metadata", "__0_0.distcp"}
+    store = CheckpointStore(uri, options)
+    assert store.verify(5).ok and store.latest().step == 5
+    plain = make_model()
+    target = {"model": plain.state_dict()}
+    reader = FsspecReader(store.url(5), **options)
+    dcp.load(target, storage_reader=reader, planner=DefaultLoadPlanner(allow_partial_load=True))
+    _assert_same(target["model"], model.state_dict())
+
+
 def test_the_cut_is_copied_and_buffers_are_reused_across_saves(tmp_path):
     model, opt = _trained()
     at_cut = {k: v.clone() for k, v in model.state_dict().items()}
