@@ -124,11 +124,11 @@ def test_commit_fails_loudly_when_its_objects_vanished(location: Location) -> No
     _commit(store, 1)
     writer = store.begin(2)
     writer.write_bytes(CKPT, b"x" * 1000)
-    store.fs.rm_file(f"{store._gen_path(2)}/{CKPT}")  # another process's retention removed it
+    store.fs.rm_file(f"{store.generation_path(2)}/{CKPT}")  # another process's retention removed it
     with pytest.raises(StorageError, match="NOT committed") as info:
         writer.commit()
     assert "checkpoint.ckpt: missing" in str(info.value)
-    assert not store.fs.exists(f"{store._gen_path(2)}/{MANIFEST_NAME}")
+    assert not store.fs.exists(f"{store.generation_path(2)}/{MANIFEST_NAME}")
     assert [g.step for g in store.generations()] == [1]
 
 
@@ -150,7 +150,7 @@ def test_two_writers_of_one_step_exactly_one_commits_and_its_data_stays(location
     assert torch.equal(_load(one, 5)["w"], torch.full((256,), expected))
     assert one.manifest(5).run_id == winner.store.run_id
     # The loser's data is gone, the winner's stays.
-    folder = one._gen_path(5)
+    folder = one.generation_path(5)
     data = [f for f in one.fs.find(folder) if not f.endswith((".writer.json", MANIFEST_NAME))]
     assert len(data) == 1
 
@@ -234,7 +234,7 @@ def test_failed_s3_upload_aborts_its_multipart_upload(s3_uri: Location) -> None:
     store = _store(s3_uri, block_size=5 << 20)
     bucket = store.root.split("/", 1)[0]
     writer = store.begin(1)
-    key = f"{store._gen_path(1)}/{CKPT}"
+    key = f"{store.generation_path(1)}/{CKPT}"
 
     def uploads() -> list[Any]:
         return store.fs.call_s3("list_multipart_uploads", Bucket=bucket).get("Uploads", [])
@@ -255,7 +255,7 @@ def test_huge_manifest_is_refused_without_reading_it_whole(location: Location) -
     store = _store(location)
     _commit(store, 1)
     _commit(store, 2)
-    path = f"{store._gen_path(2)}/{MANIFEST_NAME}"
+    path = f"{store.generation_path(2)}/{MANIFEST_NAME}"
     body = json.loads(store.fs.cat_file(path))
     body["extra"] = {"padding": "x" * (17 << 20)}  # valid JSON, just enormous
     store.fs.pipe_file(path, json.dumps(body).encode())

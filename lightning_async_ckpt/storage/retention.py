@@ -216,7 +216,7 @@ def execute(
 
 
 def _claims(store: CheckpointStore, info: GenerationInfo) -> tuple[tuple[str, ...], float | None]:
-    path = store._gen_path(info.step)
+    path = store.generation_path(info.step)
     try:
         files = store.fs.find(path)
     except Exception:  # noqa: BLE001 - an unlistable leftover has an unknown writer
@@ -236,7 +236,7 @@ def _claims(store: CheckpointStore, info: GenerationInfo) -> tuple[tuple[str, ..
 
 
 def _remove(store: CheckpointStore, info: GenerationInfo) -> None:
-    path = store._gen_path(info.step)
+    path = store.generation_path(info.step)
     if info.manifest is None:
         try:
             store.fs.rm(path, recursive=True)
@@ -255,13 +255,13 @@ def _remove(store: CheckpointStore, info: GenerationInfo) -> None:
                 store.fs.rm(path, recursive=True)
             except FileNotFoundError:
                 pass
-            store._invalidate()
+            store.invalidate_cache()
             return
         for f in files:
             if f not in foreign:
                 store.fs.rm_file(f)
         store.backend.remove_folder_if_empty(path)
-    store._invalidate()
+    store.invalidate_cache()
 
 
 def _prefix(file: str, folder: str) -> str:

@@ -147,12 +147,17 @@ class CheckpointStore:
         return uuid.uuid4().hex[:12]
 
     # -- paths -------------------------------------------------------------------------------------------
-    def _gen_path(self, step: int) -> str:
+    def generation_path(self, step: int) -> str:
+        """Path of generation ``step``'s folder on the store's filesystem (no protocol)."""
         return f"{self.root}/{generation_name(step)}"
+
+    _gen_path = generation_path  # old private name
 
     def url(self, step: int, name: str | None = None) -> str:
         """Full URL (with protocol) of a generation folder, or of ``name``'s default location in it."""
-        path = self._gen_path(step) if name is None else f"{self._gen_path(step)}/{validate_object_name(name)}"
+        path = (
+            self.generation_path(step) if name is None else f"{self.generation_path(step)}/{validate_object_name(name)}"
+        )
         return self.backend.url(path)
 
     def object_url(self, step: int, name: str) -> str:
@@ -178,8 +183,8 @@ class CheckpointStore:
                 raise GenerationExistsError(f"generation step {step} is already being written in this process")
             self._writing.add(step)
         try:
-            self._invalidate()
-            path = self._gen_path(step)
+            self.invalidate_cache()
+            path = self.generation_path(step)
             if self._holds_manifest(step, f"{path}/{MANIFEST_NAME}"):
                 raise GenerationExistsError(
                     f"generation step {step} is already committed at {self.url(step)}; committed checkpoints are "
@@ -229,7 +234,7 @@ class CheckpointStore:
             StoreUnavailableError: The location cannot be listed (missing bucket, unreachable endpoint, no
                 permission). A local folder that does not exist yet lists as empty.
         """
-        self._invalidate()
+        self.invalidate_cache()
         try:
             entries = self.fs.ls(self.root, detail=True)
         except FileNotFoundError as exc:
@@ -250,7 +255,7 @@ class CheckpointStore:
             if entry.get("type") not in ("directory", None):
                 skipped.append(Skipped(name, f"a {entry.get('type')}, not a folder"))
                 continue
-            if not self.backend.inside(self._gen_path(step), self.root):
+            if not self.backend.inside(self.generation_path(step), self.root):
                 skipped.append(Skipped(name, "resolves outside the store root (symlink)"))
                 continue
             info = self._read_generation(step)
@@ -268,7 +273,7 @@ class CheckpointStore:
 
     def _read_generation(self, step: int) -> GenerationInfo:
         """The one manifest reader: size-capped, validated, its step checked against the folder's."""
-        path = self._gen_path(step)
+        path = self.generation_path(step)
         url = self.url(step)
         try:
             data = self.backend.read_capped(f"{path}/{MANIFEST_NAME}", MAX_MANIFEST_BYTES)
@@ -301,7 +306,7 @@ class CheckpointStore:
         return info.manifest
 
     def _object_path(self, step: int, obj: ObjectEntry) -> str:
-        path = f"{self._gen_path(step)}/{obj.key}"
+        path = f"{self.generation_path(step)}/{obj.key}"
         if not self.backend.inside(path, self.root):
             raise ManifestError(f"{obj.name}: resolves outside the store root {self.uri!r} (symlink); refused")
         return path
@@ -434,7 +439,8 @@ class CheckpointStore:
         return self.retain(keep_last, all_runs=all_runs, dry_run=dry_run, verify=verify).removed
 
     # -- helpers -----------------------------------------------------------------------------------------
-    def _invalidate(self) -> None:
+    def invalidate_cache(self) -> None:
+        """Drop the filesystem's listing cache, so the next listing sees what other processes wrote."""
         # s3fs caches listings; a stale cache is how `last` lookups go wrong on object stores.
         try:
             self.fs.invalidate_cache()

@@ -148,7 +148,7 @@ class GenerationWriter:
         self.store = store
         self.step = step
         self.checksum = checksum
-        self.path = store._gen_path(step)
+        self.path = store.generation_path(step)
         self.prefix = prefix
         self._claim = claim
         self._objects: dict[str, ObjectEntry] = {}
@@ -248,7 +248,7 @@ class GenerationWriter:
         finally:
             self._done = True
             self.store.end_write(self.step)
-            self.store._invalidate()
+            self.store.invalidate_cache()
         return manifest
 
     def abort(self) -> None:
@@ -294,7 +294,7 @@ class GenerationWriter:
             except FileNotFoundError:
                 pass
         self.store.backend.remove_folder_if_empty(self.path)
-        self.store._invalidate()
+        self.store.invalidate_cache()
 
     def _record(self, entry: ObjectEntry) -> None:
         self._open.discard(entry.name)
@@ -310,7 +310,7 @@ class GenerationWriter:
 
 def claim_step(store: CheckpointStore, step: int) -> GenerationWriter:
     """Claim ``step`` for a new writer, or give the writer its own prefix when another writer holds the claim."""
-    path = store._gen_path(step)
+    path = store.generation_path(step)
     store.backend.prepare_folder(path)
     token = new_token()
     claim = f"{path}/{CLAIM_NAME}"
