@@ -8,6 +8,8 @@ Modes:
     fault: rank 1's data file fails to open at the second save: both ranks must raise at ``drain``; the step-1
         generation stays ``latest()``; a third save commits again.
     replicated: no sharding (every rank holds the same state, as under DDP): DCP's dedup gives each rank a slice.
+    load: load ``<out>/one/step-00000001`` (written by one process) into the FSDP2 model on two ranks; rank 0
+        writes the full model and optimizer state it then holds to ``<out>/loaded.pt``.
     kill: rank 1 SIGKILLs itself in the middle of writing its step-2 data file; rank 0 must raise at ``drain``
         within the group timeout, and the step-1 generation stays ``latest()``.
 """
@@ -23,7 +25,7 @@ import time
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
@@ -70,7 +72,15 @@ def main(out: str, mode: str) -> None:
     opt = torch.optim.Adam(model.parameters(), lr=0.1)
     _train_step(model, opt, 0 if mode == "replicated" else rank, 0)  # replicated: the same data on every rank
     result: dict = {"rank": rank}
-    if mode == "replicated":
+    if mode == "load":
+        state = _state(model, opt)
+        dcp.load(state, checkpoint_id=f"{out}/one/step-00000001")
+        set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        full = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        msd, osd = get_state_dict(model, opt, options=full)
+        if rank == 0:
+            torch.save({"model": msd, "optim": osd}, f"{out}/loaded.pt")
+    elif mode == "replicated":
         dcp.save(_state(model, opt), checkpoint_id=f"{out}/sync-1")
         if rank == 0:
             torch.save(model.state_dict(), f"{out}/full.pt")

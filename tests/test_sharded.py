@@ -246,3 +246,14 @@ def test_replicated_state_is_written_once_in_slices_by_every_rank(tmp_path):
     _assert_same(ours, _as_torch(sync, tmp_path))
     _assert_same(ours["model"], torch.load(tmp_path / "full.pt", weights_only=True))
     assert CheckpointStore(str(tmp_path / "store")).verify(1).ok
+
+
+@pytest.mark.slow
+def test_a_generation_written_by_one_process_loads_into_fsdp2_on_two_ranks(tmp_path):
+    model, opt = _trained()
+    with ShardedCheckpointer(str(tmp_path / "one")) as ckpt:
+        ckpt.save(1, _state(model, opt)).result(timeout=60)
+    _launch(tmp_path, "load")
+    loaded = torch.load(tmp_path / "loaded.pt", weights_only=True)
+    _assert_same(loaded, _as_torch(tmp_path / "one" / "step-00000001", tmp_path))
+    _assert_same(loaded["model"], model.state_dict())
