@@ -327,9 +327,14 @@ def persist(
                 # On the I/O thread, after the object it may still be writing: never two threads in one writer.
                 # An abandoned save does not wait for it (storage may hang); a failed attempt does.
                 aborted = io.submit(writer.abort)
-                if not abandon.is_set():
-                    with contextlib.suppress(Exception):
-                        aborted.result()
+                while not abandon.is_set():
+                    try:
+                        aborted.result(timeout=_POLL_S)
+                        break
+                    except FutureTimeout:
+                        continue
+                    except Exception:  # noqa: BLE001 - aborting is best effort; the attempt's error decides
+                        break
             if attempt > 0 and isinstance(exc, GenerationExistsError):
                 # Attempt 0 found no manifest, so one found now is an earlier attempt's PUT that landed although
                 # its acknowledgement was lost: the generation is committed, not failed.
