@@ -107,6 +107,12 @@ class _Marked(AsyncCheckpointCallback):
         if self.requested_step != before:
             EVENTS.append(("ours", "cut"))
 
+    def on_train_epoch_end(self, trainer, pl_module):
+        before = self.requested_step
+        super().on_train_epoch_end(trainer, pl_module)
+        if self.requested_step != before:
+            EVENTS.append(("ours", "cut"))
+
     def on_train_end(self, trainer, pl_module):
         EVENTS.append(("ours", "drain"))
         super().on_train_end(trainer, pl_module)
@@ -141,6 +147,8 @@ CONFIGS = {
     ),
     "max_steps_end": ({"max_steps": 5, "limit_val_batches": 2}, 2, True),
     "module_data_hooks": ({"max_steps": 8, "val_check_interval": 3, "limit_val_batches": 2}, 3, False),
+    # every_n_train_steps=None: cuts at the end of every epoch (on_train_epoch_end), validation at epoch end.
+    "epoch_cuts": ({"max_epochs": 3, "limit_train_batches": 4, "limit_val_batches": 2}, None, True),
 }
 
 
@@ -149,7 +157,7 @@ def test_every_hook_that_runs_between_the_cut_and_a_fence_is_in_the_proof_tables
     args, every, with_datamodule = CONFIGS[config]
     EVENTS.clear()
     pl.seed_everything(1)
-    ours = _Marked(dirpath=str(tmp_path), every_n_train_steps=every)
+    ours = _Marked(dirpath=str(tmp_path), every_n_train_steps=every, every_n_epochs=None if every else 1)
     trainer = pl.Trainer(callbacks=[RecordingCallback(), ours, RecordingLaterCallback()], **trainer_kwargs(**args))
     if with_datamodule:
         trainer.fit(RecordingModule(), datamodule=RecordingData())
