@@ -47,7 +47,8 @@ class ShardedSaveHandle:
         step: The generation's step.
         staged: Resolves when the local shards were copied to host buffers (the training may mutate them).
         uploaded: Resolves to this rank's :class:`RankObjects` once its objects are durable.
-        committed: Resolves to the committed :class:`Manifest` (on every rank) once the coordinator wrote it.
+        committed: Resolves to the committed :class:`Manifest` (on every rank) once the coordinator wrote it
+            (``None`` on a non-coordinator rank that could not read it back; the step is committed all the same).
         blocked_s: Seconds the training thread spent in ``save`` (waiting for the previous save, and copying).
     """
 
@@ -57,7 +58,7 @@ class ShardedSaveHandle:
     committed: Future = field(default_factory=Future)
     blocked_s: float = 0.0
 
-    def result(self, timeout: float | None = None) -> Manifest:
+    def result(self, timeout: float | None = None) -> Manifest | None:
         """The committed manifest (raises the save's error)."""
         return self.committed.result(timeout)
 
@@ -261,7 +262,7 @@ class ShardedCheckpointer:
                 process_group=self.process_group,
                 no_dist=self.process_group is None,
             )
-            manifest = writer.commit_result if writer.committed else self.store.manifest(handle.step)
+            manifest = writer.commit_result if writer.committed else self._read_manifest(handle.step)
         except (Exception, CheckpointException) as exc:  # noqa: BLE001 - any failure fails this save, raised later
             writer.abort()
             error = ShardedSaveError(f"sharded save of step {handle.step} failed, not committed: {_describe(exc)}")
@@ -277,6 +278,15 @@ class ShardedCheckpointer:
             except Exception:  # noqa: BLE001 - retention failing never fails the committed save
                 _log.warning("retention after the commit of step %s failed", handle.step, exc_info=True)
         handle.committed.set_result(manifest)
+
+    def _read_manifest(self, step: int) -> Manifest | None:
+        # DCP's save returned on this rank: the coordinator's commit succeeded. A failing read-back must not make
+        # this rank disagree with the others about the outcome.
+        try:
+            return self.store.manifest(step)
+        except Exception:  # noqa: BLE001 - the step is committed; only this rank's copy of the manifest is missing
+            _log.warning("step %s is committed but its manifest could not be read back here", step, exc_info=True)
+            return None
 
 
 def _describe(exc: BaseException) -> str:
