@@ -10,6 +10,7 @@ Modes:
     replicated: no sharding (every rank holds the same state, as under DDP): DCP's dedup gives each rank a slice.
     load: load ``<out>/one/step-00000001`` (written by one process) into the FSDP2 model on two ranks; rank 0
         writes the full model and optimizer state it then holds to ``<out>/loaded.pt``.
+    slow: rank 1's storage takes 3 s per save: no rank's training thread waits for it, both commit.
     kill: rank 1 SIGKILLs itself in the middle of writing its step-2 data file; rank 0 must raise at ``drain``
         within the group timeout, and the step-1 generation stays ``latest()``.
 """
@@ -35,6 +36,10 @@ from lightning_async_ckpt.testing import Fault
 
 GROUP_TIMEOUT_S = 30.0
 KILL_GROUP_TIMEOUT_S = 20.0
+
+
+def _sleep_3s(call: object) -> None:
+    time.sleep(3)
 
 
 def _kill_self(call: object) -> None:
@@ -127,6 +132,20 @@ def main(out: str, mode: str) -> None:
         ckpt.save(3, _state(model, opt)).result(timeout=2 * GROUP_TIMEOUT_S)
         ckpt.close()
         result["recovered"] = True
+    elif mode == "slow":
+        faults = [Fault(op="write", path="step-00000001/__1_0.distcp", callback=_sleep_3s)]
+        ckpt = ShardedCheckpointer(
+            f"faulty://{out}/store",
+            storage_options={"target_protocol": "file", "faults": faults},
+            timeout_s=GROUP_TIMEOUT_S,
+        )
+        start = time.monotonic()
+        handle = ckpt.save(1, _state(model, opt))
+        _train_step(model, opt, rank, 1)  # the training goes on while rank 1's storage is slow
+        result["trained_after_s"] = time.monotonic() - start
+        handle.result(timeout=2 * GROUP_TIMEOUT_S)
+        result["committed_after_s"] = time.monotonic() - start
+        ckpt.close()
     elif mode == "kill":
         faults = [Fault(op="write", path="step-00000002/__1_0.distcp", at=2, callback=_kill_self)]
         ckpt = ShardedCheckpointer(

@@ -257,3 +257,12 @@ def test_a_generation_written_by_one_process_loads_into_fsdp2_on_two_ranks(tmp_p
     loaded = torch.load(tmp_path / "loaded.pt", weights_only=True)
     _assert_same(loaded, _as_torch(tmp_path / "one" / "step-00000001", tmp_path))
     _assert_same(loaded["model"], model.state_dict())
+
+
+@pytest.mark.slow
+def test_a_slow_rank_blocks_no_training_thread_and_the_save_commits(tmp_path):
+    results = _launch(tmp_path, "slow")
+    for r in results:
+        assert r["trained_after_s"] < 2.5, r  # save + one training step, while rank 1 sleeps 3 s in its write
+        assert r["committed_after_s"] >= 3, r  # the commit waited for the slow rank
+    assert CheckpointStore(str(tmp_path / "store")).verify(1).ok
