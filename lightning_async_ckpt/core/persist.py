@@ -117,7 +117,12 @@ class PumpedWriter:
         """Open object ``name`` (on this thread) and return a stream whose writes run on the I/O thread."""
         if self._abandon.is_set():
             raise AbandonedError("save abandoned before its data was written")
-        return PumpedStream(self._writer.open(name), self._io, self._abandon, self._ranges)
+        stream = self._writer.open(name)
+        if self._abandon.is_set():  # abandoned while storage was opening the object
+            error = AbandonedError("save abandoned before its data was written")
+            stream.__exit__(AbandonedError, error, None)
+            raise error
+        return PumpedStream(stream, self._io, self._abandon, self._ranges)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._writer, name)

@@ -48,13 +48,20 @@ class Worker:
         self._stopping = False
 
     def submit(self, fn: Callable[[], Any]) -> Future:
-        """Run ``fn`` on the thread after everything submitted before; returns its future."""
-        with self._lock:
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._loop, name=self.name, daemon=True)
-                self._thread.start()
+        """Run ``fn`` on the thread after everything submitted before; returns its future.
+
+        Once :meth:`stop` was called no thread is started any more: ``fn`` runs on the caller's thread.
+        """
         future: Future = Future()
-        self._queue.put((fn, future))
+        with self._lock:
+            stopping = self._stopping
+            if not stopping:
+                if self._thread is None:
+                    self._thread = threading.Thread(target=self._loop, name=self.name, daemon=True)
+                    self._thread.start()
+                self._queue.put((fn, future))
+        if stopping:
+            _run(fn, future)
         return future
 
     def _loop(self) -> None:
@@ -63,11 +70,7 @@ class Worker:
             with contextlib.suppress(AttributeError, OSError):
                 os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self.nice)
         while (item := self._queue.get()) is not None:
-            fn, future = item
-            try:
-                future.set_result(fn())
-            except BaseException as exc:  # noqa: BLE001 - delivered through the future
-                future.set_exception(exc)
+            _run(*item)
 
     @property
     def alive(self) -> bool:
@@ -83,11 +86,11 @@ class Worker:
         """
         with self._lock:
             thread = self._thread
+            if not self._stopping and thread is not None:
+                self._queue.put(None)
+            self._stopping = True
             if thread is None:
                 return True
-            if not self._stopping:
-                self._stopping = True
-                self._queue.put(None)
         thread.join(timeout)
         return not thread.is_alive()
 
@@ -98,6 +101,13 @@ class Worker:
             return True
         thread.join(timeout)
         return not thread.is_alive()
+
+
+def _run(fn: Callable[[], Any], future: Future) -> None:
+    try:
+        future.set_result(fn())
+    except BaseException as exc:  # noqa: BLE001 - delivered through the future
+        future.set_exception(exc)
 
 
 class ExitHook:
