@@ -49,6 +49,13 @@ def _recording(base: type, names: list[str], role: Role) -> type:
 
 
 class _Base(BNDropoutModel):
+    interval = "step"  # the LR scheduler's interval: "epoch" steps it at epoch ends, between the cut and a fence
+
+    def configure_optimizers(self) -> Any:
+        opt = torch.optim.Adam(self.parameters(), lr=0.01)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": self.interval}}
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
 
@@ -143,7 +150,7 @@ CONFIGS = {
     "epochs": (
         {"max_epochs": 3, "limit_train_batches": 5, "limit_val_batches": 2, "reload_dataloaders_every_n_epochs": 1},
         1,
-        True,
+        "epoch",
     ),
     "max_steps_end": ({"max_steps": 5, "limit_val_batches": 2}, 2, True),
     "module_data_hooks": ({"max_steps": 8, "val_check_interval": 3, "limit_val_batches": 2}, 3, False),
@@ -159,10 +166,13 @@ def test_every_hook_that_runs_between_the_cut_and_a_fence_is_in_the_proof_tables
     pl.seed_everything(1)
     ours = _Marked(dirpath=str(tmp_path), every_n_train_steps=every, every_n_epochs=None if every else 1)
     trainer = pl.Trainer(callbacks=[RecordingCallback(), ours, RecordingLaterCallback()], **trainer_kwargs(**args))
+    module = RecordingModule()
+    if with_datamodule == "epoch":
+        module.interval = "epoch"
     if with_datamodule:
-        trainer.fit(RecordingModule(), datamodule=RecordingData())
+        trainer.fit(module, datamodule=RecordingData())
     else:
-        trainer.fit(RecordingModule(), make_loader(n=64), make_loader(n=32, seed=1))
+        trainer.fit(module, make_loader(n=64), make_loader(n=32, seed=1))
     seen = windows_of(EVENTS)
     assert any(e == ("ours", "cut") for e in EVENTS)
     missing = {
