@@ -102,7 +102,7 @@ def commit_generation(
             pass
         raise
     finally:
-        store.fs.invalidate_cache()
+        store.invalidate_cache()
     store.end_write(step)
     return manifest
 

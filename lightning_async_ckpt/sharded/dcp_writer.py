@@ -35,7 +35,6 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from lightning_async_ckpt.errors import GenerationExistsError, StorageError
-from lightning_async_ckpt.storage.generation import generation_name
 from lightning_async_ckpt.storage.io import Checksum, fsync_dir
 from lightning_async_ckpt.storage.manifest import ObjectEntry, validate_object_name
 
@@ -193,7 +192,7 @@ class StoreStorageWriter(FileSystemWriter):
         on_written: Callable[[RankObjects], None] | None = None,
         on_commit: Callable[[GenerationWriter, list[RankObjects]], Any] | None = None,
     ) -> None:
-        path = f"{store.root}/{generation_name(step)}"
+        path = store.generation_path(step)
         super().__init__(path, single_file_per_rank=True, sync_files=False, thread_count=thread_count)
         self.fs = _StoreFileSystem(store)
         self.path = path
