@@ -53,3 +53,15 @@ def test_a_failure_on_rank_zero_surfaces_on_both_ranks_instead_of_hanging(tmp_pa
     committed = [g.step for g in store.generations()]
     assert committed == [2]  # the failed generation has no manifest; the earlier one is intact
     assert store.verify(2).ok
+
+
+def test_the_final_checkpoint_between_intervals_is_taken_by_every_rank_at_the_same_batch_end(tmp_path):
+    procs = _launch(str(tmp_path), "final")
+    for proc in procs:
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    r0, r1 = (_result(p) for p in procs)
+    assert r0["requested"] == r1["requested"] == 7
+    assert r0["committed"] == r1["committed"] == 7
+    store = CheckpointStore(str(tmp_path), check_writable=False)
+    assert [g.step for g in store.generations()] == [2, 4, 6, 7]
+    assert store.manifest(7).cut["world_size"] == 2
