@@ -109,19 +109,18 @@ class StagingGates:
 def staging_gates(monkeypatch: pytest.MonkeyPatch, make_ckpt: Any) -> Iterator[StagingGates]:
     # Depends on make_ckpt so that it is torn down first: the gates open before the checkpointers close.
     gates = StagingGates()
-    run, release = StagingJob.run, StagingJob._release
+    run = StagingJob.run
 
-    def gated_run(job: StagingJob) -> None:
-        gates.before.wait()
-        run(job)
-
-    def gated_release(job: StagingJob, fence: Fence) -> None:
-        release(job, fence)
+    def after_release(fence: Fence) -> None:
         if fence is Fence.BATCH_START:
             gates.after_batch_start.wait()
 
+    def gated_run(job: StagingJob) -> None:
+        job.on_release = after_release
+        gates.before.wait()
+        run(job)
+
     monkeypatch.setattr(StagingJob, "run", gated_run)
-    monkeypatch.setattr(StagingJob, "_release", gated_release)
     yield gates
     gates.open_all()
 

@@ -326,6 +326,12 @@ class AsyncCheckpointer(Completion, Lifecycle, DrainOnExit):
         Returns:
             True if everything ended within ``timeout``.
         """
+        finished = self.drain_quietly(timeout)
+        self.raise_pending()
+        return finished
+
+    def drain_quietly(self, timeout: float | None) -> bool:
+        """Like :meth:`drain` but never raises (pending errors stay pending); returns whether everything ended."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._lock:
             handles = list(self._inflight)
@@ -340,7 +346,6 @@ class AsyncCheckpointer(Completion, Lifecycle, DrainOnExit):
             except Exception:  # noqa: BLE001 - delivered through raise_pending
                 pass
         self._reap()
-        self.raise_pending()
         return finished
 
     def in_flight_steps(self) -> list[int]:

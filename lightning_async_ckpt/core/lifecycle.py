@@ -17,7 +17,6 @@ from typing import Any
 
 from lightning_async_ckpt.core.capture import CapturePlan
 from lightning_async_ckpt.core.workers import THREAD_PREFIX, Worker, register_at_exit
-from lightning_async_ckpt.errors import CheckpointError
 
 __all__ = ["ABANDON_JOIN_S", "Lifecycle"]
 
@@ -98,11 +97,7 @@ class Lifecycle:
             return None if deadline is None else max(0.0, deadline - time.monotonic())
 
         error: BaseException | None = None
-        try:
-            finished = self.drain(remaining())  # type: ignore[attr-defined]
-        except CheckpointError as exc:
-            error = exc
-            finished = self.drain_quietly(remaining())
+        finished = self.drain_quietly(remaining())  # type: ignore[attr-defined]
         if not finished:
             self._abandon_outstanding(f"close: not drained within {timeout}s")
         self._stop_workers(None if finished and not self.abandoning.is_set() else remaining())
@@ -115,13 +110,6 @@ class Lifecycle:
                 error.add_note(f"another checkpoint save also failed: {later}")
         if error is not None:
             raise error
-
-    def drain_quietly(self, timeout: float | None) -> bool:
-        """Like ``drain`` but never raises; returns whether everything ended."""
-        try:
-            return self.drain(timeout)  # type: ignore[attr-defined]
-        except Exception:  # noqa: BLE001 - used on shutdown paths where the error was already reported
-            return not self.in_flight_steps()  # type: ignore[attr-defined]
 
     def _abandon_outstanding(self, why: str) -> None:
         steps = self.in_flight_steps()  # type: ignore[attr-defined]

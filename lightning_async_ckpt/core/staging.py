@@ -14,7 +14,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -238,6 +238,8 @@ class StagingJob:
         self.stage_ended = 0.0
         #: Set by the owner when the save is abandoned: the copy stops at the next chunk.
         self.abandon: threading.Event | None = None
+        #: Called on the staging thread right after a fence was released (observability and tests).
+        self.on_release: Callable[[Fence], None] | None = None
         self._deferred = [s for s in self.slots if s.fence != Fence.CUT]
         self._guard = CutGuard(self._deferred, self.guard)
         # Earlier fences first, so the first wait is released as soon as possible.
@@ -308,6 +310,8 @@ class StagingJob:
             event.record(self._side_streams[dev])
             state.cuda_event = event
         state.event.set()
+        if self.on_release is not None:
+            self.on_release(fence)
 
     def _check_guard(self) -> None:
         found = self._guard.check(self.buffers)
