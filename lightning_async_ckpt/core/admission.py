@@ -110,10 +110,7 @@ class Admission:
             committed_step: Returns the newest committed step now.
 
         Returns:
-            The decision. A refused request (``abort``) raises instead.
-
-        Raises:
-            AdmissionError: The limit is reached and the rule is ``abort``; the error's ``result`` is the decision.
+            The decision; for ``abort`` the caller raises :meth:`refusal` (after recording the request).
         """
         rule = policy if policy is not None else self.policy
         if rule not in POLICIES:
@@ -123,13 +120,7 @@ class Admission:
             self.pending_coalesce = None
             return AdmissionResult(step, AdmissionDecision.ADMIT, now, committed_step())
         if rule == AdmissionDecision.ABORT:
-            error = AdmissionError(
-                f"checkpoint for step {step} requested while {now} save(s) are outstanding "
-                f"(max_outstanding={self.max_outstanding}, admission='abort'); storage is not keeping up: "
-                "checkpoint less often, raise max_outstanding, or choose admission='wait', 'skip' or 'coalesce'"
-            )
-            error.result = AdmissionResult(step, AdmissionDecision.ABORT, now, committed_step())  # type: ignore[attr-defined]
-            raise error
+            return AdmissionResult(step, AdmissionDecision.ABORT, now, committed_step())
         if rule == AdmissionDecision.SKIP:
             self.skipped += 1
             return AdmissionResult(step, AdmissionDecision.SKIP, now, committed_step())
@@ -141,6 +132,14 @@ class Admission:
         while backlog() >= self.max_outstanding:
             wait_one()
         return AdmissionResult(step, AdmissionDecision.WAIT, now, committed_step(), time.perf_counter() - t0)
+
+    def refusal(self, result: AdmissionResult) -> AdmissionError:
+        """The error an ``abort`` decision raises, naming the step, the backlog and the alternatives."""
+        return AdmissionError(
+            f"checkpoint for step {result.requested_step} requested while {result.backlog} save(s) are outstanding "
+            f"(max_outstanding={self.max_outstanding}, admission='abort'); storage is not keeping up: "
+            "checkpoint less often, raise max_outstanding, or choose admission='wait', 'skip' or 'coalesce'"
+        )
 
     def coalesce_due(self, backlog: int) -> bool:
         """True when a coalesced request is waiting and the backlog has drained: take a fresh cut now."""

@@ -32,7 +32,7 @@ from lightning_async_ckpt.core.options import CheckpointOptions, Serializer, Tor
 from lightning_async_ckpt.core.persist import RetryPolicy
 from lightning_async_ckpt.core.staging import BufferPool, StagingJob, resolve_budget
 from lightning_async_ckpt.core.telemetry import EventLog, Outcome, SaveRecord
-from lightning_async_ckpt.errors import AdmissionError, CheckpointError, ConfigError
+from lightning_async_ckpt.errors import CheckpointError, ConfigError
 from lightning_async_ckpt.storage.store import CheckpointStore
 
 __all__ = ["AsyncCheckpointer", "CheckpointOptions", "SaveHandle", "Serializer", "TorchSaveSerializer"]
@@ -143,14 +143,16 @@ class AsyncCheckpointer(Completion, Lifecycle, DrainOnExit):
         self.raise_pending()
         t0 = time.perf_counter()
         record = SaveRecord(requested_step=step)
-        try:
-            decision = self.admission.decide(
-                step, policy=admission, backlog=lambda: self.outstanding, wait_one=self._wait_oldest,
-                committed_step=lambda: self.committed_step,
-            )  # fmt: skip
-        except AdmissionError as exc:
-            self._refused(record, exc.result)  # type: ignore[attr-defined]
-            raise
+        decision = self.admission.decide(
+            step,
+            policy=admission,
+            backlog=lambda: self.outstanding,
+            wait_one=self._wait_oldest,
+            committed_step=lambda: self.committed_step,
+        )
+        if decision.decision is AdmissionDecision.ABORT:
+            self._refused(record, decision)
+            raise self.admission.refusal(decision)
         if decision.decision is AdmissionDecision.WAIT:
             self.raise_pending()
         record.decision, record.backlog, record.admission_wait_s = (
