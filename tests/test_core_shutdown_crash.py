@@ -63,6 +63,7 @@ def _run_all(lines: list[str], *, lightning: bool) -> list[dict]:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1500)  # 50 forked runs; a Lightning run's finalization alone takes seconds on a busy 2-core box
 @pytest.mark.parametrize("mode", ["close", "exit", "sigterm"])
 def test_abandoned_save_never_crashes_the_interpreter(tmp_path: Path, mode: str) -> None:
     roots = [tmp_path / f"{mode}-{i}" for i in range(RUNS)]
