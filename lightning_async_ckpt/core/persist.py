@@ -11,6 +11,7 @@ reads memory that was freed behind it.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import errno
 import logging
@@ -140,6 +141,7 @@ class PumpedStream:
         self._stream = stream
         self._abandon = abandon
         self._ranges = ranges
+        self._starts = [r[0] for r in ranges]
         self._queue: queue.Queue = queue.Queue(maxsize=4)
         self._block = bytearray()
         self._error: BaseException | None = None
@@ -174,7 +176,9 @@ class PumpedStream:
         if not self._ranges:
             return None
         start = np.frombuffer(view, dtype=np.uint8).__array_interface__["data"][0]
-        for lo, hi, owner in self._ranges:
+        i = bisect.bisect_right(self._starts, start) - 1
+        if i >= 0:
+            lo, hi, owner = self._ranges[i]
             if lo <= start and start + len(view) <= hi:
                 return owner
         return None
