@@ -90,8 +90,15 @@ class Backend:
         """
         if self.fs.exists(path):
             raise FileExistsError(path)
-        with self.fs.open(path, "wb") as f:
-            f.write(data)
+        try:
+            with self.fs.open(path, "wb") as f:
+                f.write(data)
+        except BaseException:
+            try:
+                self.fs.rm_file(path)  # a torn claim would name an unknown writer
+            except Exception:  # noqa: BLE001 - the write's own error is the one to report
+                pass
+            raise
 
     def prepare_folder(self, path: str) -> None:
         """Create a generation folder where folders exist."""

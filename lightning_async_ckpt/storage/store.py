@@ -196,6 +196,10 @@ class CheckpointStore:
             raise
         except Exception as exc:
             self.end_write(step)
+            try:
+                self.backend.remove_folder_if_empty(self.generation_path(step))
+            except Exception:  # noqa: BLE001 - the preparation's own error is the one to report
+                pass
             raise StorageError(f"could not prepare generation {self.url(step)}: {exc}") from exc
 
     def _holds_manifest(self, step: int, manifest_path: str) -> bool:
