@@ -116,10 +116,10 @@ class PumpedWriter:
 
     def open(self, name: str) -> PumpedStream:
         """Open object ``name`` (on this thread) and return a stream whose writes run on the I/O thread."""
-        if self._abandon.is_set():
+        if self._abandon.is_set() or self._io.stopping:
             raise AbandonedError("save abandoned before its data was written")
         stream = self._writer.open(name)
-        if self._abandon.is_set():  # abandoned while storage was opening the object
+        if self._abandon.is_set() or self._io.stopping:  # abandoned while storage was opening the object
             error = AbandonedError("save abandoned before its data was written")
             stream.__exit__(AbandonedError, error, None)
             raise error

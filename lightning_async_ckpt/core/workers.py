@@ -73,6 +73,11 @@ class Worker:
             _run(*item)
 
     @property
+    def stopping(self) -> bool:
+        """Whether :meth:`stop` was called (new work then runs on the caller's thread)."""
+        return self._stopping
+
+    @property
     def alive(self) -> bool:
         """Whether the thread exists and has not ended."""
         thread = self._thread
