@@ -111,7 +111,13 @@ def cmd_verify(args: argparse.Namespace) -> int:
             }
             for r in results
         ]
-        print(json.dumps({"ok": not failed, "results": body, "skipped_uncommitted": skipped}, indent=1))
+        entries = [{"name": e.name, "reason": e.reason} for e in listing.skipped]
+        print(
+            json.dumps(
+                {"ok": not failed, "results": body, "skipped_uncommitted": skipped, "skipped_entries": entries},
+                indent=1,
+            )
+        )
     else:
         for r in results:
             g = gens[r.step]
