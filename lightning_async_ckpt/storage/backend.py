@@ -252,7 +252,7 @@ class S3Backend(Backend):
     def missing_root_error(self, root: str) -> str | None:
         bucket = root.split("/", 1)[0]
         try:
-            self.fs.ls(bucket, detail=False)
+            self.fs.call_s3("head_bucket", Bucket=bucket)  # one request, however large the bucket
         except FileNotFoundError:
             return f"bucket {bucket!r} does not exist (or these credentials cannot see it)"
         except Exception as exc:  # noqa: BLE001 - reported as the reason the store cannot be listed
