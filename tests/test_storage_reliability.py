@@ -300,3 +300,21 @@ def test_non_canonical_generation_names_are_skipped_and_named(tmp_path: Path, ca
     assert "skipped step-000000004: not a canonical generation name" in out
     assert main(["verify", str(tmp_path)]) == 0
     assert "skipped step-000000004" in capsys.readouterr().out
+
+
+def test_a_leftover_of_this_run_id_held_by_another_live_process_is_not_removed(tmp_path: Path) -> None:
+    import socket
+
+    store = CheckpointStore(str(tmp_path), run_id="resumed")
+    _commit(store, 1)
+    # A predecessor of this run (same run id) that never died is still writing step 2.
+    folder = tmp_path / "step-00000002"
+    folder.mkdir()
+    claim = {"run_id": "resumed", "step": 2, "token": "t", "host": socket.gethostname(), "pid": os.getppid()}
+    (folder / ".writer.json").write_text(json.dumps({**claim, "started": 0.0}))
+    (folder / CKPT).write_bytes(b"in progress")
+    _commit(store, 3)
+    report = store.retain(keep_last=1)
+    assert report.removed == [1]
+    assert [(r.step, "a live process" in r.reason) for r in report.refused] == [(2, True)]
+    assert (folder / CKPT).exists()

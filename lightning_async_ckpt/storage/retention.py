@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import socket
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -227,8 +229,8 @@ def _claims(store: CheckpointStore, info: GenerationInfo) -> tuple[tuple[str, ..
             continue
         try:
             body = json.loads(store.fs.cat_file(f, start=0, end=64 << 10))
-            writers.append(str(body["run_id"]))
             started.append(float(body["started"]))
+            writers.append(str(body["run_id"]) + (" (a live process)" if _live_other_process(body) else ""))
         except Exception:  # noqa: BLE001 - a torn claim names an unknown writer
             writers.append("?")
     when = max(started) if started else info.mtime
@@ -268,3 +270,18 @@ def _prefix(file: str, folder: str) -> str:
     """The first folder of ``file`` below ``folder`` ("" for a file directly in it)."""
     rel = file[len(folder) + 1 :] if file.startswith(folder + "/") else file.rsplit("/", 1)[-1]
     return rel.split("/", 1)[0] if "/" in rel else ""
+
+
+def _live_other_process(claim: dict) -> bool:
+    """Whether a claim is held by another process of this host that is still running (e.g. a resumed run's
+    predecessor that never died): its leftover may be a save in progress even when the run id is ours."""
+    pid = claim.get("pid")
+    if claim.get("host") != socket.gethostname() or not isinstance(pid, int) or pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True  # exists, owned by someone else
+    return True
