@@ -236,3 +236,19 @@ def test_serializer_misuse_is_a_usage_error_that_is_not_retried(ckpts, tmp_path)
     assert handle.outcome == "failed"
     with pytest.raises(CheckpointError, match="already written"):
         ckpt.poll()
+
+
+def test_a_cut_taken_while_the_reservation_still_runs_waits_for_it_instead_of_allocating(ckpts, tmp_path) -> None:
+    ckpt = _make(ckpts, tmp_path)
+    model, opt = _model()
+    gate = threading.Event()
+    ckpt.stage_worker.submit(gate.wait)  # the reservation queues behind this on the staging thread
+    reservation = ckpt.preallocate(_state(model, opt), modules=[model], optimizers=[opt])
+    assert not reservation.done()
+    releaser = threading.Thread(target=gate.set, name="test-releaser")
+    releaser.start()  # whichever comes first, the cut's acquire must not allocate on its own
+    handle = ckpt.save(1, _state(model, opt), modules=[model], optimizers=[opt])
+    releaser.join()
+    assert reservation.done() and reservation.result() == handle.plan.total_bytes
+    assert ckpt.pool.allocations_at_cut == 0
+    handle.result()
