@@ -62,8 +62,8 @@ def test_staging_buffers_are_pinned_and_reused(tmp_path):
             handle = ckpt.save(
                 step, {"model": model.state_dict(), "optim": opt.state_dict()}, modules=[model], optimizers=[opt]
             )
-            handle._job.wait(Fence.OPTIMIZER_STEP)
-            job = handle._job
+            handle.staging.wait(Fence.OPTIMIZER_STEP)
+            job = handle.staging
             # Buffers of CUDA storages are pinned (the D2H copy is asynchronous only into pinned memory). The
             # optimizer's `step` counters live on the CPU: their buffers are plain host memory, copied by memcpy.
             cuda = [buf for slot, buf in zip(job.slots, job.buffers, strict=True) if slot.device.type == "cuda"]
@@ -80,7 +80,7 @@ def test_fence_does_not_block_the_host_on_cuda(tmp_path):
     with AsyncCheckpointer(CheckpointStore(str(tmp_path)), host_memory_budget=None) as ckpt:
         ckpt.attach(model, opt)
         handle = ckpt.save(1, {"model": model.state_dict()}, modules=[model], optimizers=[opt])
-        handle._job.fences[Fence.OPTIMIZER_STEP].event.wait(timeout=60)  # copies issued on the side stream
+        handle.staging.fences[Fence.OPTIMIZER_STEP].event.wait(timeout=60)  # copies issued on the side stream
         assert handle.wait(Fence.OPTIMIZER_STEP) == 0.0  # the compute stream waits on the event, not the host
         _step(model, opt)
         handle.result(timeout=60)

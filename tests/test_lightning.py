@@ -340,3 +340,22 @@ def test_event_log_of_a_run_draws_a_timeline(tmp_path):
     png = tmp_path / "timeline.png"
     assert main(["timeline", str(log), "-o", str(png)]) == 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_staging_pool_is_filled_before_the_first_cut_so_the_cut_allocates_nothing(tmp_path):
+    ours = AsyncCheckpointCallback(dirpath=str(tmp_path), every_n_train_steps=4, save_on_train_end=False)
+    _fit(tmp_path, [ours], max_steps=4, accumulate=1)
+    pool = ours.checkpointer.pool
+    assert ours.committed_step == 4
+    # Every buffer of the first cut came from the reservation made after the first optimizer step.
+    assert pool.allocations > 0
+    assert pool.allocations_at_cut == 0
+
+
+def test_full_checksum_guard_is_selectable_from_the_callback(tmp_path):
+    ours = AsyncCheckpointCallback(dirpath=str(tmp_path), every_n_train_steps=2, guard="full", save_on_train_end=False)
+    assert ours.options.guard == "full"
+    _fit(tmp_path, [ours], max_steps=4)
+    assert ours.committed_step == 4
+    with pytest.raises(ConfigError, match="guard"):
+        AsyncCheckpointCallback(dirpath=str(tmp_path), guard="everything")

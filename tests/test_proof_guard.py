@@ -17,7 +17,7 @@ from lightning_async_ckpt.core.guard import (
     resolve_guard_mode,
 )
 from lightning_async_ckpt.core.staging import BufferPool, StagingJob
-from lightning_async_ckpt.errors import ConfigError
+from lightning_async_ckpt.errors import ConfigError, TornSnapshotError
 
 # A float32 whose four bytes are all 0x01: writing it over zeros changes every byte of the element.
 ALL_BYTES_SET = torch.tensor([0x01010101], dtype=torch.int32).view(torch.float32).item()
@@ -124,3 +124,40 @@ def test_guard_settings_name_a_mode(value, mode):
 def test_an_unknown_guard_setting_names_the_choices():
     with pytest.raises(ConfigError, match="'sample', 'full'"):
         resolve_guard_mode("paranoid")
+
+
+def test_a_write_whose_counter_bump_lands_after_the_seal_is_refused_before_the_commit():
+    # The race the seal alone cannot see: an in-place write still running while its row is copied (the copy
+    # reads half-written bytes) bumps the version counter only when it returns, after the copy landed and the
+    # counters were sealed. Emulated deterministically: the staged row is torn by hand, then the source is
+    # written in place (the bump) before the training thread reaches the fence. The sampled fingerprint misses a
+    # 256-byte row of a 4 MB table with probability 0.996; the counter read at the fence, or before the commit
+    # when the fence was not reached yet, always sees it.
+    weight = torch.randn(16_384, 64)
+    for reach_fence_first in (False, True):
+        for _ in range(5):
+            _, job = _job(weight)
+            job.copy_at_cut()
+            job.run()
+            assert job.error is None  # seal and fingerprint saw nothing
+            job.buffers[0].view(torch.float32).view(16_384, 64)[9_000] = 0.25  # the torn row in the staged copy
+            with torch.no_grad():
+                job.slots[0].tensors[0].index_fill_(0, torch.tensor([9_000]), 0.5)  # its bump, after the seal
+            if reach_fence_first:
+                job.wait(Fence.OPTIMIZER_STEP)
+                with torch.no_grad():
+                    weight.mul_(1.0)  # the optimizer's own write after the fence does not hide the earlier one
+            with pytest.raises(TornSnapshotError, match="before its fence"):
+                job.confirm()
+            assert job.torn_categories == {Category.PARAMETER}
+
+
+def test_confirm_accepts_writes_after_the_fence():
+    weight = torch.randn(1024, 64)
+    _, job = _job(weight)
+    job.copy_at_cut()
+    job.run()
+    job.wait(Fence.OPTIMIZER_STEP)
+    with torch.no_grad():
+        weight.mul_(0.5)  # the optimizer step after the fence
+    job.confirm()  # no error

@@ -66,6 +66,10 @@ class Completion:
             if not self.abandoning.is_set():
                 self.pool.release(buffers)
 
+        def commit(writer: Any) -> Any:
+            job.confirm()  # the guard's last word before the manifest: a write before a fence refuses it
+            return writer.commit(cut=cut, plan=plan.summary(), timings=_timings(record), extra=extra)
+
         try:
             self._wait_staged(job)
             record.staging_s = job.staging_s
@@ -85,7 +89,7 @@ class Completion:
                 abandon=self.abandoning,
                 buffers=buffers,
                 on_uploaded=lambda n: self._uploaded(handle, n),
-                commit=lambda w: w.commit(cut=cut, plan=plan.summary(), timings=_timings(record), extra=extra),
+                commit=commit,
                 on_retry=lambda attempt, exc: self.events.emit(
                     "retry", step=handle.step, attempt=attempt, error=str(exc)
                 ),

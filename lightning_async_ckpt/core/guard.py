@@ -22,6 +22,7 @@ each mode guarantees is stated in ``docs/concepts.md`` ("The guard").
 from __future__ import annotations
 
 import secrets
+import threading
 from collections.abc import Sequence
 from enum import Enum
 from typing import Any
@@ -132,6 +133,9 @@ class CutGuard:
         self._sealed: dict[int, list[int | None]] = {}
         self._samples: dict[int, tuple[Any, Any]] = {}
         self._sums: dict[int, int] = {}
+        # Version counters read on the training thread when it reached each slot's fence (see `at_fence`).
+        self._at_fence: dict[int, list[int | None]] = {}
+        self._fence_lock = threading.Lock()
 
     def record(self) -> None:
         """At the cut: version counters, and the sampled bytes or full checksums of every deferred storage."""
@@ -159,6 +163,40 @@ class CutGuard:
         if self.mode != GuardMode.OFF:
             for slot in slots:
                 self._sealed[slot.index] = _versions(slot)
+
+    def at_fence(self, slots: Sequence[StorageSlot]) -> None:
+        """On the training thread, the first time it reaches these slots' fence: read their version counters.
+
+        Every tensor operation the training thread ran before the fence has returned, its counter bump included,
+        so this closes the seal's one blind spot: a write still running when the copy landed (its bump comes
+        after the seal), which the sampled fingerprint may miss.
+        """
+        if self.mode == GuardMode.OFF:
+            return
+        with self._fence_lock:
+            for slot in slots:
+                if slot.index in self._versions and slot.index not in self._at_fence:
+                    self._at_fence[slot.index] = _versions(slot)
+
+    def confirm(self) -> list[tuple[StorageSlot, str]]:
+        """Right before the commit: the slots whose version counter moved between the cut and their fence.
+
+        A slot whose fence was not reached yet is read now: nothing may legitimately write it before its fence,
+        so any movement is a write the proof did not foresee (refused conservatively). The lock orders this
+        read with :meth:`at_fence`, so a legitimate write after the fence is never mistaken for one before it.
+        """
+        if self.mode == GuardMode.OFF:
+            return []
+        found = []
+        with self._fence_lock:
+            for slot in self.slots:
+                cut = self._versions.get(slot.index)
+                seen = self._at_fence.get(slot.index)
+                if seen is None:
+                    seen = _versions(slot)
+                if cut is not None and seen != cut:
+                    found.append((slot, "version counter before its fence"))
+        return found
 
     def check(self, buffers: Sequence[torch.Tensor]) -> list[tuple[StorageSlot, str]]:
         """After the copies: the slots whose staged copy may differ from the cut, each with the check that saw it."""

@@ -8,6 +8,7 @@ from typing import Any, Literal, Protocol
 import torch
 
 from lightning_async_ckpt.core.admission import AdmissionPolicy, validate_admission
+from lightning_async_ckpt.core.guard import resolve_guard_mode
 from lightning_async_ckpt.core.staging import resolve_budget
 from lightning_async_ckpt.errors import ConfigError
 from lightning_async_ckpt.storage.store import GenerationWriter
@@ -57,7 +58,9 @@ class CheckpointOptions:
         reserved_host_bytes: Host bytes other consumers need (prefetch, optimizer offload, other processes);
             subtracted from the budget.
         keep_last: Committed generations to keep (older ones are removed after each commit); ``None`` keeps all.
-        guard: Fingerprint deferred tensors and refuse torn snapshots.
+        guard: Check deferred tensors and refuse torn snapshots: ``True``/``"sample"`` (version counters and a
+            sampled fingerprint), ``"full"`` (version counters and a checksum of every byte, read at the cut),
+            ``False``/``"off"``. See ``docs/concepts.md`` for exactly which writes each mode catches.
         on_error: ``raise`` a failed save on the caller thread at the next call, or ``warn`` and keep going.
         retries: Extra attempts for a failed upload (transient storage errors); ENOSPC is not retried.
         retry_backoff_s: First backoff; doubles per attempt.
@@ -72,7 +75,7 @@ class CheckpointOptions:
     host_memory_budget: int | str | None = "auto"
     reserved_host_bytes: int = 0
     keep_last: int | None = None
-    guard: bool = True
+    guard: bool | str = True
     on_error: Literal["raise", "warn"] = "raise"
     retries: int = 2
     retry_backoff_s: float = 0.5
@@ -100,8 +103,9 @@ class CheckpointOptions:
             raise ConfigError(f"on_error must be 'raise' or 'warn', got {self.on_error!r}")
         if isinstance(self.retries, bool) or not isinstance(self.retries, int) or self.retries < 0:
             raise ConfigError(f"retries must be an int >= 0, got {self.retries!r}")
-        if not isinstance(self.guard, bool):
-            raise ConfigError(f"guard must be True (refuse torn snapshots) or False, got {self.guard!r}")
+        if not isinstance(self.guard, bool | str):
+            raise ConfigError(f"guard must be True, False, 'sample', 'full' or 'off', got {self.guard!r}")
+        resolve_guard_mode(self.guard)  # names the accepted values
         for name in ("retry_backoff_s", "drain_timeout_s"):
             value = getattr(self, name)
             # `not value >= 0` also rejects NaN, which compares false with everything.

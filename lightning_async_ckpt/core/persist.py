@@ -248,8 +248,13 @@ class PumpedStream:
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         if exc_type is None:
             self.close()
-        else:
-            self._cancel()
+            return
+        self._cancel()
+        # The serializer saw our write fail and raised its own error about it (torch.save: "unexpected pos");
+        # the storage error is the one that names the cause and decides whether a retry may help.
+        # Raised as is: `from exc` would overwrite its own cause (the OSError whose errno decides the retry).
+        if self._error is not None and exc is not self._error:
+            raise self._error
 
     # -- consumer side (the I/O thread) ------------------------------------------------------------------
     def _drain(self) -> None:

@@ -207,6 +207,7 @@ class _FenceState:
     event: threading.Event = field(default_factory=threading.Event)
     cuda_event: object | None = None
     waited_s: float = 0.0
+    guard_read: bool = False  # the training thread read this fence's version counters (CutGuard.at_fence)
 
 
 class StagingJob:
@@ -250,9 +251,19 @@ class StagingJob:
     # -- at the cut, on the caller thread ----------------------------------------------------------------
     def copy_at_cut(self, side_streams: dict[torch.device, torch.cuda.Stream] | None = None) -> None:
         """Copy the copy-at-cut storages, fingerprint the deferred ones, and mark the cut on CUDA streams."""
+        synced: set[torch.device] = set()
         for slot, buf in zip(self.slots, self.buffers, strict=True):
-            if slot.fence == Fence.CUT:
+            if slot.fence != Fence.CUT:
+                continue
+            if slot.device.type == "cuda" and buf.is_pinned():
+                # Enqueued on the compute stream (after everything the cut covers) without a host sync per
+                # storage; one synchronize per device below, before training may mutate the sources again.
+                buf.copy_(_as_bytes(slot.storage), non_blocking=True)
+                synced.add(slot.device)
+            else:
                 buf.copy_(_as_bytes(slot.storage))
+        for dev in synced:
+            torch.cuda.current_stream(dev).synchronize()
         self._guard.record()
         devices = {s.device for s in self._deferred if s.device.type == "cuda"}
         for dev in devices:
@@ -314,7 +325,18 @@ class StagingJob:
             self.on_release(fence)
 
     def _check_guard(self) -> None:
-        found = self._guard.check(self.buffers)
+        self._refuse_if_torn(self._guard.check(self.buffers))
+
+    def confirm(self) -> None:
+        """Right before the manifest is written: refuse if a deferred tensor was written before its fence.
+
+        Raises:
+            TornSnapshotError: a version counter moved between the cut and the slot's fence (or now, when the
+                training thread has not reached that fence yet).
+        """
+        self._refuse_if_torn(self._guard.confirm())
+
+    def _refuse_if_torn(self, found: list) -> None:
         if found:
             torn = [slot for slot, _ in found]
             self.torn_categories = {s.category for s in torn}
@@ -342,6 +364,9 @@ class StagingJob:
             if state.cuda_event is not None:
                 torch.cuda.current_stream().wait_event(state.cuda_event)
                 state.cuda_event = None
+            if not state.guard_read:
+                state.guard_read = True
+                self._guard.at_fence([s for s in self._deferred if s.fence == f])
             if f == fence:
                 break
         return waited
