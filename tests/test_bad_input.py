@@ -140,6 +140,7 @@ CALLBACK_CASES = [
     ("host_memory_budget", -5),
     ("reserved_host_bytes", -1),
     ("defer", 1),
+    ("guard", "everything"),
     ("storage_options", "x"),
     ("on_error", "ignore"),
     ("retries", -1),

@@ -138,6 +138,7 @@ class AsyncCheckpointer(Completion, Lifecycle, DrainOnExit):
         """
         if self.closed:
             raise CheckpointError("this AsyncCheckpointer is closed; create a new one to keep saving")
+        self._observe_staged()
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ConfigError(f"step must be a non-negative int, got {step!r}")
         self.raise_pending()
@@ -274,6 +275,17 @@ class AsyncCheckpointer(Completion, Lifecycle, DrainOnExit):
         """Requests dropped by admission (skipped or coalesced)."""
         return self.admission.skipped
 
+    def _observe_staged(self) -> None:
+        # Called on the training thread only: every save whose staging already finished gets its version
+        # counters read now, as if its fences were reached (a write running during the copy has returned by now;
+        # a later one cannot have reached the copy). Writes after this point no longer refuse the save.
+        with self._lock:
+            handles = list(self._inflight)
+        for handle in handles:
+            job = handle.staging
+            if job is not None:
+                job.observe()
+
     def _reap(self) -> None:
         with self._lock:
             while self._inflight and self._inflight[0].done:
@@ -319,6 +331,7 @@ class AsyncCheckpointer(Completion, Lifecycle, DrainOnExit):
 
     def poll(self) -> None:
         """Raise a pending background error, if any."""
+        self._observe_staged()
         self._reap()
         self.raise_pending()
 
@@ -328,6 +341,7 @@ class AsyncCheckpointer(Completion, Lifecycle, DrainOnExit):
         Returns:
             True if everything ended within ``timeout``.
         """
+        self._observe_staged()
         finished = self.drain_quietly(timeout)
         self.raise_pending()
         return finished

@@ -76,6 +76,7 @@ class BufferPool:
         self.allocations = 0
         #: Of those, allocated by :meth:`acquire`, i.e. at a cut, on the training thread.
         self.allocations_at_cut = 0
+        self.bytes_allocated_at_cut = 0
         self._reserving: list[threading.Event] = []
 
     def check(self, needed_bytes: int) -> None:
@@ -115,6 +116,7 @@ class BufferPool:
                     self.retained_bytes += s.nbytes
                     self.allocations += 1
                     self.allocations_at_cut += 1
+                    self.bytes_allocated_at_cut += s.nbytes
             self.in_use_bytes += needed
             self.peak_bytes = max(self.peak_bytes, self.retained_bytes)
         return out
@@ -205,7 +207,7 @@ def _as_bytes(storage: torch.UntypedStorage) -> torch.Tensor:
 @dataclass
 class _FenceState:
     event: threading.Event = field(default_factory=threading.Event)
-    cuda_event: object | None = None
+    cuda_events: dict = field(default_factory=dict)  # device -> event recorded after that device's copies
     waited_s: float = 0.0
     guard_read: bool = False  # the training thread read this fence's version counters (CutGuard.at_fence)
 
@@ -300,6 +302,9 @@ class StagingJob:
                     self._release(slot.fence)
             for stream in self._side_streams.values():
                 stream.synchronize()
+            if self.abandon is not None and self.abandon.is_set():
+                # The full check reads every deferred byte again: never inside torch once the save was abandoned.
+                raise CheckpointError("staging abandoned: the save was abandoned at close")
             if self.guard != GuardMode.OFF:
                 self._check_guard()
         except BaseException as exc:  # noqa: BLE001 - stored and re-raised on the training thread
@@ -314,18 +319,33 @@ class StagingJob:
     def _release(self, fence: Fence) -> None:
         state = self.fences[fence]
         devices = {s.device for s in self._deferred if s.fence == fence and s.device.type == "cuda"}
-        if devices:
-            # One completion event per fence: the compute stream waits on it instead of the host.
-            dev = next(iter(devices))
+        # One completion event per fence and device: each device's compute stream waits on its own side stream's
+        # copies instead of the host (a model spread over several GPUs has a side stream on each).
+        events = {}
+        for dev in devices:
             event = torch.cuda.Event()
             event.record(self._side_streams[dev])
-            state.cuda_event = event
+            events[dev] = event
+        state.cuda_events = events
         state.event.set()
         if self.on_release is not None:
             self.on_release(fence)
 
     def _check_guard(self) -> None:
         self._refuse_if_torn(self._guard.check(self.buffers))
+
+    def observe(self) -> None:
+        """On the training thread: once staging finished, read the version counters of every fence not reached.
+
+        Sound at any training-thread point after the copies landed: a write that ran during a copy has returned
+        (its counter bump visible), and a write after this point cannot have reached the copy.
+        """
+        if not self.done.is_set():
+            return
+        for fence, state in self.fences.items():
+            if not state.guard_read:
+                state.guard_read = True
+                self._guard.at_fence([s for s in self._deferred if s.fence == fence])
 
     def confirm(self) -> None:
         """Right before the manifest is written: refuse if a deferred tensor was written before its fence.
@@ -334,9 +354,13 @@ class StagingJob:
             TornSnapshotError: a version counter moved between the cut and the slot's fence (or now, when the
                 training thread has not reached that fence yet).
         """
-        self._refuse_if_torn(self._guard.confirm())
+        self._refuse_if_torn(
+            self._guard.confirm(),
+            hint="; in a plain loop, call drain() (or pass a fence) after the last save before writing parameters "
+            "outside the optimizer",
+        )
 
-    def _refuse_if_torn(self, found: list) -> None:
+    def _refuse_if_torn(self, found: list, hint: str = "") -> None:
         if found:
             torn = [slot for slot, _ in found]
             self.torn_categories = {s.category for s in torn}
@@ -344,7 +368,7 @@ class StagingJob:
             raise TornSnapshotError(
                 f"{len(torn)} deferred storage(s) changed between the cut and their staging copy ({names}); the "
                 f"deferral proof for {sorted(c.value for c in self.torn_categories)} failed, the checkpoint was "
-                "refused and those categories are now copied at the cut"
+                "refused and those categories are now copied at the cut" + hint
             )
 
     # -- at a fence, on the training thread --------------------------------------------------------------
@@ -361,9 +385,10 @@ class StagingJob:
                 state.event.wait()
                 state.waited_s += time.perf_counter() - t0
                 waited += time.perf_counter() - t0
-            if state.cuda_event is not None:
-                torch.cuda.current_stream().wait_event(state.cuda_event)
-                state.cuda_event = None
+            if state.cuda_events:
+                for dev, event in state.cuda_events.items():
+                    torch.cuda.current_stream(dev).wait_event(event)
+                state.cuda_events = {}
             if not state.guard_read:
                 state.guard_read = True
                 self._guard.at_fence([s for s in self._deferred if s.fence == f])

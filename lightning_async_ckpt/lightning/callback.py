@@ -28,7 +28,7 @@ from lightning_async_ckpt.core.engine import AsyncCheckpointer, CheckpointOption
 from lightning_async_ckpt.errors import ConfigError, GenerationExistsError
 from lightning_async_ckpt.lightning.collective import agree_on
 from lightning_async_ckpt.lightning.hooks import Window, is_last_batch, override_failures
-from lightning_async_ckpt.lightning.progress import estimate_checkpoint_bytes, log_commit, log_progress
+from lightning_async_ckpt.lightning.progress import estimate_checkpoint_bytes, log_commit, log_progress, preallocate
 from lightning_async_ckpt.lightning.resume import latest_checkpoint
 from lightning_async_ckpt.lightning.rng import collect_portable_rng, restore_rng
 from lightning_async_ckpt.lightning.schedule import CutSchedule
@@ -289,19 +289,9 @@ class AsyncCheckpointCallback(ModelCheckpoint):
         if due or retake or final:
             self._cut(trainer, pl_module, step, final=final)
         elif not self._preallocated and self.checkpointer is not None and step > self._fit_start_step:
-            self._preallocate(trainer, pl_module)
+            self._preallocated = True
+            preallocate(self.checkpointer, pl_module, trainer.optimizers)
         self._log_progress(pl_module)
-
-    def _preallocate(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        # After the first optimizer step the checkpoint's shape is known (optimizer state exists): fill the staging
-        # pool in the background now, so the first cut reuses buffers instead of allocating them (pinned memory on
-        # CUDA costs ~0.5 s per GB, on the training thread, at the cut).
-        self._preallocated = True
-        try:
-            checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
-            self.checkpointer.preallocate(checkpoint, modules=[pl_module], optimizers=trainer.optimizers)
-        except Exception as exc:  # noqa: BLE001 - an optimization only: the cut allocates (and checks) as before
-            _log.warning("could not pre-allocate the staging buffers (%s); the first cut allocates them", exc)
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -323,6 +313,14 @@ class AsyncCheckpointCallback(ModelCheckpoint):
             and self._schedule.last_admitted_step != trainer.global_step
         ):
             self._cut(trainer, pl_module, trainer.global_step, final=True)
+        if self.save_on_train_end and not trainer.fast_dev_run:
+            # A final save the guard refused is retaken here (its categories are copied at the cut by now), under
+            # this hook's rule; training never ends on a refused final checkpoint without a retake. Every rank
+            # asks (a broadcast in DDP); only the writing rank has a checkpointer to drain.
+            if self.checkpointer is not None:
+                self.checkpointer.drain_quietly(self.options.drain_timeout_s)
+            if self._schedule.retake_due(trainer, self.checkpointer):
+                self._cut(trainer, pl_module, trainer.global_step, final=True)
         self._close(trainer, raise_errors=True)
 
     def _skip(self, trainer: pl.Trainer) -> bool:

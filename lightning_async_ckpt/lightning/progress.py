@@ -10,7 +10,7 @@ import torch
 
 from lightning_async_ckpt.core.engine import AsyncCheckpointer
 
-__all__ = ["estimate_checkpoint_bytes", "log_commit", "log_progress"]
+__all__ = ["estimate_checkpoint_bytes", "log_commit", "log_progress", "preallocate"]
 
 _log = logging.getLogger("lightning_async_ckpt")
 # Optimizer state multiple of the parameters, for the budget check before the first step.
@@ -69,3 +69,18 @@ def log_commit(future: Any) -> None:
     if not future.cancelled() and future.exception() is None:
         manifest = future.result()
         _log.info("committed checkpoint step %d (%d bytes)", manifest.step, manifest.total_bytes)
+
+
+def preallocate(ck: AsyncCheckpointer, pl_module: pl.LightningModule, optimizers: list[Any]) -> None:
+    """Fill the staging pool in the background once the checkpoint's shape is known (after the first step).
+
+    The first cut then reuses buffers instead of allocating them at the cut (pinned memory on CUDA costs about
+    0.5 s per GB, on the training thread). Built from the module's and optimizers' own state dicts: no
+    collective (a ``ZeroRedundancyOptimizer`` consolidation needs every rank) and no user hook runs here. The
+    small remainder of the checkpoint (RNG, schedulers, loop state) is still allocated at the first cut.
+    """
+    try:
+        state = {"state_dict": pl_module.state_dict(), "optimizer_states": [o.state_dict() for o in optimizers]}
+        ck.preallocate(state, modules=[pl_module], optimizers=optimizers)
+    except Exception as exc:  # noqa: BLE001 - an optimization only: the cut allocates (and checks) as before
+        _log.warning("could not pre-allocate the staging buffers (%s); the first cut allocates them", exc)

@@ -57,12 +57,13 @@ class CutSchedule:
     def retake_due(self, trainer: pl.Trainer, ck: AsyncCheckpointer | None) -> bool:
         """Whether the newest admitted save was refused by the guard (torn) and must be retaken now.
 
-        Polled at each batch end until that save's staging is resolved (usually the next one: the copies land
-        before the next optimizer step's fence); one broadcast per poll in DDP.
+        Polled at each batch end until that save ended (committed or refused); one broadcast per poll in DDP.
         """
         if not self._verdict_pending:
             return False
-        resolved = self._handle is None or self._handle.staged.done()
+        # The verdict comes when staging lands (seal and fingerprint) or right before the manifest (counters read
+        # at the fence): resolved only once the save ended.
+        resolved = self._handle is None or self._handle.committed.done()
         retake = bool(resolved and ck is not None and ck.retake_due)
         if trainer.world_size > 1:
             resolved, retake = trainer.strategy.broadcast((resolved, retake), src=0)

@@ -192,15 +192,19 @@ class ShardedCheckpointer:
         """Drain, stop the background thread and release the gloo group created here; idempotent."""
         if self._closed:
             return
+        drained = False
         try:
             self.drain(timeout)
+            drained = True
         finally:
             self._closed = True
             if self._executor is not None:
-                self._executor.shutdown(wait=True)
+                # A save that outlived the bound is left to its thread (it writes no manifest without every rank):
+                # waiting for it here would turn a bounded close into a hang.
+                self._executor.shutdown(wait=drained, cancel_futures=not drained)
                 self._executor = None
             self._buffers.clear()
-            if self._own_group and dist.is_initialized():
+            if drained and self._own_group and dist.is_initialized():
                 dist.destroy_process_group(self.process_group)
             self._own_group = False
 
