@@ -31,7 +31,7 @@ def _leftover(store: CheckpointStore, step: int) -> None:
     """A generation whose writer died before the manifest (an uncommitted leftover)."""
     writer = store.begin(step)
     writer.write_bytes(CKPT, b"half written")
-    store._end_write(step)  # the dead writer no longer holds it; a fresh CLI process would not know it anyway
+    store.end_write(step)  # the dead writer no longer holds it; a fresh CLI process would not know it anyway
 
 
 def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:

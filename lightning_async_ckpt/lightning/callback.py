@@ -23,11 +23,12 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
-from lightning_async_ckpt.core.capture import DeferralProof, Fence, prove_deferral
+from lightning_async_ckpt.core.capture import Fence
 from lightning_async_ckpt.core.engine import AsyncCheckpointer, CheckpointOptions
-from lightning_async_ckpt.errors import ConfigError, GenerationExistsError
+from lightning_async_ckpt.errors import GenerationExistsError
+from lightning_async_ckpt.lightning.arguments import check_arguments, check_strategy
 from lightning_async_ckpt.lightning.collective import agree_on
-from lightning_async_ckpt.lightning.hooks import Window, is_last_batch, override_failures
+from lightning_async_ckpt.lightning.hooks import is_last_batch, lightning_proof
 from lightning_async_ckpt.lightning.progress import estimate_checkpoint_bytes, log_commit, log_progress, preallocate
 from lightning_async_ckpt.lightning.resume import latest_checkpoint
 from lightning_async_ckpt.lightning.rng import collect_portable_rng, restore_rng
@@ -109,19 +110,18 @@ class AsyncCheckpointCallback(ModelCheckpoint):
     ) -> None:
         # ModelCheckpoint's own saving is disabled (save_top_k=0, no last) and all of its hooks are overridden.
         super().__init__(save_top_k=0, save_last=False, every_n_epochs=0)
-        if dirpath is not None and (not isinstance(dirpath, str) or not dirpath.strip()):
-            raise ConfigError(f"dirpath must be a non-empty path or URL string, got {dirpath!r}")
-        for name, value in (("every_n_train_steps", every_n_train_steps), ("every_n_epochs", every_n_epochs)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise ConfigError(f"{name} must be None or an int >= 1, got {value!r}")
-        for name, value in (
-            ("save_on_train_end", save_on_train_end),
-            ("defer", defer),
-            ("restore_rng", restore_rng),
-            ("verbose", verbose),
-        ):
-            if not isinstance(value, bool):
-                raise ConfigError(f"{name} must be True or False, got {value!r}")
+        check_arguments(
+            dirpath=dirpath,
+            every_n_train_steps=every_n_train_steps,
+            every_n_epochs=every_n_epochs,
+            flags={
+                "save_on_train_end": save_on_train_end,
+                "defer": defer,
+                "restore_rng": restore_rng,
+                "verbose": verbose,
+            },
+            storage_options=storage_options,
+        )
         if every_n_train_steps is None and every_n_epochs is None:
             every_n_epochs = 1
         # Validates admission, budget, keep_last, on_error, retries... with messages naming the parameter.
@@ -138,8 +138,6 @@ class AsyncCheckpointCallback(ModelCheckpoint):
             upload_nice=upload_nice,
             event_log=event_log,
         )
-        if storage_options is not None and not isinstance(storage_options, dict):
-            raise ConfigError(f"storage_options must be a dict or None, got {type(storage_options).__name__}")
         self.dirpath = dirpath
         self.every_n_train_steps = every_n_train_steps
         self._every_n_epochs = every_n_epochs  # read through ModelCheckpoint's `every_n_epochs` property
@@ -175,12 +173,7 @@ class AsyncCheckpointCallback(ModelCheckpoint):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
-        name = type(trainer.strategy).__name__
-        if "FSDP" in name or "DeepSpeed" in name or "ModelParallel" in name:
-            raise ConfigError(
-                f"AsyncCheckpointCallback supports single-device and DDP strategies, not {name}: sharded strategies "
-                "need every rank to write its shard; use ModelCheckpoint with that strategy's sharded checkpointing"
-            )
+        check_strategy(trainer.strategy)
         self._distributed = trainer.world_size > 1
         self._fit_closed = False
         if self.dirpath is None:
@@ -243,12 +236,10 @@ class AsyncCheckpointCallback(ModelCheckpoint):
     @override
     def _find_last_checkpoints(self, trainer: pl.Trainer) -> set[str]:
         # Lightning's `ckpt_path="last"` lookup (before any hook runs): the newest committed checkpoint only.
+        # A store that cannot be listed raises (a typo must never restart training from scratch); "no checkpoint"
+        # means it was listed and holds no committed generation.
         dirpath = self.dirpath or f"{str(trainer.default_root_dir).rstrip('/')}/checkpoints"
-        try:
-            path = latest_checkpoint(dirpath, self.storage_options)
-        except Exception:  # noqa: BLE001 - "last" falls back to "no checkpoint" with Lightning's own warning
-            _log.warning("could not look up the last committed checkpoint in %s", dirpath, exc_info=True)
-            return set()
+        path = latest_checkpoint(dirpath, self.storage_options)
         return {path} if path else set()
 
     # -- fences ------------------------------------------------------------------------------------------
@@ -353,7 +344,7 @@ class AsyncCheckpointCallback(ModelCheckpoint):
                     checkpoint,
                     modules=[pl_module],
                     optimizers=trainer.optimizers,
-                    proof=self._proof(trainer, pl_module) if self.defer else None,
+                    proof=lightning_proof(trainer, pl_module, self) if self.defer else None,
                     defer=self.defer,
                     cut={"epoch": trainer.current_epoch, "global_step": step, "world_size": trainer.world_size},
                     admission="wait" if final else None,
@@ -375,18 +366,6 @@ class AsyncCheckpointCallback(ModelCheckpoint):
         if local is None and self.checkpointer is not None:
             local = self.checkpointer.take_pending_error()
         agree_on(trainer, local, "a checkpoint save")
-
-    def _proof(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> DeferralProof:
-        failures = override_failures(trainer, pl_module, self)
-        if failures[Window.BEFORE_BATCH_START]:
-            # No fence can protect state that user code may write right after the cut: copy it all at the cut.
-            return DeferralProof(fences={}, rules=(), failures=tuple(failures[Window.BEFORE_BATCH_START]))
-        return prove_deferral(
-            [pl_module],
-            trainer.optimizers,
-            automatic_optimization=pl_module.automatic_optimization,
-            extra_failures=failures[Window.BEFORE_OPTIMIZER_STEP],
-        )
 
     def _close(self, trainer: pl.Trainer, *, raise_errors: bool) -> None:
         # Called from on_train_end and teardown; collective in DDP, so every rank runs it exactly once per fit.

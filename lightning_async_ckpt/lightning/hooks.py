@@ -27,6 +27,8 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 
+from lightning_async_ckpt.core.proof import DeferralProof, prove_deferral
+
 __all__ = [
     "COVERED",
     "READ_ONLY_CALLBACKS",
@@ -35,6 +37,7 @@ __all__ = [
     "Window",
     "is_last_batch",
     "is_read_only",
+    "lightning_proof",
     "override_failures",
 ]
 
@@ -208,3 +211,17 @@ def is_last_batch(trainer: pl.Trainer, batch_idx: int) -> bool:
     if trainer.fit_loop.epoch_loop.batch_progress.is_last_batch:
         return True
     return batch_idx + 1 >= trainer.num_training_batches
+
+
+def lightning_proof(trainer: pl.Trainer, pl_module: pl.LightningModule, callback: Any) -> DeferralProof:
+    """The deferral proof for this fit: the engine's rules plus what overridden hooks may write before a fence."""
+    failures = override_failures(trainer, pl_module, callback)
+    if failures[Window.BEFORE_BATCH_START]:
+        # No fence can protect state that user code may write right after the cut: copy it all at the cut.
+        return DeferralProof(fences={}, rules=(), failures=tuple(failures[Window.BEFORE_BATCH_START]))
+    return prove_deferral(
+        [pl_module],
+        trainer.optimizers,
+        automatic_optimization=pl_module.automatic_optimization,
+        extra_failures=failures[Window.BEFORE_OPTIMIZER_STEP],
+    )
