@@ -55,7 +55,7 @@ class _TrustedButWrites(Checkpoint):
 
 def test_a_write_the_proof_cannot_see_is_refused_retaken_and_demoted(tmp_path):
     # Repeated: 8 cuts per run, 2 runs. Every commit equals the synchronous checkpoint; every refused cut is retaken
-    # at the next batch end, and the demoted category is named in the manifest's plan.
+    # at the first batch end after its verdict, and the demoted category is named in the manifest's plan.
     for run in range(2):
         root = tmp_path / str(run)
         ours = AsyncCheckpointCallback(dirpath=str(root / "async"), every_n_train_steps=2, save_on_train_end=False)
@@ -73,7 +73,9 @@ def test_a_write_the_proof_cannot_see_is_refused_retaken_and_demoted(tmp_path):
         torn = sorted(s for s, o in outcomes.items() if o == "torn")
         assert torn, "the write right after the cut overlapped no copy: the test did not exercise the guard"
         for step in torn:
-            assert step + 1 in steps, f"torn cut {step} was not retaken at the next batch end ({steps})"
+            # The verdict comes when the copy lands (the seal: retaken at the next batch end) or right before the
+            # manifest (the counters read at the fence: retaken at the first batch end after it, here by step + 2).
+            assert any(step < s <= step + 2 for s in steps), f"torn cut {step} was not retaken ({steps})"
         rows = store.manifest(steps[-1]).plan["rows"]
         assert any(r["category"] == "parameter" and "guard" in r["rule"] for r in rows)
 
