@@ -20,7 +20,13 @@ from typing import IO, Any
 from lightning_async_ckpt.accelerate._layout import _ARCHIVE_RE, INCOMPLETE_MARKER, _log
 from lightning_async_ckpt.core.engine import SaveHandle
 from lightning_async_ckpt.errors import CheckpointError, GenerationExistsError, ManifestError, StorageError
-from lightning_async_ckpt.storage.io import Checksum, atomic_local_write, fsync_dir, open_local_write
+from lightning_async_ckpt.storage.io import (
+    Checksum,
+    WriteOnlyStream,
+    atomic_local_write,
+    fsync_dir,
+    open_local_write,
+)
 from lightning_async_ckpt.storage.manifest import MANIFEST_NAME, Manifest, ObjectEntry, validate_object_name
 from lightning_async_ckpt.storage.store import CheckpointStore
 
@@ -60,7 +66,7 @@ class _FolderSave:
         self.settled.set()
 
 
-class _FolderStream:
+class _FolderStream(WriteOnlyStream):
     """One of our objects in the folder: checksummed as it is written, fsynced and recorded on close."""
 
     def __init__(self, writer: _FolderWriter, name: str, raw: IO[bytes]) -> None:
@@ -78,18 +84,6 @@ class _FolderStream:
         self._sum.update(view)
         self.size += len(view)
         return len(view)
-
-    def writable(self) -> bool:
-        return True
-
-    def readable(self) -> bool:
-        return False
-
-    def seekable(self) -> bool:
-        return False
-
-    def tell(self) -> int:
-        return self.size
 
     def flush(self) -> None:
         self._raw.flush()

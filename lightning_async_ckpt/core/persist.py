@@ -36,6 +36,7 @@ from lightning_async_ckpt.errors import (
     StorageError,
     TornSnapshotError,
 )
+from lightning_async_ckpt.storage.io import WriteOnlyStream
 
 __all__ = ["AbandonedError", "PumpedStream", "RetryPolicy"]
 
@@ -129,7 +130,7 @@ class PumpedWriter:
         return getattr(self._writer, name)
 
 
-class PumpedStream:
+class PumpedStream(WriteOnlyStream):
     """A write-only stream that forwards chunks to ``stream`` on an I/O thread, in order, with backpressure.
 
     ``write`` returns once the chunk is queued (at most four chunks are in flight); :meth:`close` waits until
@@ -205,15 +206,6 @@ class PumpedStream:
 
     def flush(self) -> None:
         """No-op: data is made durable when the stream closes."""
-
-    def writable(self) -> bool:
-        return True
-
-    def readable(self) -> bool:
-        return False
-
-    def seekable(self) -> bool:
-        return False
 
     def tell(self) -> int:
         return self._size

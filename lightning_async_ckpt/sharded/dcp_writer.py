@@ -35,7 +35,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from lightning_async_ckpt.errors import GenerationExistsError, StorageError
-from lightning_async_ckpt.storage.io import Checksum, fsync_dir
+from lightning_async_ckpt.storage.io import Checksum, WriteOnlyStream, fsync_dir
 from lightning_async_ckpt.storage.manifest import ObjectEntry, validate_object_name
 
 if TYPE_CHECKING:
@@ -63,7 +63,7 @@ class RankObjects:
     objects: tuple[ObjectEntry, ...]
 
 
-class _ChecksumStream:
+class _ChecksumStream(WriteOnlyStream):
     """Write-only stream over a backend object: counts and checksums bytes; closing is left to the file system."""
 
     def __init__(self, raw: IO[bytes], algorithm: str) -> None:
@@ -77,18 +77,6 @@ class _ChecksumStream:
         self.digest.update(view)
         self.size += len(view)
         return len(view)
-
-    def tell(self) -> int:
-        return self.size
-
-    def writable(self) -> bool:
-        return True
-
-    def readable(self) -> bool:
-        return False
-
-    def seekable(self) -> bool:
-        return False
 
     def flush(self) -> None:
         # The backend flushes and syncs once at the end; a direct-I/O file must not flush its tail early.

@@ -22,6 +22,7 @@ __all__ = [
     "READ_CHUNK",
     "Checksum",
     "DirectFile",
+    "WriteOnlyStream",
     "atomic_local_write",
     "checksum_algorithm",
     "exclusive_local_write",
@@ -273,3 +274,25 @@ def read_verified(
     if digest is not None and digest.hexdigest() != expected:
         raise ManifestError(f"{path}: checksum {digest.hexdigest()}, manifest says {expected}")
     return None if into is not None else b"".join(parts)
+
+
+class WriteOnlyStream:
+    """The file-object answers every write-only object stream gives (``torch.save`` and zip writers ask them).
+
+    Subclasses implement ``write``, ``flush`` and ``close``; ``tell`` returns ``self.size`` (bytes written so far)
+    unless overridden.
+    """
+
+    size: int = 0
+
+    def writable(self) -> bool:
+        return True
+
+    def readable(self) -> bool:
+        return False
+
+    def seekable(self) -> bool:
+        return False
+
+    def tell(self) -> int:
+        return self.size

@@ -23,7 +23,7 @@ import uuid
 from typing import IO, TYPE_CHECKING, Any
 
 from lightning_async_ckpt.errors import GenerationExistsError, StorageError, WriterUsageError
-from lightning_async_ckpt.storage.io import Checksum
+from lightning_async_ckpt.storage.io import Checksum, WriteOnlyStream
 from lightning_async_ckpt.storage.manifest import MANIFEST_NAME, Manifest, ObjectEntry, validate_object_name
 
 if TYPE_CHECKING:
@@ -49,7 +49,7 @@ def claim_body(run_id: str, step: int, token: str) -> bytes:
     return json.dumps({**body, "started": time.time()}).encode()
 
 
-class ObjectStream:
+class ObjectStream(WriteOnlyStream):
     """A writable stream for one data object: counts and checksums bytes as they pass, holds none whole."""
 
     def __init__(self, writer: GenerationWriter, name: str, raw: IO[bytes]) -> None:
@@ -72,18 +72,6 @@ class ObjectStream:
         self._sum.update(view)
         self.size += len(view)
         return len(view)
-
-    def writable(self) -> bool:
-        return True
-
-    def readable(self) -> bool:
-        return False
-
-    def seekable(self) -> bool:
-        return False
-
-    def tell(self) -> int:
-        return self.size
 
     def flush(self) -> None:
         self._raw.flush()
