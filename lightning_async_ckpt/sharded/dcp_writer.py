@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import IO, TYPE_CHECKING, Any
@@ -169,6 +169,16 @@ class StoreStorageWriter(FileSystemWriter):
         on_commit: Called on the coordinator in ``finish`` with ``(claim, objects of every rank)`` after DCP's
             ``.metadata`` is durable; writes the manifest (default:
             :func:`~lightning_async_ckpt.sharded.commit.commit_generation`).
+        objects: More objects this rank writes into the generation beside DCP's files (name -> bytes, e.g.
+            Lightning's ``meta.pt``), durable and reported like its data files, so the manifest lists them.
+            Names must be unique across ranks and must not be DCP's own (``__*``, ``.metadata``).
+        on_plan: Called on every rank before its local plan is accepted; raising fails the save on every rank
+            (e.g. this rank's staging failed).
+        before_report: Called on every rank after its objects are durable and before they are reported to the
+            coordinator; raising fails the save on every rank (e.g. the guard found a torn copy).
+
+    Raises:
+        StorageError: An extra object name is DCP's own or not a valid object name.
     """
 
     def __init__(
@@ -179,7 +189,14 @@ class StoreStorageWriter(FileSystemWriter):
         thread_count: int = 1,
         on_written: Callable[[RankObjects], None] | None = None,
         on_commit: Callable[[GenerationWriter, list[RankObjects]], Any] | None = None,
+        objects: Mapping[str, bytes] | None = None,
+        on_plan: Callable[[], None] | None = None,
+        before_report: Callable[[], None] | None = None,
     ) -> None:
+        for name in objects or {}:
+            if name.startswith("__") or name == METADATA_NAME or "/" in validate_object_name(name):
+                raise StorageError(f"extra object name {name!r} is DCP's own or not a plain file name")
+        self._objects = dict(objects or {})
         path = store.generation_path(step)
         super().__init__(path, single_file_per_rank=True, sync_files=False, thread_count=thread_count)
         self.fs = _StoreFileSystem(store)
@@ -191,6 +208,8 @@ class StoreStorageWriter(FileSystemWriter):
         self.committed = False
         self._on_written = on_written
         self._on_commit = on_commit
+        self._on_plan = on_plan
+        self._before_report = before_report
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         """Start a save (DCP step 0); the location is fixed by the store and step."""
@@ -200,6 +219,8 @@ class StoreStorageWriter(FileSystemWriter):
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         """Create the generation folder (DCP step 1); whether the step may be written is decided by the claim."""
+        if self._on_plan is not None:
+            self._on_plan()
         self.fs.mkdir(self.path)
         return plan
 
@@ -217,9 +238,14 @@ class StoreStorageWriter(FileSystemWriter):
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         """Write this rank's objects (DCP step 3) and append this rank's object report to its results."""
         results = super().write_data(plan, planner).value()
+        for name, data in self._objects.items():
+            with self.fs.create_stream(self.fs.concat_path(self.path, name), "wb") as stream:
+                stream.write(data)
         with self.fs._lock:
             objects = tuple(sorted(self.fs.objects.values(), key=lambda e: e.name))
         report = RankObjects(rank=self.rank if self.rank is not None else 0, objects=objects)
+        if self._before_report is not None:
+            self._before_report()
         if self._on_written is not None:
             self._on_written(report)
         index = MetadataIndex(fqn=f"{REPORT_FQN}{report.rank}")
