@@ -10,7 +10,10 @@ Modes:
     replicated: no sharding (every rank holds the same state, as under DDP): DCP's dedup gives each rank a slice.
     load: load ``<out>/one/step-00000001`` (written by one process) into the FSDP2 model on two ranks; rank 0
         writes the full model and optimizer state it then holds to ``<out>/loaded.pt``.
-    slow: rank 1's storage takes 3 s per save: no rank's training thread waits for it, both commit.
+    slow: rank 1's storage write stalls until both ranks trained a step after the save (a file barrier): no
+        training thread waits for it, and the save commits after it.
+    fenced: ``attach`` installs the fences: parameters and Adam state are staged while the next step's forward and
+        backward run; each generation equals a synchronous ``dcp.save`` at the cut.
     kill: rank 1 SIGKILLs itself in the middle of writing its step-2 data file; rank 0 must raise at ``drain``
         within the group timeout, and the step-1 generation stays ``latest()``.
 """
@@ -21,6 +24,7 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 
 import torch
@@ -38,8 +42,13 @@ GROUP_TIMEOUT_S = 30.0
 KILL_GROUP_TIMEOUT_S = 20.0
 
 
-def _sleep_3s(call: object) -> None:
-    time.sleep(3)
+def _wait_for_file(path: str, timeout_s: float = 60.0) -> None:
+    """A file barrier between the ranks (bounded)."""
+    deadline = time.monotonic() + timeout_s
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path} did not appear within {timeout_s} s")
+        time.sleep(0.01)
 
 
 def _kill_self(call: object) -> None:
@@ -133,18 +142,34 @@ def main(out: str, mode: str) -> None:
         ckpt.close()
         result["recovered"] = True
     elif mode == "slow":
-        faults = [Fault(op="write", path="step-00000001/__1_0.distcp", callback=_sleep_3s)]
+        gate = threading.Event()
+        faults = [Fault(op="write", path="step-00000001/__1_0.distcp", stall=gate, stall_timeout_s=60)]
         ckpt = ShardedCheckpointer(
             f"faulty://{out}/store",
             storage_options={"target_protocol": "file", "faults": faults},
             timeout_s=GROUP_TIMEOUT_S,
         )
-        start = time.monotonic()
         handle = ckpt.save(1, _state(model, opt))
-        _train_step(model, opt, rank, 1)  # the training goes on while rank 1's storage is slow
-        result["trained_after_s"] = time.monotonic() - start
-        handle.result(timeout=2 * GROUP_TIMEOUT_S)
-        result["committed_after_s"] = time.monotonic() - start
+        _train_step(model, opt, rank, 1)  # the training goes on while rank 1's storage is stalled
+        result["committed_while_training"] = handle.committed.done()
+        open(f"{out}/trained-{rank}", "w").close()
+        if rank == 1:
+            _wait_for_file(f"{out}/trained-0")
+            gate.set()  # rank 1's write goes on only once both ranks trained past the save
+        result["committed"] = handle.result(timeout=2 * GROUP_TIMEOUT_S).step
+        ckpt.close()
+    elif mode == "fenced":
+        ckpt = ShardedCheckpointer(f"{out}/store", timeout_s=GROUP_TIMEOUT_S)
+        ckpt.attach(model, opt)
+        result.update(committed=[], deferred=[], sync=[])
+        for step in (2, 3):
+            _train_step(model, opt, rank, step)
+            dcp.save(_state(model, opt), checkpoint_id=f"{out}/sync-{step}")
+            handle = ckpt.save(step, _state(model, opt))
+            _train_step(model, opt, rank, 100 + step)  # forward/backward overlap the staging; the step waits
+            result["committed"].append(handle.result(timeout=2 * GROUP_TIMEOUT_S).step)
+            result["deferred"].append(handle.deferred_bytes)
+            result["sync"].append(handle.sync_bytes)
         ckpt.close()
     elif mode == "kill":
         faults = [Fault(op="write", path="step-00000002/__1_0.distcp", at=2, callback=_kill_self)]

@@ -1,18 +1,21 @@
-"""Asynchronous sharded checkpoints for plain loops and raw FSDP2: copy local shards at the cut, ``dcp.save`` behind.
+"""Asynchronous sharded checkpoints for plain loops and raw FSDP2: fenced staging of local shards, ``dcp.save`` behind.
 
-One save: on the training thread, every tensor of the state dict (a DTensor's local shard, or a plain tensor) is
-copied into a host buffer that is reused by the next save of the same shape; then ``dcp.save`` runs on a
-background thread with a :class:`~lightning_async_ckpt.sharded.dcp_writer.StoreStorageWriter`, over a gloo
-process group created once for checkpoints, so DCP's plan exchange and commit gather never interleave with the
-training's collectives. The manifest is written last by the coordinator (see
-:mod:`~lightning_async_ckpt.sharded.commit`).
+One save: on the training thread, the core capture plan classifies every local shard (a DTensor's local tensor,
+or a plain tensor; :mod:`~lightning_async_ckpt.sharded.capture`); what is not proven safe to defer is copied at
+the cut into pooled host buffers, the rest (parameters and optimizer state, when the caller passes the fences:
+:meth:`ShardedCheckpointer.attach`) is copied on a background thread while forward and backward run, and the
+training thread waits for it only at the fence (right before the next optimizer update). Then ``dcp.save`` runs
+on the background thread with a :class:`~lightning_async_ckpt.sharded.dcp_writer.StoreStorageWriter`, over a
+gloo process group created once for checkpoints, so DCP's plan exchange and commit gather never interleave with
+the training's collectives. Every rank checks its guard before it reports its objects; the manifest is written
+last by the coordinator (see :mod:`~lightning_async_ckpt.sharded.commit`).
 """
 
 from __future__ import annotations
 
-import copy
 import logging
 import time
+from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
@@ -23,9 +26,12 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.tensor import DTensor
 
+from lightning_async_ckpt.core.capture import Category, Fence
+from lightning_async_ckpt.core.hooks import FenceHooks
+from lightning_async_ckpt.core.staging import BufferPool, StagingJob, resolve_budget
 from lightning_async_ckpt.errors import CheckpointError, ConfigError
+from lightning_async_ckpt.sharded.capture import LocalCapture, capture_local
 from lightning_async_ckpt.sharded.dcp_writer import RankObjects, StoreStorageWriter
 from lightning_async_ckpt.storage.manifest import Manifest
 from lightning_async_ckpt.storage.store import CheckpointStore
@@ -45,11 +51,14 @@ class ShardedSaveHandle:
 
     Attributes:
         step: The generation's step.
-        staged: Resolves when the local shards were copied to host buffers (the training may mutate them).
+        staged: Resolves when every local shard was copied to host buffers (the training may mutate them); at
+            once when nothing was deferred, else on the background thread.
         uploaded: Resolves to this rank's :class:`RankObjects` once its objects are durable.
         committed: Resolves to the committed :class:`Manifest` (on every rank) once the coordinator wrote it
             (``None`` on a non-coordinator rank that could not read it back; the step is committed all the same).
         blocked_s: Seconds the training thread spent in ``save`` (waiting for the previous save, and copying).
+        sync_bytes: Bytes copied at the cut (on the training thread).
+        deferred_bytes: Bytes staged in the background, behind the fences.
     """
 
     step: int
@@ -57,6 +66,14 @@ class ShardedSaveHandle:
     uploaded: Future = field(default_factory=Future)
     committed: Future = field(default_factory=Future)
     blocked_s: float = 0.0
+    sync_bytes: int = 0
+    deferred_bytes: int = 0
+    _job: StagingJob | None = field(default=None, repr=False)
+
+    @property
+    def fence_wait_s(self) -> float:
+        """Seconds the training thread waited at this save's fences so far."""
+        return 0.0 if self._job is None else sum(state.waited_s for state in self._job.fences.values())
 
     def result(self, timeout: float | None = None) -> Manifest | None:
         """The committed manifest (raises the save's error)."""
@@ -68,7 +85,10 @@ class ShardedCheckpointer:
 
     Every rank constructs one (the constructor creates the gloo group: a collective call) and calls :meth:`save`
     at the same steps. One save is in flight at a time: the next ``save`` waits for the previous one, because the
-    host buffers are reused. A background failure is raised once, on the training thread, at the next ``save``
+    host buffers are reused. Local shards are copied at the cut unless the caller passes fences (:meth:`attach`
+    for a plain loop, :meth:`declare_fences` plus :meth:`wait` for an integration) and the deferral proof holds;
+    then parameters and optimizer state are staged while forward and backward run (see
+    :mod:`~lightning_async_ckpt.sharded.capture`). A background failure is raised once, on the training thread, at the next ``save``
     or :meth:`drain`; every rank raises it (DCP agrees on failures across ranks).
 
     Thread-safety: call ``save``, ``drain`` and ``close`` from one thread (the training thread).
@@ -84,6 +104,10 @@ class ShardedCheckpointer:
             from rank 0 of the group). Pass a store object with the same ``run_id`` on every rank otherwise.
         keep_last: After each commit, the coordinator removes this run's committed generations older than the newest
             ``keep_last`` (whole generations, manifest first; see ``CheckpointStore.gc``). ``None`` keeps all.
+        guard: The runtime guard on deferred shards (``True``/``"sample"``, ``"full"`` or ``False``/``"off"``;
+            see :mod:`lightning_async_ckpt.core.guard`): a torn copy refuses the save on every rank.
+        host_memory_budget: Bytes of pooled host buffers this rank may retain (``"auto"``: half the available host
+            memory; ``None``: no limit).
 
     Raises:
         ConfigError: A bad argument.
@@ -99,6 +123,8 @@ class ShardedCheckpointer:
         storage_options: dict[str, Any] | None = None,
         run_id: str | None = None,
         keep_last: int | None = None,
+        guard: bool | str = True,
+        host_memory_budget: int | str | None = None,
     ) -> None:
         if isinstance(timeout_s, bool) or not isinstance(timeout_s, int | float) or timeout_s <= 0:
             raise ConfigError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
@@ -124,7 +150,14 @@ class ShardedCheckpointer:
                 dist.broadcast_object_list(ids, src=dist.get_global_rank(process_group, 0), group=process_group)
                 run_id = ids[0]
             self.store = CheckpointStore(store, storage_options, run_id=run_id)
-        self._buffers: dict[str, torch.Tensor] = {}
+        self.guard = guard
+        StagingJob([], [], guard=guard)  # validates the guard mode now (ConfigError)
+        self.pool = BufferPool(resolve_budget(host_memory_budget))
+        self._fence_hooks = FenceHooks(lambda fence: self.wait(fence))
+        self._modules: list[torch.nn.Module] = []
+        self._optimizers: list[Any] = []
+        self._demoted: set[Category] = set()
+        self._capture: LocalCapture | None = None
         self._executor: ThreadPoolExecutor | None = None
         self._inflight: ShardedSaveHandle | None = None
         self._error: BaseException | None = None
@@ -143,16 +176,69 @@ class ShardedCheckpointer:
             _log.warning("closing the sharded checkpointer while unwinding failed", exc_info=True)
 
     # -- training thread -----------------------------------------------------------------------------------
-    def save(self, step: int, state_dict: dict[str, Any]) -> ShardedSaveHandle:
-        """Copy the local shards at the cut and write generation ``step`` in the background.
+    def attach(
+        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | Iterable[torch.optim.Optimizer]
+    ) -> None:
+        """Plain loops: install the fences (forward pre-hook, optimizer step pre-hooks); remember what to classify.
+
+        After this, :meth:`save` defers the shards of ``model``'s parameters and the optimizers' state (when the
+        proof holds) and the hooks wait for them right before the next forward / optimizer update.
+        """
+        self._fence_hooks.attach(model, optimizer)
+        self._modules = [model]
+        self._optimizers = [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer)
+
+    def detach(self) -> None:
+        """Wait at every fence, then remove the hooks installed by :meth:`attach`."""
+        self.wait(Fence.OPTIMIZER_STEP)
+        self._fence_hooks.remove()
+
+    def declare_fences(
+        self, fences: Iterable[Fence], *, modules: Sequence[torch.nn.Module] = (), optimizers: Sequence[Any] = ()
+    ) -> None:
+        """Integrations: the fences the caller passes itself (calling :meth:`wait`), and the modules/optimizers."""
+        self._fence_hooks.declare(fences)
+        self._modules, self._optimizers = list(modules), list(optimizers)
+
+    def wait(self, fence: Fence) -> float:
+        """At ``fence`` (training thread): block until the save in flight staged what is fenced there.
+
+        Returns:
+            Seconds blocked.
+        """
+        capture = self._capture
+        if capture is None:
+            return 0.0
+        waited = capture.job.wait(fence)
+        if capture.job.done.is_set() and fence == Fence.OPTIMIZER_STEP:
+            self._capture = None
+        return waited
+
+    def save(
+        self,
+        step: int,
+        state_dict: dict[str, Any],
+        *,
+        modules: Sequence[torch.nn.Module] | None = None,
+        optimizers: Sequence[Any] | None = None,
+        defer: bool = True,
+        objects: dict[str, bytes] | None = None,
+    ) -> ShardedSaveHandle:
+        """Capture the local shards at the cut and write generation ``step`` in the background.
 
         Args:
             step: The generation's step (a non-negative int, the same on every rank).
             state_dict: E.g. ``{"model": msd, "optim": osd}`` from
                 ``torch.distributed.checkpoint.state_dict.get_state_dict(model, optimizer)``.
+            modules: Modules whose parameters/buffers appear in ``state_dict`` (default: those of :meth:`attach`
+                or :meth:`declare_fences`).
+            optimizers: Optimizers whose state appears in ``state_dict`` (same default).
+            defer: ``False`` copies every shard at the cut.
+            objects: More objects this rank writes into the generation (name -> bytes, e.g. Lightning's
+                ``meta.pt`` on rank 0), listed in the manifest like the DCP files.
 
         Returns:
-            The save's handle; ``staged`` is already resolved.
+            The save's handle; ``staged`` is resolved once the deferred shards are copied.
 
         Raises:
             ShardedSaveError: The previous save failed (raised once).
@@ -167,13 +253,29 @@ class ShardedCheckpointer:
         self._raise_pending()
         handle = ShardedSaveHandle(step=step)
         with torch.no_grad():
-            staged = self._stage(state_dict, "")
-        handle.staged.set_result(None)
+            capture = capture_local(
+                state_dict,
+                modules=self._modules if modules is None else list(modules),
+                optimizers=self._optimizers if optimizers is None else list(optimizers),
+                fences=self._fence_hooks.fences,
+                pool=self.pool,
+                guard=self.guard,
+                demoted=self._demoted,
+                defer=defer,
+            )
+        handle._job = capture.job
+        handle.deferred_bytes = capture.job.deferred_bytes
+        handle.sync_bytes = capture.plan.total_bytes - handle.deferred_bytes
+        if handle.deferred_bytes == 0:
+            capture.job.run()  # nothing to copy: the fences open and the guard has nothing to check
+            handle.staged.set_result(step)
+        else:
+            self._capture = capture
         handle.blocked_s = time.perf_counter() - start
         if self._executor is None:
             self._executor = ThreadPoolExecutor(1, thread_name_prefix="lightning_async_ckpt-sharded")
         self._inflight = handle
-        self._executor.submit(self._persist, handle, staged)
+        self._executor.submit(self._persist, handle, capture, objects)
         return handle
 
     def drain(self, timeout: float | None = None) -> None:
@@ -203,7 +305,9 @@ class ShardedCheckpointer:
                 # waiting for it here would turn a bounded close into a hang.
                 self._executor.shutdown(wait=drained, cancel_futures=not drained)
                 self._executor = None
-            self._buffers.clear()
+            self._fence_hooks.remove()
+            self._capture = None
+            self.pool.clear()
             if drained and self._own_group and dist.is_initialized():
                 dist.destroy_process_group(self.process_group)
             self._own_group = False
@@ -226,40 +330,33 @@ class ShardedCheckpointer:
         if error is not None:
             raise error
 
-    def _stage(self, obj: Any, key: str) -> Any:
-        if isinstance(obj, DTensor):
-            buf = self._copy(key, obj.to_local())
-            if buf.device.type == obj.device_mesh.device_type:
-                return DTensor.from_local(
-                    buf, obj.device_mesh, obj.placements, run_check=False, shape=obj.shape, stride=obj.stride()
-                )
-            # A host copy of an accelerator DTensor keeps its sharding spec, as DCP's own CPU staging does
-            # (from_local would move it back to the mesh's device).
-            return DTensor(buf, obj._spec, requires_grad=False)
-        if isinstance(obj, torch.Tensor):
-            return self._copy(key, obj)
-        if isinstance(obj, dict):
-            return {k: self._stage(v, f"{key}/{k}") for k, v in obj.items()}
-        if isinstance(obj, list | tuple):
-            staged = [self._stage(v, f"{key}/{i}") for i, v in enumerate(obj)]
-            return staged if isinstance(obj, list) else type(obj)(staged)
-        return copy.deepcopy(obj)
-
-    def _copy(self, key: str, src: torch.Tensor) -> torch.Tensor:
-        buf = self._buffers.get(key)
-        if buf is None or buf.shape != src.shape or buf.dtype != src.dtype:
-            buf = torch.empty(src.shape, dtype=src.dtype, device="cpu", pin_memory=src.is_cuda)
-            self._buffers[key] = buf
-        buf.copy_(src.detach())
-        return buf
-
     # -- background thread ---------------------------------------------------------------------------------
-    def _persist(self, handle: ShardedSaveHandle, staged: dict[str, Any]) -> None:
+    def _persist(self, handle: ShardedSaveHandle, capture: LocalCapture, objects: dict[str, bytes] | None) -> None:
+        job = capture.job
+        if not job.done.is_set():
+            job.run()  # the deferred shards, while the training thread runs forward and backward
+            if job.error is None:
+                handle.staged.set_result(handle.step)
+
+        def staged_ok() -> None:
+            # A rank whose staging failed still enters DCP's collectives and fails there: no peer waits for it.
+            if job.error is not None:
+                raise job.error
+
         def written(report: RankObjects) -> None:
             handle.uploaded.set_result(report)
 
-        writer = StoreStorageWriter(self.store, handle.step, thread_count=self.thread_count, on_written=written)
+        writer = StoreStorageWriter(
+            self.store,
+            handle.step,
+            thread_count=self.thread_count,
+            on_written=written,
+            on_plan=staged_ok,
+            before_report=job.confirm,  # the guard's last word on this rank, before the coordinator may commit
+            objects=objects,
+        )
         try:
+            staged = capture.staged_state() if job.error is None else {}
             dcp.save(
                 staged,
                 storage_writer=writer,
@@ -269,6 +366,11 @@ class ShardedCheckpointer:
             manifest = writer.commit_result if writer.committed else self._read_manifest(handle.step)
         except (Exception, CheckpointException) as exc:  # noqa: BLE001 - any failure fails this save, raised later
             writer.abort()
+            self.pool.release(capture.buffers)
+            if job.torn_categories:
+                self._demoted |= job.torn_categories
+            if not handle.staged.done():
+                handle.staged.set_exception(job.error or exc)
             error = ShardedSaveError(f"sharded save of step {handle.step} failed, not committed: {_describe(exc)}")
             error.__cause__ = exc
             if not handle.uploaded.done():
@@ -276,6 +378,7 @@ class ShardedCheckpointer:
             self._error = error
             handle.committed.set_exception(error)
             return
+        self.pool.release(capture.buffers)  # before the futures resolve: the next cut finds them free
         if self.keep_last is not None and self.rank == 0:
             try:
                 self.store.gc(self.keep_last)

@@ -1,0 +1,212 @@
+"""Capture of a rank's local shards: the core capture plan, proof, guard and buffer pool over DTensor local tensors.
+
+A sharded state dict (``get_state_dict`` under FSDP2 / tensor parallelism) holds ``DTensor`` leaves whose data
+is the rank's local shard. The core plan (:class:`~lightning_async_ckpt.core.capture.CapturePlan`) classifies
+plain tensors by storage identity with the live parameters, buffers and optimizer state; here every ``DTensor``
+is replaced by its local tensor before the plan is built (and rebuilt around its staged copy afterwards), and the
+modules and optimizers are shown to the plan through views whose parameters and state are local tensors. So the
+proof, the categories, the fences, the guard and the pooled buffers are the single-process engine's, on every
+rank, and the plan is local: no collective is needed to build or stage it.
+
+FSDP2 (``fully_shard``) registers forward pre/post hooks on every sharded module. They all-gather the shards
+into separate unsharded parameters and free those again; they never write a sharded parameter's local data
+(only the optimizer does), so the proof ignores them (:func:`is_fsdp_hook`).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from lightning_async_ckpt.core.capture import CapturePlan, Category, DeferralProof, Fence, prove_deferral
+from lightning_async_ckpt.core.hooks import is_own_hook
+from lightning_async_ckpt.core.staging import BufferPool, StagingJob
+
+__all__ = ["LocalCapture", "capture_local", "is_fsdp_hook", "local_tensor", "sharded_proof"]
+
+Path = tuple[Any, ...]
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The tensor whose storage holds ``t``'s data on this rank (a DTensor's local shard, else ``t`` itself)."""
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def is_fsdp_hook(hook: Any) -> bool:
+    """Whether ``hook`` is a forward hook of FSDP2's ``fully_shard`` (it never writes a sharded parameter's data)."""
+    owner = type(getattr(hook, "__self__", None))
+    return owner.__name__ == "FSDPState" and owner.__module__.startswith("torch.distributed.fsdp.")
+
+
+def _ignored_hook(hook: Any) -> bool:
+    return is_own_hook(hook) or is_fsdp_hook(hook)
+
+
+def sharded_proof(
+    modules: Sequence[torch.nn.Module], optimizers: Sequence[Any], fences: Iterable[Fence]
+) -> DeferralProof:
+    """The core deferral proof for FSDP2 (or plain) modules, given the fences the caller passes."""
+    fences = set(fences)
+    return prove_deferral(
+        modules,
+        optimizers,
+        has_optimizer_step_fence=Fence.OPTIMIZER_STEP in fences,
+        has_batch_start_fence=Fence.BATCH_START in fences,
+        ignore_hooks=_ignored_hook,
+    )
+
+
+class _ModuleView:
+    """What the plan's classification reads of a module (``parameters``, ``buffers``), with local tensors."""
+
+    def __init__(self, module: torch.nn.Module, local: dict[int, torch.Tensor]) -> None:
+        self._params = [local.setdefault(id(p), local_tensor(p)) for p in module.parameters()]
+        self._buffers = [local_tensor(b) for b in module.buffers()]
+
+    def parameters(self) -> list[torch.Tensor]:
+        return self._params
+
+    def buffers(self) -> list[torch.Tensor]:
+        return self._buffers
+
+
+class _OptimizerView:
+    """What the plan's classification reads of an optimizer (``param_groups``, ``state``), with local tensors."""
+
+    def __init__(self, optimizer: Any, local: dict[int, torch.Tensor]) -> None:
+        self.param_groups = [
+            {"params": [local.setdefault(id(p), local_tensor(p)) for p in g["params"]]} for g in optimizer.param_groups
+        ]
+        self.state = {
+            local.setdefault(id(p), local_tensor(p)): (
+                {k: local_tensor(v) if isinstance(v, torch.Tensor) else v for k, v in s.items()}
+                if isinstance(s, dict)
+                else s
+            )
+            for p, s in optimizer.state.items()
+        }
+
+
+def _optimizer_view(optimizer: Any, local: dict[int, torch.Tensor]) -> _OptimizerView:
+    real = getattr(optimizer, "optimizer", optimizer)  # LightningOptimizer wraps .optimizer
+    # Named as the real class: the plan reads offloading optimizers from the class name.
+    cls = type(type(real).__name__, (_OptimizerView,), {})
+    return cls(real, local)
+
+
+@dataclass
+class _Spec:
+    spec: Any
+    shape: torch.Size
+    stride: tuple[int, ...]
+
+
+def _strip(obj: Any, path: Path, specs: dict[Path, _Spec]) -> Any:
+    """``obj`` with every DTensor replaced by its local tensor; their specs recorded by path."""
+    if isinstance(obj, DTensor):
+        specs[path] = _Spec(obj._spec, obj.shape, obj.stride())
+        return obj._local_tensor
+    if isinstance(obj, dict):
+        out = copy.copy(obj)
+        out.clear()
+        for k, v in obj.items():
+            out[k] = _strip(v, (*path, k), specs)
+        return out
+    if type(obj) is list:
+        return [_strip(v, (*path, i), specs) for i, v in enumerate(obj)]
+    if type(obj) is tuple:
+        return tuple(_strip(v, (*path, i), specs) for i, v in enumerate(obj))
+    return obj
+
+
+def _dress(obj: Any, path: Path, specs: dict[Path, _Spec]) -> Any:
+    """The inverse of :func:`_strip` over the staged tree: local copies become DTensors with the recorded specs."""
+    spec = specs.get(path)
+    if spec is not None:
+        mesh = spec.spec.mesh
+        if obj.device.type == mesh.device_type:
+            return DTensor.from_local(
+                obj, mesh, spec.spec.placements, run_check=False, shape=spec.shape, stride=spec.stride
+            )
+        # A host copy of an accelerator DTensor keeps its sharding spec, as DCP's own CPU staging does
+        # (from_local would move it back to the mesh's device).
+        return DTensor(obj, spec.spec, requires_grad=False)
+    if isinstance(obj, dict):
+        out = copy.copy(obj)
+        out.clear()
+        out.update((k, _dress(v, (*path, k), specs)) for k, v in obj.items())
+        return out
+    if type(obj) is list:
+        return [_dress(v, (*path, i), specs) for i, v in enumerate(obj)]
+    if type(obj) is tuple:
+        return tuple(_dress(v, (*path, i), specs) for i, v in enumerate(obj))
+    return obj
+
+
+@dataclass
+class LocalCapture:
+    """One rank's capture of one save: the plan, its staging job and the pooled buffers it fills.
+
+    Attributes:
+        plan: The core capture plan over local tensors (``plan.describe()`` prints it).
+        job: The staging job: copy-at-cut storages are already copied; ``job.run()`` copies the rest.
+        buffers: The pool's buffers (release them once the upload stopped reading them).
+    """
+
+    plan: CapturePlan
+    job: StagingJob
+    buffers: list[torch.Tensor]
+    _specs: dict[Path, _Spec]
+
+    def staged_state(self) -> Any:
+        """The state over the staged buffers, DTensors rebuilt with their specs (after ``job`` finished)."""
+        return _dress(self.plan.materialize(self.buffers), (), self._specs)
+
+
+def capture_local(
+    state: Any,
+    *,
+    modules: Sequence[torch.nn.Module],
+    optimizers: Sequence[Any],
+    fences: Iterable[Fence],
+    pool: BufferPool,
+    guard: bool | str = True,
+    demoted: Iterable[Category] = (),
+    defer: bool = True,
+) -> LocalCapture:
+    """Classify ``state``'s local shards, copy what must be copied at the cut, and return the staging job.
+
+    Args:
+        state: A (sharded) state dict; DTensor leaves are captured through their local tensors.
+        modules: The modules whose parameters and buffers appear in ``state``.
+        optimizers: The optimizers whose state appears in ``state``.
+        fences: The fences the caller will pass (``wait``): without them everything is copied at the cut.
+        pool: Where the host buffers come from.
+        guard: The guard mode (see :mod:`lightning_async_ckpt.core.guard`).
+        demoted: Categories whose deferral failed the guard before: copied at the cut.
+        defer: ``False`` copies everything at the cut.
+
+    Returns:
+        The capture; the caller runs ``capture.job.run()`` (on a background thread) and waits at the fences.
+    """
+    specs: dict[Path, _Spec] = {}
+    local_state = _strip(state, (), specs)
+    proof = sharded_proof(modules, optimizers, fences) if defer else None
+    local: dict[int, torch.Tensor] = {}
+    views = [_ModuleView(m, local) for m in modules]
+    opt_views = [_optimizer_view(o, local) for o in optimizers]
+    plan = CapturePlan.build(local_state, modules=views, optimizers=opt_views, proof=proof, demoted=demoted)
+    pool.check(plan.total_bytes)
+    buffers = pool.acquire(plan.slots)
+    job = StagingJob(plan.slots, buffers, guard=guard)
+    try:
+        job.copy_at_cut()
+    except BaseException:
+        pool.release(buffers)
+        raise
+    return LocalCapture(plan=plan, job=job, buffers=buffers, _specs=specs)
