@@ -9,7 +9,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_async_ckpt import AsyncCheckpointCallback, CheckpointStore, latest_checkpoint
 from lightning_async_ckpt.core.capture import Fence
-from lightning_async_ckpt.errors import ConfigError, GenerationExistsError
+from lightning_async_ckpt.errors import ConfigError
 from tests._lightning_models import (
     BNDropoutModel,
     assert_same,
@@ -162,13 +162,15 @@ def test_validate_between_fits_does_not_break(tmp_path):
     assert [g.step for g in CheckpointStore(str(tmp_path), check_writable=False).generations()] == [2, 4, 6, 8]
 
 
-def test_new_run_into_a_dirpath_with_committed_steps_is_a_clear_error(tmp_path):
+def test_new_run_into_a_dirpath_with_committed_steps_writes_a_new_version(tmp_path):
+    # Decided before training (tests/test_rerun.py): the earlier run's generations are never touched or mixed.
     _fit(tmp_path, [AsyncCheckpointCallback(dirpath=str(tmp_path), every_n_train_steps=2)], max_steps=2, accumulate=1)
-    with pytest.raises(GenerationExistsError, match="never overwritten"):
+    with pytest.warns(UserWarning, match="v1"):
         _fit(
             tmp_path, [AsyncCheckpointCallback(dirpath=str(tmp_path), every_n_train_steps=2)], max_steps=2, accumulate=1
         )
     assert CheckpointStore(str(tmp_path), check_writable=False).verify(2).ok
+    assert [g.step for g in CheckpointStore(str(tmp_path / "v1"), check_writable=False).generations()] == [2]
 
 
 def test_latest_checkpoint_ignores_uncommitted_generations(tmp_path):

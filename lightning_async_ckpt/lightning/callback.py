@@ -30,7 +30,8 @@ from lightning_async_ckpt.lightning.arguments import check_arguments, check_stra
 from lightning_async_ckpt.lightning.collective import agree_on
 from lightning_async_ckpt.lightning.hooks import is_last_batch, lightning_proof
 from lightning_async_ckpt.lightning.progress import estimate_checkpoint_bytes, log_commit, log_progress, preallocate
-from lightning_async_ckpt.lightning.resume import latest_checkpoint
+from lightning_async_ckpt.lightning.rerun import place_run
+from lightning_async_ckpt.lightning.resume import find_last, install_reader, latest_checkpoint, remove_reader
 from lightning_async_ckpt.lightning.rng import collect_portable_rng, restore_rng
 from lightning_async_ckpt.lightning.schedule import CutSchedule
 from lightning_async_ckpt.storage.store import CheckpointStore
@@ -171,6 +172,7 @@ class AsyncCheckpointCallback(ModelCheckpoint):
     # -- setup and teardown ------------------------------------------------------------------------------
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        install_reader(self, trainer)  # paths in dirpath load through the store's storage_options (resume.py)
         if stage != "fit":
             return
         check_strategy(trainer.strategy)
@@ -195,6 +197,7 @@ class AsyncCheckpointCallback(ModelCheckpoint):
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        place_run(self, trainer)  # continue the resumed run, or a new version beside another run's (rerun.py)
         # Like ModelCheckpoint: no cut at the step training starts from (fresh: 0; resumed: the restored step).
         self._last_cut_step = self._fit_start_step = trainer.global_step
         self._preallocated = False
@@ -210,6 +213,7 @@ class AsyncCheckpointCallback(ModelCheckpoint):
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        remove_reader(self)
         if stage == "fit":
             self._close(trainer, raise_errors=True)
 
@@ -238,9 +242,7 @@ class AsyncCheckpointCallback(ModelCheckpoint):
         # Lightning's `ckpt_path="last"` lookup (before any hook runs): the newest committed checkpoint only.
         # A store that cannot be listed raises (a typo must never restart training from scratch); "no checkpoint"
         # means it was listed and holds no committed generation.
-        dirpath = self.dirpath or f"{str(trainer.default_root_dir).rstrip('/')}/checkpoints"
-        path = latest_checkpoint(dirpath, self.storage_options)
-        return {path} if path else set()
+        return find_last(self, trainer)
 
     # -- fences ------------------------------------------------------------------------------------------
     @override

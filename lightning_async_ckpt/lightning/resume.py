@@ -1,16 +1,36 @@
-"""Resuming: the newest checkpoint that is provably intact, for ``trainer.fit(ckpt_path=...)``."""
+"""Resuming: the newest checkpoint that is provably intact, and opening it with the store's ``storage_options``.
+
+Lightning opens ``ckpt_path`` with a filesystem built from the path alone (``get_filesystem(path)``), so an S3
+endpoint and credentials given only in the callback's ``storage_options`` are invisible to it. The callback closes
+that gap with a :class:`StoreReader`:
+
+* ``trainer.fit(ckpt_path=latest_checkpoint(dirpath, storage_options))``: from ``setup`` until ``teardown`` the
+  strategy's checkpoint IO reads paths inside ``dirpath`` through the store's filesystem (with the options); every
+  other path goes to Lightning's own loader unchanged.
+* ``trainer.fit(ckpt_path="last")``: Lightning checks that the candidate exists and compares modification times
+  with its own filesystem before any hook runs. For a remote ``dirpath`` the callback therefore answers with a
+  small in-memory marker (``memory://lightning_async_ckpt-resume/...``, naming the real object's path) that the
+  reader then loads from the store; local stores answer with the real path.
+"""
 
 from __future__ import annotations
 
 import logging
+import uuid
 import warnings
 from typing import Any
 
+from lightning_async_ckpt.errors import ManifestError
+from lightning_async_ckpt.lightning.rerun import run_locations, version_uri
+from lightning_async_ckpt.lightning.sharded import is_lightning_dcp_generation
+from lightning_async_ckpt.storage.generation import parse_generation_name
 from lightning_async_ckpt.storage.store import CheckpointStore
 
-__all__ = ["latest_checkpoint"]
+__all__ = ["StoreReader", "find_last", "install_reader", "latest_checkpoint", "remove_reader"]
 
 _log = logging.getLogger("lightning_async_ckpt")
+_ALIAS_ROOT = "memory://lightning_async_ckpt-resume"
+_READER_ATTR = "_lightning_async_ckpt_reader"
 
 
 def latest_checkpoint(dirpath: str, storage_options: dict[str, Any] | None = None) -> str | None:
@@ -18,9 +38,13 @@ def latest_checkpoint(dirpath: str, storage_options: dict[str, Any] | None = Non
 
     The generation returned was verified: its manifest is valid and every object was read once and matched
     its size and checksum, so a truncated file or a flipped bit is never resumed from. A generation that fails
-    is skipped with a warning naming the problem and the next older one is tried. Use it as
-    ``trainer.fit(model, ckpt_path=latest_checkpoint(dirpath))``. Verifying reads the checkpoint once more
-    than loading does (see ``docs/benchmarks.md`` for the cost).
+    is skipped with a warning naming the problem and the next older one is tried. ``dirpath``'s version folders
+    (``<dirpath>/v1``, ..., written by re-runs of a script, see :mod:`~lightning_async_ckpt.lightning.rerun`) are
+    included; the most recently committed checkpoint wins. Use it as
+    ``trainer.fit(model, ckpt_path=latest_checkpoint(dirpath, storage_options))`` with an
+    ``AsyncCheckpointCallback`` for the same ``dirpath`` in the Trainer: the callback opens the path with the
+    same ``storage_options``. Verifying reads the checkpoint once more than loading does (see
+    ``docs/benchmarks.md`` for the cost).
 
     Args:
         dirpath: The callback's ``dirpath`` (local folder or fsspec URL).
@@ -36,15 +60,183 @@ def latest_checkpoint(dirpath: str, storage_options: dict[str, Any] | None = Non
     """
     from lightning_async_ckpt.lightning.callback import CHECKPOINT_NAME
 
-    store = CheckpointStore(dirpath, storage_options, check_writable=False)
-    for info in reversed(store.generations()):
-        if info.manifest is None or CHECKPOINT_NAME not in {o.name for o in info.manifest.objects}:
-            continue
-        result = store.verify(info.step)
+    candidates = []
+    for loc in run_locations(dirpath, storage_options):
+        for info in loc.store.generations():
+            if info.manifest is None or not _loadable(info.manifest, CHECKPOINT_NAME):
+                continue
+            candidates.append((info.manifest.committed_at, loc.version, info.step, loc.store))
+    for _, _, step, store in sorted(candidates, key=lambda c: c[:3], reverse=True):
+        result = store.verify(step)
         if not result.ok:
-            message = f"skipping generation {info.path}: {'; '.join(result.problems)}"
+            message = f"skipping generation {store.url(step)}: {'; '.join(result.problems)}"
             _log.warning("%s", message)
             warnings.warn(message, stacklevel=2)
             continue
-        return store.object_url(info.step, CHECKPOINT_NAME)
+        return (
+            store.url(step)
+            if is_lightning_dcp_generation(store.manifest(step))
+            else store.object_url(step, CHECKPOINT_NAME)
+        )
     return None
+
+
+def _loadable(manifest: Any, name: str) -> bool:
+    """Whether Lightning can resume from a committed generation: its checkpoint file, or a sharded (DCP) folder.
+
+    A DCP generation written by ``AsyncCheckpointCallback`` under ``ModelParallelStrategy``/``FSDPStrategy``
+    holds DCP's files and ``meta.pt``; those strategies load the generation folder (see ``lightning/sharded.py``).
+    """
+    return name in {o.name for o in manifest.objects} or is_lightning_dcp_generation(manifest)
+
+
+def _keep_storage(storage: Any, location: Any) -> Any:
+    return storage  # TorchCheckpointIO's default map_location
+
+
+class StoreReader:
+    """Loads checkpoints inside one ``dirpath`` for Lightning through the store's filesystem and options.
+
+    Thread-safety: used on the training thread only.
+
+    Args:
+        dirpath: The callback's ``dirpath``.
+        storage_options: fsspec options for ``dirpath``.
+    """
+
+    def __init__(self, dirpath: str, storage_options: dict[str, Any] | None) -> None:
+        self.dirpath = dirpath
+        self.storage_options = storage_options
+        self._root = CheckpointStore(dirpath, storage_options, check_writable=False)
+        self.root_url = self._root.backend.url(self._root.root).rstrip("/")
+        self._aliases: dict[str, str] = {}
+        self._io: Any = None
+
+    @property
+    def remote(self) -> bool:
+        """Whether Lightning's own loader may lack what it needs to open ``dirpath`` (anything not local)."""
+        return not self._root.is_local
+
+    def alias(self, url: str) -> str:
+        """A path Lightning's option-less lookup can see and date, standing for ``url`` (an in-memory marker)."""
+        import fsspec
+
+        alias = f"{_ALIAS_ROOT}/{uuid.uuid4().hex[:12]}/{url.split('://', 1)[-1]}"
+        fsspec.filesystem("memory").pipe_file(alias, url.encode())
+        self._aliases[alias] = url
+        return alias
+
+    def resolve(self, path: Any) -> str | None:
+        """The store URL ``path`` stands for, or ``None`` when it is not inside ``dirpath``."""
+        text = str(path)
+        if text in self._aliases:
+            return self._aliases[text]
+        return text if text.startswith(self.root_url + "/") else None
+
+    def install(self, checkpoint_io: Any) -> None:
+        """Route ``checkpoint_io.load_checkpoint`` of paths inside ``dirpath`` through the store."""
+        self._uninstall()
+        original = checkpoint_io.load_checkpoint
+
+        def load_checkpoint(path: Any, *args: Any, **kwargs: Any) -> Any:
+            url = self.resolve(path)
+            if url is None:
+                return original(path, *args, **kwargs)
+            map_location = kwargs.get("map_location", args[0] if args else _keep_storage)
+            weights_only = kwargs.get("weights_only", args[1] if len(args) > 1 else None)
+            try:
+                return self.load(url, map_location=map_location, weights_only=weights_only)
+            finally:
+                self._forget(str(path))
+
+        checkpoint_io.load_checkpoint = load_checkpoint
+        self._io = (checkpoint_io, load_checkpoint)
+
+    def remove(self) -> None:
+        """Undo :meth:`install` and drop the in-memory markers."""
+        self._uninstall()
+        for alias in list(self._aliases):
+            self._forget(alias)
+
+    def _uninstall(self) -> None:
+        if self._io is not None:
+            checkpoint_io, installed = self._io
+            if checkpoint_io.__dict__.get("load_checkpoint") is installed:
+                del checkpoint_io.load_checkpoint
+            self._io = None
+
+    def load(self, url: str, *, map_location: Any = _keep_storage, weights_only: bool | None = None) -> Any:
+        """``torch.load`` of object ``url`` of a committed generation, read with the store's options.
+
+        Raises:
+            ManifestError: ``url`` is not an object of a committed generation of ``dirpath`` (or a version).
+        """
+        import torch
+
+        parts = url[len(self.root_url) + 1 :].split("/")
+        version = 0
+        if parts and parts[0].startswith("v") and parts[0][1:].isdigit():
+            version, parts = int(parts[0][1:]), parts[1:]
+        step = parse_generation_name(parts[0]) if parts else None
+        if step is None or len(parts) < 2:
+            raise ManifestError(f"{url} is not an object of a checkpoint generation under {self.dirpath!r}")
+        store = CheckpointStore(version_uri(self.dirpath, version), self.storage_options, check_writable=False)
+        key = "/".join(parts[1:])
+        for obj, obj_url in store.iter_objects(step):  # raises ManifestError when the step is not committed
+            if obj.key == key:
+                _log.info("loading %s through the store (storage_options applied)", obj_url)
+                with store.fs.open(obj_url, "rb") as f:
+                    return torch.load(f, map_location=map_location, weights_only=weights_only)
+        raise ManifestError(f"{url}: committed generation step {step} lists no object {key!r}")
+
+    def _forget(self, alias: str) -> None:
+        if self._aliases.pop(alias, None) is None:
+            return
+        import fsspec
+
+        try:
+            fsspec.filesystem("memory").rm_file(alias)
+        except FileNotFoundError:
+            pass
+
+
+def _dirpath(callback: Any, trainer: Any) -> str:
+    return callback.dirpath or f"{str(trainer.default_root_dir).rstrip('/')}/checkpoints"
+
+
+def _reader(callback: Any, dirpath: str) -> StoreReader:
+    reader = getattr(callback, _READER_ATTR, None)
+    if reader is None or reader.dirpath != dirpath or reader.storage_options != callback.storage_options:
+        if reader is not None:
+            reader.remove()
+        reader = StoreReader(dirpath, callback.storage_options)
+        setattr(callback, _READER_ATTR, reader)
+    return reader
+
+
+def find_last(callback: Any, trainer: Any) -> set[str]:
+    """Lightning's ``ckpt_path="last"`` lookup for ``callback``: the newest committed checkpoint only.
+
+    A store that cannot be listed raises (a typo must never restart training from scratch); "no checkpoint"
+    means it was listed and holds no committed generation.
+    """
+    dirpath = _dirpath(callback, trainer)
+    path = latest_checkpoint(dirpath, callback.storage_options)
+    if path is None:
+        return set()
+    reader = _reader(callback, dirpath)
+    return {reader.alias(path) if reader.remote else path}
+
+
+def install_reader(callback: Any, trainer: Any) -> None:
+    """From ``setup``: load checkpoints inside the callback's ``dirpath`` through its store (remote stores)."""
+    reader = _reader(callback, _dirpath(callback, trainer))
+    if reader.remote:
+        reader.install(trainer.strategy.checkpoint_io)
+
+
+def remove_reader(callback: Any) -> None:
+    """From ``teardown``: give the strategy's checkpoint IO back its own loader."""
+    reader = getattr(callback, _READER_ATTR, None)
+    if reader is not None:
+        reader.remove()

@@ -1,0 +1,135 @@
+"""Where a fit writes: the run it continues, or a new version beside the runs already in ``dirpath``.
+
+Re-running a script with the same ``dirpath`` must never mix two runs' generations (their steps would collide at the
+first step both saved) and must be decided before any training step. The rule, applied by
+:func:`place_run` when training starts (after Lightning restored the checkpoint, so the resumed step and the
+resumed run id are known):
+
+* the fit **continues a run** where that run's generations are (``dirpath`` itself or one of its versions) when the
+  callback's run id wrote generations there and none of them is newer than the step training starts from: a resume
+  from the newest checkpoint (``ckpt_path="last"``, ``latest_checkpoint(...)``), or a second ``fit`` of the same
+  callback;
+* otherwise, when ``dirpath`` already holds committed generations (a fresh run, a resume from a checkpoint of
+  another place, or from an older step whose newer generations exist), it writes to a **new version**,
+  ``<dirpath>/v1``, ``<dirpath>/v2``, ... (``ModelCheckpoint``'s version counter names its files ``-v1``; a
+  generation's name is its step, so the version is a folder). Nothing of the earlier run is touched.
+
+``ckpt_path="last"`` and :func:`~lightning_async_ckpt.lightning.resume.latest_checkpoint` look at ``dirpath`` and its
+versions and pick the most recently committed checkpoint, like ``ModelCheckpoint`` picks the newest ``last*.ckpt``.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from lightning_async_ckpt.errors import GenerationExistsError
+from lightning_async_ckpt.storage.store import CheckpointStore
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+__all__ = ["Location", "place_run", "run_locations", "version_uri"]
+
+_VERSION_RE = re.compile(r"^v([1-9][0-9]{0,5})$")
+
+
+@dataclass(frozen=True)
+class Location:
+    """``dirpath`` (version 0) or one of its version folders, as a read-only store."""
+
+    version: int
+    store: CheckpointStore
+
+
+def version_uri(dirpath: str, version: int) -> str:
+    """The URL of ``dirpath``'s version ``version`` (0 is ``dirpath`` itself)."""
+    return dirpath if version == 0 else f"{dirpath.rstrip('/')}/v{version}"
+
+
+def run_locations(dirpath: str, storage_options: dict[str, Any] | None = None) -> list[Location]:
+    """``dirpath`` and its version folders, in version order.
+
+    Raises:
+        StoreUnavailableError: ``dirpath`` cannot be listed (a local folder that does not exist is empty).
+    """
+    root = CheckpointStore(dirpath, storage_options, check_writable=False)
+    root.scan(include_uncommitted=False)  # raises when the location cannot be listed
+    try:
+        entries = root.fs.ls(root.root, detail=True)
+    except FileNotFoundError:
+        entries = []
+    versions = []
+    for entry in entries:
+        match = _VERSION_RE.match(entry["name"].rstrip("/").rsplit("/", 1)[-1])
+        if match and entry.get("type") in ("directory", None):
+            versions.append(int(match.group(1)))
+    locations = [Location(0, root)]
+    for version in sorted(versions):
+        store = CheckpointStore(version_uri(dirpath, version), storage_options, check_writable=False)
+        locations.append(Location(version, store))
+    return locations
+
+
+def choose_version(locations: list[Location], run_id: str | None, start_step: int) -> tuple[int, str]:
+    """The version a fit of run ``run_id`` starting at ``start_step`` writes to, and why (for the message)."""
+    taken = []
+    for loc in locations:
+        gens = loc.store.generations()
+        if not gens:
+            continue
+        taken.append(loc.version)
+        newest = max(g.step for g in gens)
+        if run_id is not None and any(g.run_id == run_id for g in gens) and newest <= start_step:
+            return loc.version, "continues its run"
+    if not taken or 0 not in taken:
+        return 0, "empty"
+    described = ", ".join(f"v{v}" if v else "dirpath" for v in taken)
+    return max(loc.version for loc in locations) + 1, f"holds committed checkpoints ({described})"
+
+
+def place_run(callback: Any, trainer: pl.Trainer) -> None:
+    """Before the first training step: point the callback's checkpointer at the place this fit writes to.
+
+    Collective in multi-process runs (every rank calls it; the writing rank decides). Called from
+    ``AsyncCheckpointCallback.on_train_start``.
+    """
+    from lightning.pytorch.utilities import rank_zero_warn
+
+    from lightning_async_ckpt.core.capture import Fence
+    from lightning_async_ckpt.core.engine import AsyncCheckpointer
+    from lightning_async_ckpt.lightning.collective import agree_on
+
+    error: BaseException | None = None
+    store = callback.store
+    # The writing rank of a single-writer fit (sharded strategies have a writer per rank and are not placed here).
+    if store is not None and isinstance(callback.checkpointer, AsyncCheckpointer):
+        try:
+            dirpath = callback.dirpath
+            locations = run_locations(dirpath, callback.storage_options)
+            version, why = choose_version(locations, callback.run_id, trainer.global_step)
+            target = version_uri(dirpath, version)
+            if target != store.uri and version > 0 and not getattr(callback, "_enable_version_counter", True):
+                raise GenerationExistsError(
+                    f"dirpath {dirpath!r} {why} of another run (or of later steps than this fit starts from, step "
+                    f"{trainer.global_step}), and enable_version_counter=False forbids writing beside them "
+                    "(committed checkpoints are never overwritten): resume that run with "
+                    "trainer.fit(..., ckpt_path='last'), pass enable_version_counter=True to write this run to "
+                    f"{target!r}, or use a new dirpath"
+                )
+            if target != store.uri:
+                if version > 0 and why != "continues its run":
+                    rank_zero_warn(
+                        f"dirpath {dirpath!r} {why} of another run (or of later steps than this fit starts from, "
+                        f"step {trainer.global_step}); this run writes to {target!r} and leaves them untouched. "
+                        "To continue the earlier run instead, pass trainer.fit(..., ckpt_path='last')"
+                    )
+                callback.checkpointer.close()
+                callback.store = CheckpointStore(target, callback.storage_options, run_id=callback.run_id)
+                callback.checkpointer = AsyncCheckpointer(callback.store, callback.options)
+                callback.checkpointer.declare_fences({Fence.BATCH_START, Fence.OPTIMIZER_STEP})
+                callback._committed_before = {g.step for g in callback.store.generations()}
+        except Exception as exc:  # noqa: BLE001 - raised below on every rank
+            error = exc
+    agree_on(trainer, error, "choosing where this run's checkpoints go")

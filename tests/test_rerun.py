@@ -1,0 +1,94 @@
+"""Re-running a script with the same ``dirpath``: decided before training, never mixing two runs' generations."""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import pytest
+
+from lightning_async_ckpt import AsyncCheckpointCallback, CheckpointStore, latest_checkpoint
+from lightning_async_ckpt.errors import GenerationExistsError
+from tests._lightning_models import BNDropoutModel, make_loader, trainer_kwargs
+
+
+def _fit(callback, *, max_steps, ckpt_path=None, seen=None):
+    class Counting(BNDropoutModel):
+        def training_step(self, batch, batch_idx):
+            if seen is not None:
+                seen.append(self.trainer.global_step)
+            return super().training_step(batch, batch_idx)
+
+    pl.seed_everything(7)
+    trainer = pl.Trainer(max_steps=max_steps, callbacks=[callback], **trainer_kwargs())
+    trainer.fit(Counting(), make_loader(), ckpt_path=ckpt_path)
+    return trainer
+
+
+def _steps_and_runs(uri):
+    gens = CheckpointStore(uri, check_writable=False).generations()
+    return [g.step for g in gens], {g.run_id for g in gens}
+
+
+def test_a_second_fresh_run_writes_a_new_version_and_never_mixes(tmp_path):
+    root = str(tmp_path / "ckpt")
+    first = AsyncCheckpointCallback(dirpath=root, every_n_train_steps=2)
+    _fit(first, max_steps=4)
+    second = AsyncCheckpointCallback(dirpath=root, every_n_train_steps=2)
+    with pytest.warns(UserWarning, match="writes to .*v1"):
+        trainer = _fit(second, max_steps=6)  # collided at step 2 before: must train to the end
+    assert trainer.global_step == 6
+    assert _steps_and_runs(root) == ([2, 4], {first.run_id})  # the first run is untouched
+    assert _steps_and_runs(f"{root}/v1") == ([2, 4, 6], {second.run_id})
+    # A third fresh run takes the next version.
+    with pytest.warns(UserWarning, match="writes to .*v2"):
+        _fit(AsyncCheckpointCallback(dirpath=root, every_n_train_steps=2), max_steps=2)
+    assert _steps_and_runs(f"{root}/v2")[0] == [2]
+
+
+def test_resuming_with_last_continues_the_same_run_in_place(tmp_path):
+    root = str(tmp_path / "ckpt")
+    first = AsyncCheckpointCallback(dirpath=root, every_n_train_steps=2)
+    _fit(first, max_steps=4)
+    seen: list[int] = []
+    resumed = AsyncCheckpointCallback(dirpath=root, every_n_train_steps=2)
+    trainer = _fit(resumed, max_steps=8, ckpt_path="last", seen=seen)
+    assert seen[0] == 4 and trainer.global_step == 8
+    assert _steps_and_runs(root) == ([2, 4, 6, 8], {first.run_id})
+    assert not (tmp_path / "ckpt" / "v1").exists()
+
+
+def test_last_picks_the_newest_version_and_continues_it(tmp_path):
+    root = str(tmp_path / "ckpt")
+    _fit(AsyncCheckpointCallback(dirpath=root, every_n_train_steps=2), max_steps=8)
+    with pytest.warns(UserWarning, match="v1"):
+        _fit(AsyncCheckpointCallback(dirpath=root, every_n_train_steps=2), max_steps=4)
+    # The most recently committed checkpoint is v1's step 4 (not the first run's higher step 8).
+    assert latest_checkpoint(root).endswith("v1/step-00000004/checkpoint.ckpt")
+    seen: list[int] = []
+    _fit(AsyncCheckpointCallback(dirpath=root, every_n_train_steps=2), max_steps=6, ckpt_path="last", seen=seen)
+    assert seen[0] == 4
+    assert _steps_and_runs(f"{root}/v1")[0] == [2, 4, 6]
+    assert _steps_and_runs(root)[0] == [2, 4, 6, 8]
+    assert not (tmp_path / "ckpt" / "v2").exists()
+
+
+def test_resuming_an_older_step_branches_into_a_new_version(tmp_path):
+    root = str(tmp_path / "ckpt")
+    _fit(AsyncCheckpointCallback(dirpath=root, every_n_train_steps=2), max_steps=6)
+    older = CheckpointStore(root, check_writable=False).object_url(2, "checkpoint.ckpt")
+    with pytest.warns(UserWarning, match="v1"):
+        _fit(AsyncCheckpointCallback(dirpath=root, every_n_train_steps=2), max_steps=6, ckpt_path=older)
+    assert _steps_and_runs(root)[0] == [2, 4, 6]
+    assert _steps_and_runs(f"{root}/v1")[0] == [4, 6]
+
+
+def test_without_the_version_counter_a_rerun_is_refused_before_training(tmp_path):
+    root = str(tmp_path / "ckpt")
+    _fit(AsyncCheckpointCallback(dirpath=root, every_n_train_steps=2), max_steps=4)
+    seen: list[int] = []
+    callback = AsyncCheckpointCallback(dirpath=root, every_n_train_steps=2)
+    callback._enable_version_counter = False  # what enable_version_counter=False sets
+    with pytest.raises(GenerationExistsError, match="ckpt_path='last'.*enable_version_counter=True") as info:
+        _fit(callback, max_steps=4, seen=seen)
+    assert "new dirpath" in str(info.value)
+    assert seen == []  # decided before the first training step
+    assert _steps_and_runs(root)[0] == [2, 4]
