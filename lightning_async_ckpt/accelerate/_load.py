@@ -110,7 +110,24 @@ def load_state(
             shutil.rmtree(prepared.tmp, ignore_errors=True)
     if checkpointer is not None and not checkpointer.closed:
         checkpointer.step = ready.manifest.step
+        _continue_run(checkpointer, ready.manifest.run_id)
     return ready.manifest
+
+
+def _continue_run(checkpointer: Any, run_id: str) -> None:
+    """The restored generation's run continues: its run id becomes the checkpointer's and its stores'.
+
+    ``keep_last`` counts and removes only one run's generations (a second writer in the same folder must never
+    delete what it did not write); a restarted process attaches with a new run id, so without this the previous
+    process's generations were nobody's to retire (``keep_last=3`` kept 6 after one restart).
+    """
+    if not run_id or run_id == checkpointer.run_id:
+        return
+    _log.info("load_state: continuing run %s (this process attached as %s)", run_id, checkpointer.run_id)
+    checkpointer.run_id = run_id
+    engines = (checkpointer._engine, checkpointer._folder_engine)
+    for store in {id(e.store): e.store for e in engines if e is not None}.values():
+        store.run_id = run_id
 
 
 @dataclass

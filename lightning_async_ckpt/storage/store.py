@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from typing import IO, Any
 
 from lightning_async_ckpt.errors import (
+    CheckpointError,
     ConfigError,
     GenerationExistsError,
     ManifestError,
@@ -361,6 +362,47 @@ class CheckpointStore:
                 continue
             return info
         return None
+
+    def resume(self, step: int | None = None, *, verify: bool = True) -> GenerationInfo | None:
+        """The generation to resume from, and continue its run: this store's run id becomes the generation's.
+
+        Retention (``keep_last``) counts and removes only this store's run's generations, so that a second writer
+        in the same folder never deletes what it did not write. A restarted process is a new store with a new run
+        id: reading the newest generation with :meth:`latest` alone would leave the earlier process's generations
+        to nobody (``keep_last=3`` kept 6 after one restart). Resuming through this method makes the new process
+        the same run, so its commits retire the generations it resumed from.
+
+        Args:
+            step: Resume from this committed step; default the newest intact one (see :meth:`latest`).
+            verify: Check checksums of the returned generation (reads it once).
+
+        Returns:
+            The generation (read it with :meth:`open`), or ``None`` when the store was listed and holds no intact
+            committed generation; the run id is then left as it was.
+
+        Raises:
+            CheckpointError: This store is writing a generation already (change runs before the first save).
+            StoreUnavailableError: The location cannot be listed.
+            ManifestError: ``step`` is not committed, or (with ``verify``) fails its checksums.
+        """
+        if self.writing():
+            raise CheckpointError(
+                f"resume() while this store writes steps {sorted(self.writing())}: call it before the first save"
+            )
+        if step is None:
+            info = self.latest(verify=verify)
+        else:
+            info = self._read_generation(step)
+            if not info.committed:
+                raise ManifestError(f"generation step {step} at {self.url(step)} is not committed ({info.error})")
+            problems = self.verify(step).problems if verify else tuple(self.check_sizes(info.manifest))
+            if problems:
+                raise ManifestError(f"generation step {step} at {self.url(step)} is damaged: {'; '.join(problems)}")
+        if info is not None and info.run_id:
+            if info.run_id != self.run_id:
+                _log.info("continuing run %s (resumed from step %d at %s)", info.run_id, info.step, info.path)
+            self.run_id = info.run_id
+        return info
 
     def verify(self, step: int) -> VerifyResult:
         """Re-read every object of generation ``step`` once and check size and checksum; never unpickles."""
