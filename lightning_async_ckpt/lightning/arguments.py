@@ -31,10 +31,22 @@ def check_arguments(
 
 
 def check_strategy(strategy: Any) -> None:
-    """Refuse sharded strategies: every rank would have to write its shard (see ``docs/sharded.md``)."""
+    """Refuse strategies the callback cannot checkpoint correctly (see ``docs/sharded.md``).
+
+    Sharded strategies are supported when they save DCP folders (every rank writes its shards):
+    ``ModelParallelStrategy(save_distributed_checkpoint=True)`` and ``FSDPStrategy(state_dict_type="sharded")``.
+    """
+    from lightning_async_ckpt.lightning.sharded import model_key_for
+
     name = type(strategy).__name__
-    if "FSDP" in name or "DeepSpeed" in name or "ModelParallel" in name:
+    if "DeepSpeed" in name:
         raise ConfigError(
-            f"AsyncCheckpointCallback supports single-device and DDP strategies, not {name}: sharded strategies "
-            "need every rank to write its shard; use ModelCheckpoint with that strategy's sharded checkpointing"
+            f"AsyncCheckpointCallback does not support {name}: DeepSpeed writes its own checkpoint format; use "
+            "ModelCheckpoint with DeepSpeed, or ModelParallelStrategy/FSDPStrategy with sharded checkpoints"
+        )
+    if ("FSDP" in name or "ModelParallel" in name) and model_key_for(strategy) is None:
+        fix = "save_distributed_checkpoint=True" if "ModelParallel" in name else 'state_dict_type="sharded"'
+        raise ConfigError(
+            f"AsyncCheckpointCallback writes {name} checkpoints sharded (every rank writes its shards in torch DCP "
+            f"format); this {name} is configured for full (rank 0) checkpoints: pass {fix}"
         )

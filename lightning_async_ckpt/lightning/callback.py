@@ -34,6 +34,7 @@ from lightning_async_ckpt.lightning.rerun import place_run
 from lightning_async_ckpt.lightning.resume import find_last, install_reader, latest_checkpoint, remove_reader
 from lightning_async_ckpt.lightning.rng import collect_portable_rng, restore_rng
 from lightning_async_ckpt.lightning.schedule import CutSchedule
+from lightning_async_ckpt.lightning.sharded import setup_sharded
 from lightning_async_ckpt.storage.store import CheckpointStore
 
 __all__ = ["CHECKPOINT_NAME", "AsyncCheckpointCallback", "latest_checkpoint"]
@@ -184,6 +185,8 @@ class AsyncCheckpointCallback(ModelCheckpoint):
             # One run id across ranks and across fit() calls of this callback, so retention sees one run.
             run_id = CheckpointStore.new_run_id()
             self.run_id = trainer.strategy.broadcast(run_id, src=0) if self._distributed else run_id
+        if setup_sharded(self, trainer):  # sharded strategies: a writer on every rank (lightning/sharded.py)
+            return
         error = None
         if trainer.is_global_zero and (self.checkpointer is None or self.checkpointer.closed):
             try:
