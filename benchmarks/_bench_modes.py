@@ -95,7 +95,7 @@ def _none(ctx: ModeContext) -> ModeSetup:
     return ModeSetup()
 
 
-def _model_checkpoint(ctx: ModeContext, async_io: bool = False) -> ModeSetup:
+def _model_checkpoint(ctx: ModeContext, async_io: bool = False, staged_io: bool = False) -> ModeSetup:
     from lightning.pytorch.callbacks import ModelCheckpoint
     from lightning.pytorch.plugins.io import AsyncCheckpointIO, TorchCheckpointIO
 
@@ -115,10 +115,21 @@ def _model_checkpoint(ctx: ModeContext, async_io: bool = False) -> ModeSetup:
                 ctx.timings["committed"].append(time.time())
 
         plugins.append(AsyncCheckpointIO(_TimedIO()))
+    staged = None
+    if staged_io:
+        from lightning_async_ckpt.lightning import StagedCheckpointIO
+
+        staged = StagedCheckpointIO(host_memory_budget=None)
+        plugins.append(staged)
 
     def finish(result: ModeResult, sizes: list[int]) -> None:
         result.bytes = max(sizes) if sizes else None
-        if not async_io and result.blocking_median_s:
+        if staged is not None and staged.committed:
+            files = list(staged.committed)
+            result.reported_blocking_s = statistics.median(f.blocked_s for f in files)
+            result.cut_to_committed_s = statistics.median(f.write_s for f in files)
+            result.peak_retained_mb = staged.pool.peak_bytes / 1e6
+        if not (async_io or staged_io) and result.blocking_median_s:
             result.cut_to_committed_s = result.blocking_median_s
             if result.bytes:
                 result.persist_mbps = result.bytes / result.blocking_median_s / 1e6
@@ -231,6 +242,7 @@ MODE_SETUPS: dict[str, Callable[[ModeContext], ModeSetup]] = {
     "none": _none,
     "model_checkpoint": _model_checkpoint,
     "async_checkpoint_io": lambda ctx: _model_checkpoint(ctx, async_io=True),
+    "ours_checkpoint_io": lambda ctx: _model_checkpoint(ctx, staged_io=True),
     "dcp_async_save": _dcp,
     "dcp_async_staging": lambda ctx: _dcp(ctx, async_staging=True),
     "ours_copy": _ours,

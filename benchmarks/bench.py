@@ -1,6 +1,7 @@
 """``lightning-async-ckpt bench``: every checkpointing approach on the same model, in the same run.
 
 Modes: no checkpointing; Lightning ``ModelCheckpoint`` (synchronous); ``AsyncCheckpointIO`` + ``ModelCheckpoint``;
+this library's ``StagedCheckpointIO`` plugin + ``ModelCheckpoint`` (``ours_checkpoint_io``);
 torch DCP ``async_save`` (thread upload, default stager; and ``DefaultStager`` with async staging); this library
 copy-at-cut; this library with fenced deferral. Beside them, the physical floors: memory-copy bandwidth (the staging
 floor), raw sequential write with fsync (the persist floor) and, on CUDA, device-to-host bandwidth.
@@ -32,7 +33,7 @@ from typing import Any
 import psutil
 import torch
 
-__all__ = ["main"]
+__all__ = ["build_parser", "main"]
 
 
 def _load_modes() -> Any:
@@ -53,7 +54,7 @@ ModeResult = _modes.ModeResult
 ModeSetup = _modes.ModeSetup
 StepTimer = _modes.StepTimer
 # This library's own modes: one of them failing is a bug here (exit 1); a peer library failing is a result.
-OWN_MODES = ("ours_copy", "ours_defer")
+OWN_MODES = ("ours_copy", "ours_defer", "ours_checkpoint_io")
 
 
 class _RssSampler:
@@ -244,8 +245,8 @@ def _markdown(results: list[ModeResult], floors: dict[str, float], machine: str,
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run the benchmark; prints a markdown table and writes a JSON file. Returns the exit code."""
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of ``bench`` (every flag has a help text)."""
     parser = argparse.ArgumentParser(
         prog="lightning-async-ckpt bench",
         description=__doc__.splitlines()[0],
@@ -271,12 +272,25 @@ def main(argv: list[str] | None = None) -> int:
         choices=("cpu", "cuda"),
         help="where the model trains (default: cuda when available)",
     )
-    parser.add_argument("--upload-nice", type=int, default=0, help="nice value of our upload thread (0-19)")
-    parser.add_argument("--max-outstanding", type=int, default=1, help="our saves in flight at once (default 1)")
+    parser.add_argument(
+        "--upload-nice",
+        type=int,
+        default=0,
+        help="nice value of this library's upload thread, 0-19 (default 0: unchanged)",
+    )
+    parser.add_argument(
+        "--max-outstanding", type=int, default=1, help="this library's saves in flight at once (default 1)"
+    )
     parser.add_argument(
         "--json", default="bench-results.json", help="JSON file for every figure (default bench-results.json)"
     )
     parser.add_argument("--markdown", default=None, help="also write the table to this file")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark; prints a markdown table and writes a JSON file. Returns the exit code."""
+    parser = build_parser()
     args = parser.parse_args(argv)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     unknown = set(modes) - set(MODE_SETUPS)

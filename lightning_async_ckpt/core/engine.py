@@ -373,13 +373,17 @@ class AsyncCheckpointer(Completion, Lifecycle, DrainOnExit):
     # -- plain PyTorch loops -----------------------------------------------------------------------------
     def attach(
         self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | Iterable[torch.optim.Optimizer]
-    ) -> None:
+    ) -> AsyncCheckpointer:
         """Install the fences for a plain loop: an optimizer step pre-hook and a forward pre-hook.
 
         Afterwards ``save(..., modules=[model], optimizers=[optimizer])`` defers what the proof allows, without
         other code changes. :meth:`detach` removes the hooks.
+
+        Returns:
+            This checkpointer, so ``ckpt = AsyncCheckpointer(store).attach(model, optimizer)`` works.
         """
         self._fence_hooks.attach(model, optimizer)
+        return self
 
     def detach(self) -> None:
         """Remove the hooks installed by :meth:`attach` (after waiting at every fence)."""

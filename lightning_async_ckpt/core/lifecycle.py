@@ -145,13 +145,14 @@ class Lifecycle:
         pending = len(self.in_flight_steps())  # type: ignore[attr-defined]
         t0 = time.monotonic()
         done = self.drain_quietly(self.options.drain_timeout_s)
-        _log.warning(
-            "interpreter exit: drained %d outstanding checkpoint save(s) in %.2fs (%s); last committed step %s",
-            pending,
-            time.monotonic() - t0,
-            "complete" if done else "timed out, rest abandoned",
-            self.committed_step,
-        )
+        if pending or not done:  # nothing was outstanding: nothing to report
+            _log.warning(
+                "interpreter exit: drained %d outstanding checkpoint save(s) in %.2fs (%s); last committed step %s",
+                pending,
+                time.monotonic() - t0,
+                "complete" if done else "timed out, rest abandoned",
+                self.committed_step,
+            )
         self._closed = True
         if not done:
             self._abandon_outstanding("interpreter exit")

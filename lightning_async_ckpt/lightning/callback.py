@@ -29,7 +29,13 @@ from lightning_async_ckpt.errors import GenerationExistsError
 from lightning_async_ckpt.lightning.arguments import check_arguments, check_strategy
 from lightning_async_ckpt.lightning.collective import agree_on
 from lightning_async_ckpt.lightning.hooks import is_last_batch, lightning_proof
-from lightning_async_ckpt.lightning.progress import estimate_checkpoint_bytes, log_commit, log_progress, preallocate
+from lightning_async_ckpt.lightning.progress import (
+    estimate_checkpoint_bytes,
+    log_commit,
+    log_progress,
+    log_stopped,
+    preallocate,
+)
 from lightning_async_ckpt.lightning.rerun import place_run
 from lightning_async_ckpt.lightning.resume import find_last, install_reader, latest_checkpoint, remove_reader
 from lightning_async_ckpt.lightning.rng import collect_portable_rng, restore_rng
@@ -229,12 +235,7 @@ class AsyncCheckpointCallback(ModelCheckpoint):
             except Exception:  # noqa: BLE001 - the training exception is the one that propagates
                 _log.warning("checkpoint error while handling a training exception", exc_info=True)
             self._sync_progress()
-            _log.warning(
-                "training stopped by %s; last committed checkpoint step %s (last requested %s)",
-                type(exception).__name__,
-                self.committed_step,
-                self.requested_step,
-            )
+            log_stopped(trainer, exception, self.committed_step, self.requested_step)
 
     @override
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -7,10 +7,12 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.trainer.states import RunningStage, TrainerFn
+from torchmetrics import Metric
 
 from lightning_async_ckpt.core.engine import AsyncCheckpointer
 
-__all__ = ["estimate_checkpoint_bytes", "log_commit", "log_progress", "preallocate"]
+__all__ = ["estimate_checkpoint_bytes", "log_commit", "log_progress", "log_stopped", "preallocate", "training_started"]
 
 _log = logging.getLogger("lightning_async_ckpt")
 # Optimizer state multiple of the parameters, for the budget check before the first step.
@@ -43,10 +45,72 @@ def log_progress(
         if value is not None:
             pl_module.log(key, float(value), on_step=True, on_epoch=False, batch_size=1)
     if committed_step is not None:
+        # Lightning turns every logged tensor or number into a float (the TQDM bar then shows `12.00`); a metric
+        # object's own value is passed through, so an integer one shows as `12`.
+        metric = _StepMetric()
+        metric(committed_step)
         pl_module.log(
-            "ckpt/committed_step", float(committed_step), on_step=True, on_epoch=False, prog_bar=True, batch_size=1
+            "ckpt/committed_step",
+            metric,
+            on_step=True,
+            on_epoch=False,
+            prog_bar=True,
+            batch_size=1,
+            metric_attribute="_lightning_async_ckpt_committed_step",
         )
     return state
+
+
+class _StepMetric(Metric):
+    """A step number as an integer metric (``compute`` returns an ``int64`` tensor); no cross-rank reduction."""
+
+    full_state_update = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.add_state("step", default=torch.tensor(0, dtype=torch.int64), dist_reduce_fx="max")
+
+    def update(self, step: int) -> None:
+        self.step = torch.tensor(int(step), dtype=torch.int64)
+
+    def compute(self) -> torch.Tensor:
+        return self.step
+
+
+def training_started(trainer: pl.Trainer) -> bool:
+    """Whether a fit's training loop had started a batch (so an exception now stops training).
+
+    False outside ``fit`` (validate, test, predict), during the sanity check, and before the first batch (setup,
+    ``on_train_start``, the budget check).
+    """
+    state = trainer.state
+    return (
+        state.fn == TrainerFn.FITTING
+        and state.stage != RunningStage.SANITY_CHECKING
+        and trainer.fit_loop.epoch_loop.batch_progress.total.started > 0
+    )
+
+
+def log_stopped(
+    trainer: pl.Trainer, exception: BaseException, committed_step: int | None, requested_step: int | None
+) -> None:
+    """Log at WARNING what an exception meant for checkpoints; it says "training stopped" only when it did."""
+    if training_started(trainer):
+        _log.warning(
+            "training stopped by %s; last committed checkpoint step %s (last requested %s)",
+            type(exception).__name__,
+            committed_step,
+            requested_step,
+        )
+        return
+    fn, stage = trainer.state.fn, trainer.state.stage
+    where = f"{fn.value if fn else 'the trainer'}" + (f" ({stage.value})" if stage else "")
+    _log.warning(
+        "%s raised during %s, before any training step; last committed checkpoint step %s",
+        type(exception).__name__,
+        where,
+        committed_step,
+    )
 
 
 def estimate_checkpoint_bytes(module: torch.nn.Module, optimizers: list[Any]) -> int:

@@ -269,18 +269,25 @@ def backend_for(fs: fsspec.AbstractFileSystem, block_size: int | None = None) ->
     return Backend(fs, block_size)
 
 
-_EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs", "az": "azure", "abfs": "azure"}
+# How to install the fsspec backend of a scheme: this package's extra where it has one, else the backend itself.
+_INSTALL = {
+    "s3": "pip install 'lightning_async_ckpt[s3]'",
+    "s3a": "pip install 'lightning_async_ckpt[s3]'",
+    "gs": "pip install gcsfs",
+    "gcs": "pip install gcsfs",
+    "az": "pip install adlfs",
+    "abfs": "pip install adlfs",
+}
 
 
 def open_filesystem(uri: str, options: dict[str, Any]) -> tuple[fsspec.AbstractFileSystem, str]:
     """The filesystem and root path of ``uri``.
 
     Raises:
-        ConfigError: Unknown scheme, a backend that is not installed (names the extra), or bad options.
+        ConfigError: Unknown scheme, a backend that is not installed (names what to install), or bad options.
     """
     scheme = uri.split("://", 1)[0].lower() if "://" in uri else "file"
-    extra = _EXTRAS.get(scheme)
-    hint = f"pip install 'lightning_async_ckpt[{extra}]'" if extra else f"install the fsspec backend for {scheme!r}"
+    hint = _INSTALL.get(scheme) or f"install the fsspec backend for {scheme!r}"
     try:
         fsspec.get_filesystem_class(scheme)
     except ImportError as exc:

@@ -30,7 +30,7 @@ from lightning_async_ckpt.tools.fmt import one_line
 from lightning_async_ckpt.tools.plan_commands import cmd_plan, cmd_timeline, exit_code, parse_size, run_bench
 from lightning_async_ckpt.tools.store_commands import PROG, UsageError, cmd_gc, cmd_ls, cmd_verify
 
-__all__ = ["main"]
+__all__ = ["build_parser", "main"]
 
 
 class _Parser(argparse.ArgumentParser):
@@ -58,7 +58,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         command, run = "bench", lambda: run_bench(args_list[1:])
     else:
         try:
-            args = _parser().parse_args(args_list)
+            args = build_parser().parse_args(args_list)
         except SystemExit as exc:  # argparse already printed the error (or --help)
             return exit_code(exc)
         command, run = args.command, lambda: args.func(args)
@@ -112,13 +112,16 @@ class _OneLineHandler(logging.Handler):
 
 
 # -- parser ----------------------------------------------------------------------------------------------
-def _parser() -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
+    """The parser of every command but ``bench`` (which parses its own arguments: ``bench --help``)."""
     parser = _Parser(
         prog=PROG,
         description="Inspect, verify and clean checkpoint stores; plan checkpoint schedules; plot event logs.",
         epilog=f"Run `{PROG} COMMAND --help` for a command's options. Exit status: 0 ok, 1 verify failed, 2 bad input.",
     )
-    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    parser.add_argument(
+        "--version", action="version", version=f"%(prog)s {_version()}", help="print the version and exit"
+    )
     # Handled before parsing (it must come first); listed here for --help.
     parser.add_argument("--debug", action="store_true", help="show the traceback of an unexpected error")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -193,7 +196,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", default="timeline.png", help="PNG to write (default timeline.png)")
     p.set_defaults(func=cmd_timeline)
 
-    sub.add_parser("bench", help="storage and staging benchmark (arguments are passed through)", add_help=False)
+    sub.add_parser(
+        "bench",
+        help="every checkpointing approach on one model in one run, with the floors (see `bench --help`)",
+        add_help=False,
+    )
     return parser
 
 

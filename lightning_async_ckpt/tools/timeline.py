@@ -3,7 +3,9 @@
 One PNG with four panels sharing a time axis (seconds since the first event):
 
 1. training steps over time (``train_step`` events), with the windows in which a checkpoint blocked training;
-2. one row per checkpoint request: blocking window, background staging, upload, manifest commit;
+2. one row per checkpoint request: blocking window, background staging, upload, manifest commit (past
+   :data:`~lightning_async_ckpt.tools.timeline_requests.PER_REQUEST_LIMIT` requests: mean phase seconds per
+   time bin and each phase's distribution, see :mod:`~lightning_async_ckpt.tools.timeline_requests`);
 3. requested versus committed step (the gap is progress that is not yet recoverable);
 4. saves outstanding (the backlog), with each request's admission decision.
 
@@ -21,6 +23,7 @@ from typing import Any
 
 from lightning_async_ckpt.core.telemetry import read_events
 from lightning_async_ckpt.errors import ConfigError
+from lightning_async_ckpt.tools.timeline_requests import PER_REQUEST_LIMIT, draw_aggregated
 
 __all__ = ["plot_timeline"]
 
@@ -85,10 +88,11 @@ def render_timeline(
     fig = figure_cls(figsize=(13, 11), dpi=110, layout="constrained")
     canvas_cls(fig)
     rows = sum(1 for s in saves if s.get("outcome") not in _DROPPED) + 1
-    gantt_height = max(2.0, min(6.0, 0.28 * rows + 1.0))
+    aggregate = rows - 1 > PER_REQUEST_LIMIT
+    gantt_height = 3.0 if aggregate else max(2.0, min(6.0, 0.28 * rows + 1.0))
     axes = fig.subplots(4, 1, sharex=True, height_ratios=[1.6, gantt_height, 1.6, 1.2])
     ax_train, ax_gantt, ax_steps, ax_backlog = axes
-    totals = _draw_gantt(ax_gantt, saves, t0)
+    totals = _draw_aggregated(ax_gantt, saves, t0) if aggregate else _draw_gantt(ax_gantt, saves, t0)
     _draw_training(ax_train, steps, saves, by_kind.get("fence_wait", []), t0)
     t_end = max(float(ev["t"]) for ev in events) - t0
     _draw_steps(ax_steps, requests, by_kind.get("committed", []), saves, t0, t_end)
@@ -130,6 +134,19 @@ def _draw_training(ax: Any, steps: list, saves: list, fence_waits: list, t0: flo
         if wait > 0:
             ax.axvspan(ev["t"] - wait - t0, ev["t"] - t0, color="#9467bd", alpha=0.3, lw=0)
     ax.grid(alpha=0.3)
+
+
+def _draw_aggregated(ax: Any, saves: list, t0: float) -> dict[str, float]:
+    return draw_aggregated(
+        ax,
+        [s for s in saves if s.get("outcome") not in _DROPPED],
+        [s for s in saves if s.get("outcome") in _DROPPED],
+        t0,
+        windows=_phases,
+        phases=_PHASES,
+        start_of=lambda s: _num(s.get("t_request"), _num(s.get("t"))),
+        patch=_patch,
+    )
 
 
 def _draw_gantt(ax: Any, saves: list, t0: float) -> dict[str, float]:
