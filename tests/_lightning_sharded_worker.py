@@ -108,16 +108,18 @@ def full_weights(model: ShardedModel) -> dict[str, torch.Tensor]:
 def main(out: str) -> None:
     result: dict = {}
     plain = ShardedModel("plain")
+    ours = AsyncCheckpointCallback(dirpath=f"{out}/ours", every_n_train_steps=4)
     fit(
         plain,
         [
-            AsyncCheckpointCallback(dirpath=f"{out}/ours", every_n_train_steps=4),
+            ours,
             ModelCheckpoint(dirpath=f"{out}/sync", filename="{step}", every_n_train_steps=4, save_top_k=-1),
         ],
         max_steps=8,
     )
     rank = dist.get_rank()
     result.update(rank=rank, losses=plain.losses, latest=latest_checkpoint(f"{out}/ours"))
+    result["deferred_bytes"] = ours.checkpointer.deferred_bytes  # staged behind the fences, not at the cut
     weights = full_weights(plain)
     if rank == 0:
         torch.save(weights, f"{out}/uninterrupted.pt")
@@ -125,15 +127,17 @@ def main(out: str) -> None:
         shutil.copytree(store.url(4), f"{out}/half/{os.path.basename(store.url(4))}")
     dist.barrier()
 
+    bn_ours = AsyncCheckpointCallback(dirpath=f"{out}/bn-ours", every_n_train_steps=2)
     fit(
         ShardedModel("bn"),
         [
-            AsyncCheckpointCallback(dirpath=f"{out}/bn-ours", every_n_train_steps=2),
+            bn_ours,
             ModelCheckpoint(dirpath=f"{out}/bn-sync", filename="{step}", every_n_train_steps=2, save_top_k=-1),
         ],
         max_steps=4,
     )
 
+    result["bn_deferred_bytes"] = bn_ours.checkpointer.deferred_bytes
     result["half_latest"] = latest_checkpoint(f"{out}/half")
     resumed = ShardedModel("plain")
     fit(

@@ -130,6 +130,7 @@ class ShardedCallbackHandle:
     step: int
     committed: Future
     blocked_s: float
+    deferred_bytes: int = 0
     decision: _Decision = _Decision()
 
 
@@ -177,6 +178,7 @@ class ShardedCallbackCheckpointer:
         self.deferral_blocked = deferral_blocked
         self.committed_step: int | None = None
         self.last_committed: ShardedRecord | None = None
+        self.deferred_bytes = 0  # staged behind the fences, over every save of this checkpointer
         self.coalesce_due = False
         self.retake_due = False
         self._handle: ShardedCallbackHandle | None = None
@@ -249,7 +251,10 @@ class ShardedCallbackCheckpointer:
             step, state, modules=modules, optimizers=optimizers, defer=defer and not blocked_by, objects=objects
         )
         blocked = time.perf_counter() - start
-        handle = ShardedCallbackHandle(step=step, committed=inner.committed, blocked_s=blocked)
+        handle = ShardedCallbackHandle(
+            step=step, committed=inner.committed, blocked_s=blocked, deferred_bytes=inner.deferred_bytes
+        )
+        self.deferred_bytes += inner.deferred_bytes
         inner.committed.add_done_callback(lambda f, s=step, t=start, b=blocked: self._ended(f, s, t, b))
         self._handle = handle
         return handle
