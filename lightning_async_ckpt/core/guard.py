@@ -146,6 +146,7 @@ class CutGuard:
         rng = np.random.default_rng(secrets.randbits(63))
         sizes = np.array([slot.nbytes for slot in self.slots], dtype=np.float64)
         positions = (rng.random((len(self.slots), FINGERPRINT_SAMPLES)) * sizes[:, None]).astype(np.int64)
+        on_device: dict[torch.device, list[tuple[StorageSlot, np.ndarray]]] = {}
         for row, slot in enumerate(self.slots):
             self._versions[slot.index] = _versions(slot)
             data = _as_bytes(slot.storage)
@@ -156,7 +157,18 @@ class CutGuard:
             if slot.device.type == "cpu":
                 self._samples[slot.index] = (idx, data.numpy()[idx])  # fancy indexing copies
             else:
-                self._samples[slot.index] = (idx, data[torch.from_numpy(idx).to(slot.device)].clone())
+                on_device.setdefault(slot.device, []).append((slot, idx))
+        for device, rows in on_device.items():
+            # One asynchronous upload of every position per device (from pinned memory), then one gather kernel per
+            # storage on the compute stream, ordered at the cut: no host synchronization. The samples are read
+            # back by `check`, on the staging thread.
+            flat = torch.from_numpy(np.concatenate([idx for _, idx in rows])).pin_memory()
+            flat = flat.to(device, non_blocking=True)
+            start = 0
+            for slot, idx in rows:
+                positions_dev = flat[start : start + len(idx)]
+                start += len(idx)
+                self._samples[slot.index] = (idx, _as_bytes(slot.storage)[positions_dev])
 
     def seal(self, slots: Sequence[StorageSlot]) -> None:
         """Right after ``slots`` were copied and before their fence opens: read their version counters again."""

@@ -22,6 +22,7 @@ import psutil
 import torch
 
 from lightning_async_ckpt.core.capture import Category, Fence, StorageSlot
+from lightning_async_ckpt.core.cuda_copy import CudaCopies, as_bytes
 from lightning_async_ckpt.core.guard import CutGuard, GuardMode, resolve_guard_mode
 from lightning_async_ckpt.errors import CheckpointError, ConfigError, HostMemoryBudgetError, TornSnapshotError
 
@@ -200,10 +201,6 @@ def _copy_in_chunks(dst: np.ndarray, src: np.ndarray, abandon: threading.Event |
         np.copyto(dst[start : start + _COPY_CHUNK], src[start : start + _COPY_CHUNK])
 
 
-def _as_bytes(storage: torch.UntypedStorage) -> torch.Tensor:
-    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage, 0, (storage.nbytes(),), (1,))
-
-
 @dataclass
 class _FenceState:
     event: threading.Event = field(default_factory=threading.Event)
@@ -247,35 +244,36 @@ class StagingJob:
         self._guard = CutGuard(self._deferred, self.guard)
         # Earlier fences first, so the first wait is released as soon as possible.
         self._deferred.sort(key=lambda s: 0 if s.fence == Fence.BATCH_START else 1)
-        self._cuda_cut_events: dict[torch.device, torch.cuda.Event] = {}
-        self._side_streams: dict[torch.device, torch.cuda.Stream] = {}
+        self._cuda = CudaCopies()
 
     # -- at the cut, on the caller thread ----------------------------------------------------------------
     def copy_at_cut(self, side_streams: dict[torch.device, torch.cuda.Stream] | None = None) -> None:
-        """Copy the copy-at-cut storages, fingerprint the deferred ones, and mark the cut on CUDA streams."""
-        synced: set[torch.device] = set()
+        """Copy the copy-at-cut storages, fingerprint the deferred ones, and enqueue every CUDA copy.
+
+        CUDA copies never block the host here: copy-at-cut ones are ordered on the compute stream before any later
+        write, deferred ones on a side stream after the cut's event (see :mod:`~lightning_async_ckpt.core.cuda_copy`).
+        """
+        cut_devices: set[torch.device] = set()
         for slot, buf in zip(self.slots, self.buffers, strict=True):
             if slot.fence != Fence.CUT:
                 continue
-            if slot.device.type == "cuda" and buf.is_pinned():
-                # Enqueued on the compute stream (after everything the cut covers) without a host sync per
-                # storage; one synchronize per device below, before training may mutate the sources again.
-                buf.copy_(_as_bytes(slot.storage), non_blocking=True)
-                synced.add(slot.device)
+            if slot.device.type == "cuda" and self._cuda.copy_at_cut(slot, buf):
+                cut_devices.add(slot.device)
             else:
-                buf.copy_(_as_bytes(slot.storage))
-        for dev in synced:
-            torch.cuda.current_stream(dev).synchronize()
+                buf.copy_(as_bytes(slot.storage))
         self._guard.record()
-        devices = {s.device for s in self._deferred if s.device.type == "cuda"}
-        for dev in devices:
-            event = torch.cuda.Event()
-            event.record(torch.cuda.current_stream(dev))
-            self._cuda_cut_events[dev] = event
-            self._side_streams[dev] = (side_streams or {}).get(dev) or torch.cuda.Stream(dev)
+        cuda = [s for s in self._deferred if s.device.type == "cuda"]
+        self._cuda.mark_cut(cut_devices | {s.device for s in cuda})
+        if cuda:
+            self._cuda.issue_deferred(cuda, self.buffers, side_streams)
+            for fence, events in self._cuda.fence_events.items():
+                # Issued (not landed) is what the seal has always meant on CUDA: a write issued before the fence is
+                # ordered before the copy on no stream, so the version counters read at the fence catch it.
+                self._guard.seal([s for s in cuda if s.fence == fence])
+                self.fences[fence].cuda_events = dict(events)
         for fence, state in self.fences.items():
-            if not any(s.fence == fence for s in self._deferred):
-                state.event.set()
+            if not any(s.fence == fence and s.device.type != "cuda" for s in self._deferred):
+                state.event.set()  # nothing left for the staging thread at this fence: CUDA waits on its events
 
     # -- on the staging thread ---------------------------------------------------------------------------
     def run(self) -> None:
@@ -283,25 +281,18 @@ class StagingJob:
         self.stage_started = time.perf_counter()
         self.stage_started_wall = time.time()
         try:
-            pending = {f: sum(1 for s in self._deferred if s.fence == f) for f in self.fences}
-            for slot in self._deferred:
-                buf = self.buffers[slot.index]
-                if slot.device.type == "cuda":
-                    stream = self._side_streams[slot.device]
-                    stream.wait_event(self._cuda_cut_events[slot.device])
-                    with torch.cuda.stream(stream):
-                        buf.copy_(_as_bytes(slot.storage), non_blocking=True)
-                else:
-                    # A single-threaded memcpy that releases the GIL: torch's copy_ would start a second OpenMP team
-                    # on this thread, whose spinning workers compete with the training thread's team.
-                    _copy_in_chunks(buf.numpy(), _as_bytes(slot.storage).numpy(), self.abandon)
+            host = [s for s in self._deferred if s.device.type != "cuda"]
+            pending = {f: sum(1 for s in host if s.fence == f) for f in self.fences}
+            for slot in host:
+                # A single-threaded memcpy that releases the GIL: torch's copy_ would start a second OpenMP team
+                # on this thread, whose spinning workers compete with the training thread's team.
+                _copy_in_chunks(self.buffers[slot.index].numpy(), as_bytes(slot.storage).numpy(), self.abandon)
                 pending[slot.fence] -= 1
                 if pending[slot.fence] == 0:
                     # Version counters are read before the fence opens: the optimizer's own step comes after it.
-                    self._guard.seal([s for s in self._deferred if s.fence == slot.fence])
+                    self._guard.seal([s for s in host if s.fence == slot.fence])
                     self._release(slot.fence)
-            for stream in self._side_streams.values():
-                stream.synchronize()
+            self._cuda.synchronize()
             if self.abandon is not None and self.abandon.is_set():
                 # The full check reads every deferred byte again: never inside torch once the save was abandoned.
                 raise CheckpointError("staging abandoned: the save was abandoned at close")
@@ -317,17 +308,7 @@ class StagingJob:
             self.done.set()
 
     def _release(self, fence: Fence) -> None:
-        state = self.fences[fence]
-        devices = {s.device for s in self._deferred if s.fence == fence and s.device.type == "cuda"}
-        # One completion event per fence and device: each device's compute stream waits on its own side stream's
-        # copies instead of the host (a model spread over several GPUs has a side stream on each).
-        events = {}
-        for dev in devices:
-            event = torch.cuda.Event()
-            event.record(self._side_streams[dev])
-            events[dev] = event
-        state.cuda_events = events
-        state.event.set()
+        self.fences[fence].event.set()
         if self.on_release is not None:
             self.on_release(fence)
 

@@ -7,15 +7,14 @@ reads an object back while checking its size and checksum (:func:`read_verified`
 from __future__ import annotations
 
 import errno
-import fcntl
 import hashlib
-import mmap
 import os
 import uuid
 import zlib
 from typing import IO, Any
 
 from lightning_async_ckpt.errors import ConfigError, ManifestError
+from lightning_async_ckpt.storage.direct import DirectFile
 
 __all__ = [
     "DEFAULT_CHECKSUM",
@@ -32,8 +31,6 @@ __all__ = [
 ]
 
 READ_CHUNK = 8 << 20
-_DIRECT_ALIGN = 4096
-_DIRECT_BUFFER = 8 << 20
 
 
 def crc32c_module() -> Any:
@@ -88,69 +85,6 @@ class Checksum:
         if self._sha is not None:
             return f"sha256:{self._sha.hexdigest()}"
         return f"{self.algorithm}:{self._value:08x}"
-
-
-class DirectFile:
-    """A write-only local file that bypasses the page cache (``O_DIRECT``) through an aligned buffer.
-
-    Writing a checkpoint through the page cache makes the kernel copy every byte and then throttle on writeback,
-    which on the machines we measured stalled the training threads for seconds per GB; direct writes go from one
-    aligned buffer to the disk. The unaligned tail is written after clearing ``O_DIRECT``. ``fsync`` still runs
-    at close (for the file's metadata).
-
-    Args:
-        fd: A file descriptor opened with ``O_DIRECT``; owned (closed) by this object.
-    """
-
-    def __init__(self, fd: int) -> None:
-        self._fd = fd
-        self._buf = mmap.mmap(-1, _DIRECT_BUFFER)
-        self._view = memoryview(self._buf)
-        self._fill = 0
-        self.closed = False
-
-    def write(self, data: Any) -> int:
-        """Buffer ``data``; full aligned buffers go to the disk."""
-        view = memoryview(data).cast("B")
-        total = len(view)
-        while view:
-            n = min(len(view), _DIRECT_BUFFER - self._fill)
-            self._view[self._fill : self._fill + n] = view[:n]
-            self._fill += n
-            view = view[n:]
-            if self._fill == _DIRECT_BUFFER:
-                self._drain(self._fill)
-        return total
-
-    def _drain(self, nbytes: int) -> None:
-        done = 0
-        while done < nbytes:
-            done += os.write(self._fd, self._view[done:nbytes])
-        self._fill = 0
-
-    def flush(self) -> None:
-        """Write what is buffered: the aligned part directly, the tail through the page cache."""
-        aligned = self._fill - self._fill % _DIRECT_ALIGN
-        tail = bytes(self._view[aligned : self._fill])
-        if aligned:
-            self._drain(aligned)
-        self._fill = 0
-        if tail:
-            flags = fcntl.fcntl(self._fd, fcntl.F_GETFL)
-            fcntl.fcntl(self._fd, fcntl.F_SETFL, flags & ~os.O_DIRECT)
-            os.write(self._fd, tail)
-
-    def fileno(self) -> int:
-        """The underlying file descriptor."""
-        return self._fd
-
-    def close(self) -> None:
-        """Release the buffer and close the descriptor (call :meth:`flush` first)."""
-        if not self.closed:
-            self.closed = True
-            self._view.release()
-            self._buf.close()
-            os.close(self._fd)
 
 
 def open_local_write(path: str, direct_io: bool) -> IO[bytes] | DirectFile:

@@ -1,0 +1,155 @@
+"""A write-only local file that bypasses the page cache (``O_DIRECT``), with the disk kept busy.
+
+Writing a checkpoint through the page cache makes the kernel copy every byte and then throttle on writeback,
+which on the machines we measured stalled the training threads for seconds per GB; direct writes go from aligned
+buffers to the disk. The caller fills one aligned buffer (a copy that releases the GIL) while a writer thread
+writes the previous ones: the copy, the checksum and the wait for the GIL after each write no longer leave the disk
+idle, which halved the rate during GPU training when they ran one after the other on one thread.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import mmap
+import os
+import queue
+import threading
+from typing import Any
+
+import numpy as np
+
+__all__ = ["DIRECT_ALIGN", "DirectFile"]
+
+DIRECT_ALIGN = 4096
+# Each write is one buffer: large, so that the writer thread takes the GIL back rarely per byte.
+_BUFFER = 32 << 20
+_DEPTH = 3
+# A copy smaller than this is done with the GIL held (numpy's GIL release costs more than it saves).
+_SMALL = 64 << 10
+
+
+class DirectFile:
+    """Buffered ``O_DIRECT`` writes through :data:`_DEPTH` aligned buffers and one writer thread.
+
+    A write error on the writer thread is raised by the next :meth:`write` or :meth:`flush`. The unaligned tail is
+    written after clearing ``O_DIRECT``. ``fsync`` is the caller's (the file's metadata still needs it).
+
+    Args:
+        fd: A file descriptor opened with ``O_DIRECT``; owned (closed) by this object.
+        buffer_bytes: Size of each aligned buffer (a multiple of :data:`DIRECT_ALIGN`).
+    """
+
+    def __init__(self, fd: int, buffer_bytes: int = _BUFFER) -> None:
+        self._fd = fd
+        self._size = buffer_bytes - buffer_bytes % DIRECT_ALIGN
+        self._maps: list[mmap.mmap] = []
+        self._views: dict[int, np.ndarray] = {}  # one numpy view per buffer, dropped before the buffers close
+        self._free: queue.SimpleQueue[mmap.mmap] = queue.SimpleQueue()
+        self._todo: queue.Queue[tuple[mmap.mmap, int] | None] = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._cur: mmap.mmap | None = None
+        self._cur_np: np.ndarray | None = None
+        self._fill = 0
+        self.closed = False
+
+    # -- caller side -------------------------------------------------------------------------------------
+    def write(self, data: Any) -> int:
+        """Copy ``data`` into the current buffer; full buffers go to the writer thread."""
+        self._raise_error()
+        view = memoryview(data).cast("B")
+        total = len(view)
+        src = np.frombuffer(view, dtype=np.uint8) if total >= _SMALL else None
+        pos = 0
+        while pos < total:
+            if self._cur is None:
+                self._take_buffer()
+            n = min(total - pos, self._size - self._fill)
+            if src is not None:
+                np.copyto(self._cur_np[self._fill : self._fill + n], src[pos : pos + n])  # type: ignore[index]
+            else:
+                self._cur[self._fill : self._fill + n] = view[pos : pos + n]  # type: ignore[index]
+            self._fill += n
+            pos += n
+            if self._fill == self._size:
+                self._submit(self._size)
+        return total
+
+    def flush(self) -> None:
+        """Write everything: the aligned part directly, the tail through the page cache; waits for the disk."""
+        tail = b""
+        if self._cur is not None:
+            aligned = self._fill - self._fill % DIRECT_ALIGN
+            tail = bytes(self._cur[aligned : self._fill])
+            if aligned:
+                self._submit(aligned)
+            else:
+                self._free.put(self._cur)
+                self._cur, self._cur_np, self._fill = None, None, 0
+        self._todo.join()
+        self._raise_error()
+        if tail:
+            flags = fcntl.fcntl(self._fd, fcntl.F_GETFL)
+            fcntl.fcntl(self._fd, fcntl.F_SETFL, flags & ~os.O_DIRECT)
+            os.write(self._fd, tail)
+
+    def fileno(self) -> int:
+        """The underlying file descriptor."""
+        return self._fd
+
+    def close(self) -> None:
+        """Stop the writer thread, release the buffers and close the descriptor (call :meth:`flush` first)."""
+        if self.closed:
+            return
+        self.closed = True
+        if self._thread is not None:
+            self._todo.put(None)
+            self._thread.join()
+        self._cur = self._cur_np = None
+        self._views.clear()
+        for m in self._maps:
+            m.close()
+        os.close(self._fd)
+
+    def _take_buffer(self) -> None:
+        if len(self._maps) < _DEPTH and self._free.empty():
+            buf = mmap.mmap(-1, self._size)  # page-aligned, as O_DIRECT requires
+            self._maps.append(buf)
+            self._views[id(buf)] = np.frombuffer(buf, dtype=np.uint8)
+        else:
+            buf = self._free.get()
+            self._raise_error()
+        self._cur, self._fill = buf, 0
+        self._cur_np = self._views[id(buf)]
+
+    def _submit(self, nbytes: int) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="lightning-async-ckpt-direct", daemon=True)
+            self._thread.start()
+        self._todo.put((self._cur, nbytes))  # type: ignore[arg-type]
+        self._cur, self._cur_np, self._fill = None, None, 0
+
+    def _raise_error(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+    # -- writer thread -----------------------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            item = self._todo.get()
+            if item is None:
+                self._todo.task_done()
+                return
+            buf, nbytes = item
+            try:
+                if self._error is None:
+                    view = memoryview(buf)
+                    done = 0
+                    while done < nbytes:
+                        done += os.write(self._fd, view[done:nbytes])
+                    view.release()
+            except BaseException as exc:  # noqa: BLE001 - raised on the caller's next write or flush
+                self._error = exc
+            finally:
+                self._free.put(buf)
+                self._todo.task_done()
