@@ -149,6 +149,18 @@ CALLBACK_CASES = [
     ("restore_rng", None),
     ("verbose", "loud"),
     ("upload_nice", 25),
+    # ModelCheckpoint's arguments (issue 15; more cases in tests/test_modelcheckpoint_args.py)
+    ("filename", 5),
+    ("monitor", ""),
+    ("mode", "avg"),
+    ("save_top_k", -2),
+    ("save_last", "yes"),
+    ("save_weights_only", 1),
+    ("auto_insert_metric_name", None),
+    ("train_time_interval", 5),
+    ("save_on_train_epoch_end", "no"),
+    ("enable_version_counter", "x"),
+    ("save_on_exception", True),
 ]
 
 

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 from lightning_async_ckpt.errors import ConfigError
 
-__all__ = ["check_arguments", "check_strategy"]
+__all__ = ["Selection", "check_arguments", "check_selection", "check_strategy"]
 
 
 def check_arguments(
@@ -50,3 +52,94 @@ def check_strategy(strategy: Any) -> None:
             f"AsyncCheckpointCallback writes {name} checkpoints sharded (every rank writes its shards in torch DCP "
             f"format); this {name} is configured for full (rank 0) checkpoints: pass {fix}"
         )
+
+
+@dataclass(frozen=True)
+class Selection:
+    """``ModelCheckpoint``'s selection arguments, validated, and what they mean for this store.
+
+    Attributes:
+        filename: The name template (``None``: ``ModelCheckpoint``'s ``"{epoch}-{step}"``).
+        monitor: The metric ranked by ``save_top_k`` (``None``: no ranking).
+        mode: ``"min"`` or ``"max"``.
+        save_top_k: The value ``ModelCheckpoint`` reports (loggers read it; ``-1`` means every generation is kept).
+        top_k: With ``monitor``: how many committed generations to keep by score, ``-1`` all.
+        save_last: ``None``/``False``/``True``/``"link"``.
+        keep_last: The engine's count-based retention (``None``: none, or best-k retention of the callback).
+        keep_newest: With ``monitor``: how many of the newest committed generations best-k retention keeps too.
+    """
+
+    filename: str | None
+    monitor: str | None
+    mode: str
+    save_top_k: int
+    top_k: int
+    save_last: bool | str | None
+    keep_last: int | None
+    keep_newest: int
+
+
+def check_selection(
+    *,
+    filename: Any,
+    monitor: Any,
+    mode: Any,
+    save_top_k: Any,
+    save_last: Any,
+    keep_last: Any,
+    train_time_interval: Any,
+    save_on_train_epoch_end: Any,
+    save_on_exception: Any,
+) -> Selection:
+    """Validate ``ModelCheckpoint``'s arguments and map them onto the committed-generation store.
+
+    Raises:
+        ConfigError: Naming the argument and what to pass instead.
+    """
+    if filename is not None and (not isinstance(filename, str) or not filename.strip()):
+        raise ConfigError(f"filename must be None or a non-empty template like '{{epoch}}-{{step}}', got {filename!r}")
+    if monitor is not None and (not isinstance(monitor, str) or not monitor):
+        raise ConfigError(f"monitor must be None or the name of a logged metric, got {monitor!r}")
+    if mode not in ("min", "max"):
+        raise ConfigError(f"mode must be 'min' or 'max', got {mode!r}")
+    if save_last not in (None, True, False, "link"):
+        raise ConfigError(f"save_last must be None, True, False or 'link', got {save_last!r}")
+    if save_top_k is not None and (isinstance(save_top_k, bool) or not isinstance(save_top_k, int) or save_top_k < -1):
+        raise ConfigError(f"save_top_k must be None or an int >= -1, got {save_top_k!r}")
+    if train_time_interval is not None and (
+        not isinstance(train_time_interval, timedelta) or train_time_interval.total_seconds() < 0
+    ):
+        raise ConfigError(
+            f"train_time_interval must be None or a non-negative datetime.timedelta, got {train_time_interval!r}"
+        )
+    if save_on_train_epoch_end not in (None, True, False):
+        raise ConfigError(f"save_on_train_epoch_end must be None, True or False, got {save_on_train_epoch_end!r}")
+    if save_on_exception is not False:
+        raise ConfigError(
+            f"save_on_exception={save_on_exception!r} is not supported: a checkpoint taken while an exception unwinds "
+            "may hold a half-done step. The callback drains the saves in flight at an exception (bounded by "
+            "drain_timeout_s); resume with trainer.fit(model, ckpt_path='last')"
+        )
+    if save_top_k == 0 and not save_last:
+        raise ConfigError(
+            "save_top_k=0 without save_last writes no checkpoint at all (ModelCheckpoint saves nothing); pass "
+            "save_last=True to keep only the newest generation, or leave the callback out of the Trainer"
+        )
+    if monitor is None:
+        if save_top_k not in (None, -1, 0, 1):
+            raise ConfigError(
+                f"save_top_k={save_top_k} needs monitor=<metric name> to rank checkpoints by; without monitor pass "
+                "save_top_k=1 (keep the newest), -1 (keep all), or keep_last=N (keep the newest N)"
+            )
+        if save_top_k is not None and keep_last is not None:
+            raise ConfigError(
+                f"save_top_k={save_top_k} and keep_last={keep_last} both set how many generations to keep; "
+                "without monitor pass only one of them"
+            )
+        engine_keep = keep_last if save_top_k is None else (None if save_top_k == -1 else 1)
+        reported = -1 if engine_keep is None else engine_keep
+        return Selection(filename, None, mode, reported, 0, save_last, engine_keep, 1)
+    top_k = 1 if save_top_k is None else save_top_k
+    if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
+        raise ConfigError(f"keep_last must be None or an int >= 1, got {keep_last!r}")
+    return Selection(filename, monitor, mode, top_k, top_k, save_last, None, keep_last or 1)

@@ -16,17 +16,17 @@ listed in :mod:`lightning_async_ckpt.lightning.hooks` (derived from Lightning's 
 from __future__ import annotations
 
 import logging
-from typing import Any, Literal
+from typing import Any
 
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
 from lightning_async_ckpt.core.capture import Fence
-from lightning_async_ckpt.core.engine import AsyncCheckpointer, CheckpointOptions
+from lightning_async_ckpt.core.engine import AsyncCheckpointer
 from lightning_async_ckpt.errors import GenerationExistsError
-from lightning_async_ckpt.lightning.arguments import check_arguments, check_strategy
+from lightning_async_ckpt.lightning.arguments import check_strategy
+from lightning_async_ckpt.lightning.base import CallbackArguments
 from lightning_async_ckpt.lightning.collective import agree_on
 from lightning_async_ckpt.lightning.hooks import is_last_batch, lightning_proof
 from lightning_async_ckpt.lightning.progress import (
@@ -39,8 +39,9 @@ from lightning_async_ckpt.lightning.progress import (
 from lightning_async_ckpt.lightning.rerun import place_run
 from lightning_async_ckpt.lightning.resume import find_last, install_reader, latest_checkpoint, remove_reader
 from lightning_async_ckpt.lightning.rng import collect_portable_rng, restore_rng
-from lightning_async_ckpt.lightning.schedule import CutSchedule
-from lightning_async_ckpt.lightning.sharded import setup_sharded
+from lightning_async_ckpt.lightning.selection import load_selection_state, selection_state
+from lightning_async_ckpt.lightning.sharded import is_lightning_dcp_generation, setup_sharded
+from lightning_async_ckpt.lightning.triggers import monitor_candidates
 from lightning_async_ckpt.storage.store import CheckpointStore
 
 __all__ = ["CHECKPOINT_NAME", "AsyncCheckpointCallback", "latest_checkpoint"]
@@ -49,7 +50,7 @@ _log = logging.getLogger("lightning_async_ckpt")
 CHECKPOINT_NAME = "checkpoint.ckpt"
 
 
-class AsyncCheckpointCallback(ModelCheckpoint):
+class AsyncCheckpointCallback(CallbackArguments):
     """Checkpoints that cost the training loop almost nothing and are never reported before they are recoverable.
 
     At each cut (``on_train_batch_end`` every ``every_n_train_steps`` optimizer steps, or the end of every
@@ -91,94 +92,20 @@ class AsyncCheckpointCallback(ModelCheckpoint):
         upload_nice: Nice value (0-19, Linux) of the upload thread; higher lets the training threads go first.
         event_log: Path or URL of a JSONL event log (for ``lightning-async-ckpt timeline`` / ``plan``).
         restore_rng: Restore the RNG states captured at the cut when resuming (Lightning itself does not).
-        verbose: Log every committed generation at INFO level.
+        verbose: Log every committed generation at INFO level, and ``ModelCheckpoint``'s top-k lines.
+        filename, monitor, mode, save_top_k, save_last, save_weights_only, auto_insert_metric_name,
+            train_time_interval, save_on_train_epoch_end, enable_version_counter, save_on_exception:
+            ``ModelCheckpoint``'s arguments with its semantics on the committed generations: see
+            ``docs/comparison.md`` (the rendered ``filename`` is recorded in the manifest; best-k retention keeps
+            the ``save_top_k`` best committed generations by ``monitor`` and the newest; ``best_model_path`` and
+            ``ckpt_path="best"`` name a committed generation).
     """
-
-    def __init__(
-        self,
-        dirpath: str | None = None,
-        every_n_train_steps: int | None = None,
-        every_n_epochs: int | None = None,
-        save_on_train_end: bool = True,
-        keep_last: int | None = None,
-        admission: Literal["wait", "skip", "coalesce", "abort"] = "wait",
-        max_outstanding: int = 1,
-        host_memory_budget: int | str | None = "auto",
-        reserved_host_bytes: int = 0,
-        defer: bool = True,
-        guard: bool | str = True,
-        storage_options: dict[str, Any] | None = None,
-        on_error: Literal["raise", "warn"] = "raise",
-        retries: int = 2,
-        drain_timeout_s: float = 120.0,
-        upload_nice: int = 0,
-        event_log: str | None = None,
-        restore_rng: bool = False,
-        verbose: bool = False,
-    ) -> None:
-        # ModelCheckpoint's own saving is disabled (save_top_k=0, no last) and all of its hooks are overridden.
-        super().__init__(save_top_k=0, save_last=False, every_n_epochs=0)
-        check_arguments(
-            dirpath=dirpath,
-            every_n_train_steps=every_n_train_steps,
-            every_n_epochs=every_n_epochs,
-            flags={
-                "save_on_train_end": save_on_train_end,
-                "defer": defer,
-                "restore_rng": restore_rng,
-                "verbose": verbose,
-            },
-            storage_options=storage_options,
-        )
-        if every_n_train_steps is None and every_n_epochs is None:
-            every_n_epochs = 1
-        # Validates admission, budget, keep_last, on_error, retries... with messages naming the parameter.
-        self.options = CheckpointOptions(
-            max_outstanding=max_outstanding,
-            admission=admission,
-            host_memory_budget=host_memory_budget,
-            reserved_host_bytes=reserved_host_bytes,
-            keep_last=keep_last,
-            guard=guard,
-            on_error=on_error,
-            retries=retries,
-            drain_timeout_s=drain_timeout_s,
-            upload_nice=upload_nice,
-            event_log=event_log,
-        )
-        self.dirpath = dirpath
-        self.every_n_train_steps = every_n_train_steps
-        self._every_n_epochs = every_n_epochs  # read through ModelCheckpoint's `every_n_epochs` property
-        self.save_on_train_end = save_on_train_end
-        self.defer = defer
-        self.storage_options = storage_options
-        self.restore_rng = restore_rng
-        self.verbose = verbose
-        self.store: CheckpointStore | None = None
-        self.checkpointer: AsyncCheckpointer | None = None
-        self.run_id: str | None = None
-        self.requested_step: int | None = None
-        self.committed_step: int | None = None
-        self.skipped = 0
-        self._logged: tuple = ()
-        self._distributed = False
-        self._committed_before: set[int] = set()
-        self._last_cut_step: int | None = None
-        self._preallocated = False
-        self._fit_start_step = 0
-        self._fit_closed = True
-        self._schedule = CutSchedule()
-
-    @property
-    @override
-    def state_key(self) -> str:
-        return self._generate_state_key(
-            dirpath=self.dirpath, every_n_train_steps=self.every_n_train_steps, every_n_epochs=self.every_n_epochs
-        )
 
     # -- setup and teardown ------------------------------------------------------------------------------
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        # A ModelCheckpoint listed beside this callback stays `trainer.checkpoint_callback` (its "best").
+        trainer.callbacks = [c for c in trainer.callbacks if c is not self] + [self]
         install_reader(self, trainer)  # paths in dirpath load through the store's storage_options (resume.py)
         if stage != "fit":
             return
@@ -211,6 +138,10 @@ class AsyncCheckpointCallback(ModelCheckpoint):
         self._last_cut_step = self._fit_start_step = trainer.global_step
         self._preallocated = False
         self._schedule.start(trainer.global_step)
+        self.triggers.start()
+        if self.store is not None and trainer.ckpt_path is not None:
+            # Resumed: best-k from the manifests of the run resumed (a generation counts once committed).
+            self.selection.restore(self.store, self.run_id, trainer.global_step, self._path_of)
         error = None
         if self.checkpointer is not None:
             # The budget is checked before the first step: optimizer state does not exist yet, so it is estimated.
@@ -239,7 +170,11 @@ class AsyncCheckpointCallback(ModelCheckpoint):
 
     @override
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """No-op: cuts are taken at training batch and epoch ends only (ModelCheckpoint would save here)."""
+        # Where ModelCheckpoint saves when validation does not run once per epoch end (lightning/triggers.py).
+        kind = None if self._skip(trainer) else self.triggers.validation_end(trainer)
+        if kind is not None:
+            self._cut(trainer, pl_module, trainer.global_step, last=kind == "deferred")
+        self._poll(trainer)
 
     @override
     def _find_last_checkpoints(self, trainer: pl.Trainer) -> set[str]:
@@ -256,6 +191,7 @@ class AsyncCheckpointCallback(ModelCheckpoint):
         if self.checkpointer is not None:
             # In DDP, errors are raised only at collective points, so one rank never leaves the others hanging.
             self.checkpointer.wait(Fence.BATCH_START, raise_errors=not self._distributed)
+            self._poll(trainer)
 
     @override
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
@@ -274,28 +210,30 @@ class AsyncCheckpointCallback(ModelCheckpoint):
         if self._skip(trainer):
             return
         step = trainer.global_step
-        due = self.every_n_train_steps is not None and step % self.every_n_train_steps == 0
+        ranked = self.triggers.batch_end(trainer)  # ModelCheckpoint's interval and timer (lightning/triggers.py)
         # A coalesced request takes a fresh cut once the backlog drained.
-        due = due or self._schedule.coalesce_due(trainer, self.checkpointer, step)
+        due = ranked or self._schedule.coalesce_due(trainer, self.checkpointer, step)
         # A save the guard refused is retaken at the first batch end after its verdict.
         retake = self._schedule.retake_due(trainer, self.checkpointer)
         # The end of training is known here when max_steps is reached or this is the last batch of the last epoch:
         # the final checkpoint is taken now, before epoch-end bookkeeping and other callbacks' on_train_end (an EMA
         # callback copies its averaged weights into the model there), so it resumes like an uninterrupted run.
+        # With a monitor refreshed by a validation run right after this batch, the cut waits for that run.
         final = self.save_on_train_end and is_last_batch(trainer, batch_idx)
+        final = final and not self.triggers.validation_follows(trainer)
         if due or retake or final:
-            self._cut(trainer, pl_module, step, final=final)
+            self._cut(trainer, pl_module, step, final=final, ranked=ranked)
         elif not self._preallocated and self.checkpointer is not None and step > self._fit_start_step:
             self._preallocated = True
             preallocate(self.checkpointer, pl_module, trainer.optimizers)
+        self._poll(trainer)
         self._log_progress(pl_module)
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._skip(trainer) or self.every_n_epochs is None:
-            return
-        if (trainer.current_epoch + 1) % self.every_n_epochs == 0:
-            self._cut(trainer, pl_module, trainer.global_step)
+        if not self._skip(trainer) and self.triggers.train_epoch_end(trainer):
+            self._cut(trainer, pl_module, trainer.global_step, last=False)
+        self._poll(trainer)
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -328,8 +266,23 @@ class AsyncCheckpointCallback(ModelCheckpoint):
             or self._last_cut_step == trainer.global_step
         )
 
-    def _cut(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int, *, final: bool = False) -> None:
+    def _cut(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        step: int,
+        *,
+        final: bool = False,
+        ranked: bool | None = None,
+        last: bool = True,
+    ) -> None:
         if self._last_cut_step == step and not final:
+            return
+        # ModelCheckpoint's name and top-k decision; a cut that enters no top k (and no save_last) is not taken.
+        take, entry = self.selection.prepare(
+            trainer, monitor_candidates(trainer), ranked=not final if ranked is None else ranked, last=last
+        )
+        if not take:
             return
         self._last_cut_step = step
         clash = None
@@ -343,7 +296,7 @@ class AsyncCheckpointCallback(ModelCheckpoint):
         self.requested_step = step
         decision, error, handle = "admit", None, None
         try:
-            checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+            checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=self.save_weights_only)
             if self.checkpointer is not None:
                 handle = self.checkpointer.save(
                     step,
@@ -354,6 +307,7 @@ class AsyncCheckpointCallback(ModelCheckpoint):
                     defer=self.defer,
                     cut={"epoch": trainer.current_epoch, "global_step": step, "world_size": trainer.world_size},
                     admission="wait" if final else None,
+                    extra=self.selection.extra(entry),
                 )
                 decision = handle.decision.decision
                 if self.verbose:
@@ -365,6 +319,8 @@ class AsyncCheckpointCallback(ModelCheckpoint):
         decision = agree_on(trainer, error, f"capturing the checkpoint for step {step}", decision)
         if decision in ("skip", "coalesce"):
             self.skipped += 1
+        else:
+            self.selection.admitted(entry, handle)
         self._schedule.recorded(step, decision, handle, deferred=self.defer)
 
     def _raise_collectively(self, trainer: pl.Trainer, local: BaseException | None = None) -> None:
@@ -385,13 +341,27 @@ class AsyncCheckpointCallback(ModelCheckpoint):
             except Exception as exc:  # noqa: BLE001 - raised below, after every rank took part in the collective
                 error = exc
             self._sync_progress()
+            self._poll(trainer)
         try:
-            self.committed_step = agree_on(trainer, error, "draining checkpoint saves", self.committed_step)
+            progress = (self.committed_step, self.selection.summary())
+            self.committed_step, summary = agree_on(trainer, error, "draining checkpoint saves", progress)
+            self.selection.apply(summary)
         except Exception:
             if raise_errors:
                 raise
 
     # -- progress ----------------------------------------------------------------------------------------
+    def _poll(self, trainer: pl.Trainer) -> None:
+        # Commits are taken in on the training thread: best-k, best_model_path, loggers' after_save_checkpoint.
+        if self.checkpointer is not None:
+            self.selection.poll(trainer, self.store, self._path_of)
+
+    def _path_of(self, manifest: Any) -> str:
+        assert self.store is not None
+        if is_lightning_dcp_generation(manifest):  # sharded: the folder the strategy loads (lightning/sharded.py)
+            return self.store.url(manifest.step)
+        return self.store.url(manifest.step, manifest.object(CHECKPOINT_NAME).key)
+
     def _sync_progress(self) -> None:
         if self.checkpointer is not None:
             self.committed_step = self.checkpointer.committed_step
@@ -406,10 +376,11 @@ class AsyncCheckpointCallback(ModelCheckpoint):
     def state_dict(self) -> dict[str, Any]:
         # RNG states at the cut, in a form torch.load(weights_only=True) accepts.
         # The run id travels with the checkpoint, so a resumed run keeps it and keep_last reaches across restarts.
-        return {"rng_states": collect_portable_rng(), "run_id": self.run_id}
+        return {"rng_states": collect_portable_rng(), "run_id": self.run_id, **selection_state(self)}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        load_selection_state(self, state_dict)
         run_id = state_dict.get("run_id")
         if isinstance(run_id, str) and run_id:
             self.run_id = run_id

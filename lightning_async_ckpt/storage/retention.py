@@ -32,7 +32,17 @@ from lightning_async_ckpt.storage.writer import CLAIM_NAME
 if TYPE_CHECKING:
     from lightning_async_ckpt.storage.store import CheckpointStore, GenerationInfo
 
-__all__ = ["Candidate", "Refusal", "Removal", "RetentionPlan", "RetentionReport", "execute", "plan_retention"]
+__all__ = [
+    "Candidate",
+    "Refusal",
+    "Removal",
+    "RetentionPlan",
+    "RetentionReport",
+    "execute",
+    "plan_best_k",
+    "plan_retention",
+    "remove_best_k",
+]
 
 _log = logging.getLogger(__name__)
 # Generations at most this large are checksum-verified before they count (cheap); larger ones by size.
@@ -215,6 +225,45 @@ def execute(
             _log.warning("could not remove generation %s", by_step[removal.step].path, exc_info=True)
             report.failed.append((removal.step, f"{type(exc).__name__}: {exc}"))
     return report
+
+
+def plan_best_k(
+    committed: dict[int, str], keep: set[int], *, run_id: str, writing: frozenset[int] = frozenset()
+) -> tuple[int, ...]:
+    """Best-k retention (pure): which committed generations to remove, given the steps a ranking keeps.
+
+    ``committed`` maps each candidate step to the run id of its manifest. A step is removed only when it is of
+    ``run_id``, not in ``keep``, not being written, and older than the newest kept step (the caller keeps the
+    newest committed generation, what ``ckpt_path="last"`` resumes from). Nothing is removed when ``keep`` is
+    empty.
+    """
+    if not keep:
+        return ()
+    newest_kept = max(keep)
+    return tuple(
+        step
+        for step in sorted(committed)
+        if step not in keep and step not in writing and step < newest_kept and committed[step] == run_id
+    )
+
+
+def remove_best_k(store: CheckpointStore, steps: list[int], keep: set[int]) -> list[int]:
+    """Remove the committed generations ``steps`` that best-k retention gave up (rules: :func:`plan_best_k`).
+
+    Each generation's manifest is read again first, so only one committed by this store's run is removed.
+    Removal goes manifest first, then data. Returns the steps removed or found gone already (no manifest, no
+    folder); a removal that fails is logged and left for the next call.
+    """
+    infos = {step: store._read_generation(step) for step in steps}
+    committed = {s: i.run_id or "" for s, i in infos.items() if i.committed}
+    removed = [s for s, i in infos.items() if not i.committed and i.error is None and i.mtime is None]
+    for step in plan_best_k(committed, keep, run_id=store.run_id, writing=store.writing()):
+        try:
+            _remove(store, infos[step])
+            removed.append(step)
+        except Exception:  # noqa: BLE001 - retention never fails training; retried after the next commit
+            _log.warning("could not remove generation %s", infos[step].path, exc_info=True)
+    return removed
 
 
 def _claims(store: CheckpointStore, info: GenerationInfo) -> tuple[tuple[str, ...], float | None]:

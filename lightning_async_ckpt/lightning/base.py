@@ -1,0 +1,159 @@
+"""The arguments of :class:`~lightning_async_ckpt.lightning.callback.AsyncCheckpointCallback` (documented there).
+
+They are validated here (a :class:`~lightning_async_ckpt.errors.ConfigError` naming the argument and the fix), and
+set the attributes ``ModelCheckpoint`` has, so what Lightning and the loggers read means what it means there
+(``monitor``, ``mode``, ``save_top_k``, ``save_last``, ``save_weights_only``, ``_every_n_train_steps``, ...).
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any, Literal
+
+from lightning.pytorch.callbacks import ModelCheckpoint
+from typing_extensions import override
+
+from lightning_async_ckpt.core.engine import AsyncCheckpointer, CheckpointOptions
+from lightning_async_ckpt.lightning.arguments import check_arguments, check_selection
+from lightning_async_ckpt.lightning.schedule import CutSchedule
+from lightning_async_ckpt.lightning.selection import Selection
+from lightning_async_ckpt.lightning.triggers import Triggers
+from lightning_async_ckpt.storage.store import CheckpointStore
+
+__all__ = ["CallbackArguments"]
+
+
+class CallbackArguments(ModelCheckpoint):
+    """``AsyncCheckpointCallback``'s constructor and ``state_key``: its arguments and ``ModelCheckpoint``'s attributes.
+
+    ``ModelCheckpoint``'s own saving never runs: the callback overrides every hook it implements.
+    """
+
+    def __init__(
+        self,
+        dirpath: str | None = None,
+        every_n_train_steps: int | None = None,
+        every_n_epochs: int | None = None,
+        save_on_train_end: bool = True,
+        keep_last: int | None = None,
+        admission: Literal["wait", "skip", "coalesce", "abort"] = "wait",
+        max_outstanding: int = 1,
+        host_memory_budget: int | str | None = "auto",
+        reserved_host_bytes: int = 0,
+        defer: bool = True,
+        guard: bool | str = True,
+        storage_options: dict[str, Any] | None = None,
+        on_error: Literal["raise", "warn"] = "raise",
+        retries: int = 2,
+        drain_timeout_s: float = 120.0,
+        upload_nice: int = 0,
+        event_log: str | None = None,
+        restore_rng: bool = False,
+        verbose: bool = False,
+        filename: str | None = None,
+        monitor: str | None = None,
+        mode: Literal["min", "max"] = "min",
+        save_top_k: int | None = None,
+        save_last: bool | Literal["link"] | None = None,
+        save_weights_only: bool = False,
+        auto_insert_metric_name: bool = True,
+        train_time_interval: timedelta | None = None,
+        save_on_train_epoch_end: bool | None = None,
+        enable_version_counter: bool = True,
+        save_on_exception: bool = False,
+    ) -> None:
+        args = check_selection(
+            filename=filename,
+            monitor=monitor,
+            mode=mode,
+            save_top_k=save_top_k,
+            save_last=save_last,
+            keep_last=keep_last,
+            train_time_interval=train_time_interval,
+            save_on_train_epoch_end=save_on_train_epoch_end,
+            save_on_exception=save_on_exception,
+        )
+        # ModelCheckpoint's own saving never runs: all of its hooks are overridden. Its attributes are set to what
+        # this callback does (loggers and Lightning read them).
+        super().__init__(
+            filename=filename, monitor=monitor, mode=mode, save_top_k=0, save_last=save_last, every_n_epochs=0
+        )
+        check_arguments(
+            dirpath=dirpath,
+            every_n_train_steps=every_n_train_steps,
+            every_n_epochs=every_n_epochs,
+            flags={
+                "save_on_train_end": save_on_train_end,
+                "defer": defer,
+                "restore_rng": restore_rng,
+                "verbose": verbose,
+                "save_weights_only": save_weights_only,
+                "auto_insert_metric_name": auto_insert_metric_name,
+                "enable_version_counter": enable_version_counter,
+            },
+            storage_options=storage_options,
+        )
+        if every_n_train_steps is None and every_n_epochs is None and train_time_interval is None:
+            every_n_epochs = 1
+        # Validates admission, budget, keep_last, on_error, retries... with messages naming the parameter.
+        self.options = CheckpointOptions(
+            max_outstanding=max_outstanding,
+            admission=admission,
+            host_memory_budget=host_memory_budget,
+            reserved_host_bytes=reserved_host_bytes,
+            keep_last=args.keep_last,
+            guard=guard,
+            on_error=on_error,
+            retries=retries,
+            drain_timeout_s=drain_timeout_s,
+            upload_nice=upload_nice,
+            event_log=event_log,
+        )
+        self.dirpath = dirpath
+        self.every_n_train_steps = every_n_train_steps
+        self._every_n_epochs = every_n_epochs  # read through ModelCheckpoint's `every_n_epochs` property
+        self.save_on_train_end = save_on_train_end
+        self.defer = defer
+        self.storage_options = storage_options
+        self.restore_rng = restore_rng
+        self.verbose = verbose
+        self.store: CheckpointStore | None = None
+        self.checkpointer: AsyncCheckpointer | None = None
+        self.run_id: str | None = None
+        self.requested_step: int | None = None
+        self.committed_step: int | None = None
+        self.skipped = 0
+        self._logged: tuple = ()
+        self._distributed = False
+        self._committed_before: set[int] = set()
+        self._last_cut_step: int | None = None
+        self._preallocated = False
+        self._fit_start_step = 0
+        self._fit_closed = True
+        self._schedule = CutSchedule()
+        self.save_top_k, self.save_weights_only, self.auto_insert_metric_name = (
+            args.save_top_k,
+            save_weights_only,
+            (auto_insert_metric_name),
+        )
+        self._every_n_train_steps, self._train_time_interval = every_n_train_steps or 0, train_time_interval
+        self._save_on_train_epoch_end, self._enable_version_counter = save_on_train_epoch_end, enable_version_counter
+        self.triggers = Triggers(
+            every_n_train_steps=every_n_train_steps,
+            every_n_epochs=every_n_epochs,
+            train_time_interval=train_time_interval,
+            save_on_train_epoch_end=save_on_train_epoch_end,
+            monitor=monitor,
+        )
+        self.selection = Selection(self, args, weights_only=save_weights_only)
+
+    @property
+    @override
+    def state_key(self) -> str:
+        ranking = {"monitor": self.monitor, "mode": self.mode} if self.monitor else {}
+        return self._generate_state_key(
+            dirpath=self.dirpath,
+            every_n_train_steps=self.every_n_train_steps,
+            every_n_epochs=self.every_n_epochs,
+            **ranking,
+        )

@@ -1,0 +1,216 @@
+"""``ModelCheckpoint``'s selection on top of the committed-generation store: names, best-k, loggers.
+
+Per cut (training thread, every rank): :meth:`Selection.prepare` renders the ``filename`` template and reads the
+monitored score; rank 0 decides whether the cut enters the top k (broadcast, so every rank cuts or none does).
+Per commit (training thread, rank 0, at the next hook): :meth:`Selection.poll` moves the generation into the
+committed view, applies best-k retention, sets ``best_model_path``, ``best_k_models``, ``kth_best_model_path``,
+``best_model_score``, ``current_score``, ``last_model_path`` on the callback, prints ``verbose`` lines through
+``rank_zero_info`` and calls every logger's ``after_save_checkpoint`` with the callback (what W&B and MLflow
+read to upload models). The manifest records ``extra["model_checkpoint"]``: filename, monitor, mode, score,
+epoch, weights_only, ranked.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from collections import deque
+from typing import TYPE_CHECKING, Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+
+from lightning_async_ckpt.errors import ConfigError
+from lightning_async_ckpt.lightning.arguments import Selection as Args
+from lightning_async_ckpt.lightning.topk import Entry, TopK
+from lightning_async_ckpt.storage.retention import remove_best_k
+
+if TYPE_CHECKING:
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lightning_async_ckpt.storage.store import CheckpointStore
+
+__all__ = ["EXTRA_KEY", "Selection", "load_selection_state", "selection_state"]
+
+_log = logging.getLogger("lightning_async_ckpt")
+#: ``Manifest.extra`` key of what the callback records about a generation.
+EXTRA_KEY = "model_checkpoint"
+_ATTRS = ("best_model_path", "best_model_score", "best_k_models", "kth_best_model_path", "kth_value")
+_ATTRS += ("current_score", "last_model_path")
+
+
+class Selection:
+    """The selection state of one callback (see the module docstring)."""
+
+    def __init__(self, cb: ModelCheckpoint, args: Args, *, weights_only: bool) -> None:
+        self.cb = cb
+        self.args = args
+        self.weights_only = weights_only
+        self.topk = TopK(args.top_k, args.mode)
+        self._pending: deque[tuple[Entry, Any]] = deque()
+
+    # -- at the cut ------------------------------------------------------------------------------------------
+    def prepare(
+        self, trainer: pl.Trainer, candidates: dict[str, Any], *, ranked: bool, last: bool
+    ) -> tuple[bool, Entry]:
+        """The entry of a cut at this step, and whether to take it (rank 0's answer on every rank).
+
+        ``ranked``: a ``ModelCheckpoint`` save (interval, epoch, validation); ``False`` for the final checkpoint, a
+        retake or a coalesced request, which are kept as the newest generation but never ranked. ``last``: whether
+        ``ModelCheckpoint`` writes ``last.ckpt`` here even when the score enters no top k (at batch-end interval
+        saves; at epoch ends only beside a top-k save).
+        """
+        monitor = self.args.monitor
+        score = None
+        if monitor is not None and ranked:
+            value = candidates.get(monitor)
+            if value is None:
+                message = (
+                    f"AsyncCheckpointCallback(monitor={monitor!r}) could not find the monitored key in the returned "
+                    f"metrics: {list(candidates)}. HINT: Did you call `log({monitor!r}, value)` in the LightningModule?"
+                )
+                if trainer.fit_loop.epoch_loop.val_loop._has_run:
+                    raise ConfigError(message)
+                rank_zero_warn(message)
+            else:
+                score = float(value.item() if isinstance(value, torch.Tensor) else value)
+        epoch, step = int(candidates["epoch"]), int(candidates["step"])
+        entry = Entry(step=trainer.global_step, score=score, filename=self._name(dict(candidates)), epoch=epoch)
+        if monitor is None or not ranked:
+            return True, entry
+        enters = self.topk.enters(score) if trainer.is_global_zero else False
+        if trainer.world_size > 1:
+            enters = bool(trainer.strategy.broadcast(enters, src=0))
+        if not enters:
+            entry.score = None
+            if self.cb.verbose and score is not None:
+                rank_zero_info(f"Epoch {epoch:d}, global step {step:d}: {monitor!r} was not in top {self.args.top_k}")
+        return enters or (bool(self.args.save_last) and last), entry
+
+    def _name(self, metrics: dict[str, Any]) -> str:
+        cb = self.cb
+        name = cb._format_checkpoint_name(cb.filename, metrics, auto_insert_metric_name=cb.auto_insert_metric_name)
+        candidate, version = name, cb.STARTING_VERSION
+        # Like ModelCheckpoint: a name in use gets -v1, -v2, ... except the name of the one this save replaces.
+        replaced = self.topk.replaced(monitored=self.args.monitor is not None)
+        while cb._enable_version_counter and self.topk.name_in_use(candidate + cb.FILE_EXTENSION, but=replaced):
+            candidate = cb.CHECKPOINT_JOIN_CHAR.join((name, f"v{version}"))
+            version += 1
+        return candidate + cb.FILE_EXTENSION
+
+    def extra(self, entry: Entry) -> dict[str, Any]:
+        """What the manifest records about the cut."""
+        body = {"filename": entry.filename, "epoch": entry.epoch, "weights_only": self.weights_only}
+        body.update(monitor=self.args.monitor, mode=self.args.mode, score=entry.score, ranked=entry.score is not None)
+        return {EXTRA_KEY: body}
+
+    def admitted(self, entry: Entry, handle: Any) -> None:
+        """The cut was admitted; ``handle`` is rank 0's save handle (``None`` elsewhere)."""
+        self.topk.requested(entry)
+        if handle is not None:
+            self._pending.append((entry, handle))
+
+    # -- after commits (rank 0, training thread) -----------------------------------------------------------
+    def poll(self, trainer: pl.Trainer, store: CheckpointStore | None, path_of: Any) -> None:
+        """Take in the saves that ended, oldest first; ``path_of(manifest)`` is the loadable checkpoint path."""
+        while self._pending and self._pending[0][1].committed.done():
+            entry, handle = self._pending.popleft()
+            future = handle.committed
+            if future.cancelled() or future.exception() is not None:
+                self.topk.failed(entry.step)
+                continue
+            self.topk.committed(entry.step, path_of(future.result()))
+            self._retain(store)
+            self.publish()
+            if self.cb.verbose and entry.score is not None:
+                rank_zero_info(
+                    f"Epoch {entry.epoch:d}, global step {entry.step:d}: {self.args.monitor!r} reached "
+                    f"{entry.score:0.5f} (best {float(self.cb.best_model_score):0.5f}), committed {entry.path!r} "
+                    f"as top {self.args.top_k}"
+                )
+            if trainer.is_global_zero:
+                for logger in trainer.loggers:
+                    logger.after_save_checkpoint(weakref.proxy(self.cb))
+
+    def _retain(self, store: CheckpointStore | None) -> None:
+        if self.args.monitor is None:
+            # Count-based retention is the engine's (keep_last); only the newest committed one is needed here.
+            newest = self.topk.newest(1)
+            for entry in list(self.topk.entries.values()):
+                if entry.committed and entry is not newest[0]:
+                    self.topk.removed(entry.step)
+            return
+        steps = self.topk.to_remove(self.args.keep_newest)
+        if store is None or not steps:
+            return
+        keep = {e.step for e in self.topk.best()} | {e.step for e in self.topk.newest(self.args.keep_newest)}
+        for step in remove_best_k(store, steps, keep):
+            self.topk.removed(step)
+
+    def publish(self) -> None:
+        """Set ``ModelCheckpoint``'s attributes on the callback from the committed view."""
+        cb, newest = self.cb, self.topk.newest(1)
+        cb.last_model_path = newest[0].path if newest and self.args.save_last else ""
+        if self.args.monitor is None:
+            cb.best_model_path = newest[0].path if newest else ""
+            return
+        best = self.topk.best()
+        cb.best_k_models = {e.path: _tensor(e.score) for e in best}
+        cb.best_model_path = best[0].path if best else ""
+        cb.best_model_score = _tensor(best[0].score) if best else None
+        if best and (self.args.top_k < 0 or len(best) == self.args.top_k):
+            cb.kth_best_model_path, cb.kth_value = best[-1].path, _tensor(best[-1].score)
+        ranked = [e for e in self.topk.entries.values() if e.committed and e.score is not None]
+        if ranked:
+            cb.current_score = _tensor(max(ranked, key=lambda e: e.step).score)
+
+    # -- across ranks and restarts ---------------------------------------------------------------------------
+    def summary(self) -> dict[str, Any]:
+        """The published attributes (rank 0's are broadcast to the other ranks at the end of fit)."""
+        return {name: getattr(self.cb, name) for name in _ATTRS}
+
+    def apply(self, summary: dict[str, Any]) -> None:
+        """Set the attributes from rank 0's :meth:`summary`."""
+        for name, value in summary.items():
+            setattr(self.cb, name, value)
+
+    def restore(self, store: CheckpointStore, run_id: str | None, up_to: int, path_of: Any) -> None:
+        """Rebuild the committed view from the manifests of ``run_id`` up to step ``up_to`` (a resumed run)."""
+        self.topk.entries.clear()
+        self._pending.clear()
+        for info in store.generations():
+            if info.manifest is None or info.run_id != run_id or info.step > up_to:
+                continue
+            body = info.manifest.extra.get(EXTRA_KEY) or {}
+            ranked = body.get("ranked") and body.get("monitor") == self.args.monitor and self.args.monitor
+            score = body.get("score") if ranked else None
+            entry = Entry(info.step, score, str(body.get("filename", "")), int(body.get("epoch", 0)))
+            self.topk.requested(entry)
+            self.topk.committed(info.step, path_of(info.manifest))
+        self._retain(None)
+        self.publish()
+
+
+def selection_state(cb: ModelCheckpoint) -> dict[str, Any]:
+    """``ModelCheckpoint.state_dict``'s entries, for the callback's state in each checkpoint."""
+    names = ("monitor", "best_model_score", "best_model_path", "current_score", "dirpath", "best_k_models")
+    names += ("kth_best_model_path", "kth_value", "last_model_path")
+    return {name: getattr(cb, name) for name in names}
+
+
+def load_selection_state(cb: ModelCheckpoint, state: dict[str, Any]) -> None:
+    """``ModelCheckpoint.load_state_dict``: the attributes, when the checkpoint was written to the same ``dirpath``.
+
+    A resumed fit then rebuilds them from the committed manifests (:meth:`Selection.restore`).
+    """
+    if "best_model_path" not in state or state.get("dirpath", cb.dirpath) != cb.dirpath:
+        return
+    for name in ("best_model_score", "best_model_path", "current_score", "best_k_models"):
+        setattr(cb, name, state.get(name, getattr(cb, name)))
+    for name in ("kth_best_model_path", "kth_value", "last_model_path"):
+        setattr(cb, name, state.get(name, getattr(cb, name)))
+
+
+def _tensor(score: float | None) -> torch.Tensor | None:
+    return None if score is None else torch.tensor(score, dtype=torch.float32)

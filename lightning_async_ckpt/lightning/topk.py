@@ -1,0 +1,122 @@
+"""Best-k bookkeeping of ``AsyncCheckpointCallback``: which cuts enter the top k, and which committed ones are best.
+
+Two views of the same entries (one per generation this run requested and has not removed):
+
+- **requested** (every entry not known to have failed, committed or still in flight): decides whether a new cut
+  enters the top k, the way ``ModelCheckpoint.check_monitor_top_k`` decides against the files it already wrote;
+- **committed** (only the generations whose manifest is written): ``best_k_models``, ``best_model_path`` and
+  what best-k retention keeps. A generation counts as best only once it is committed; until a better one commits,
+  the one it will displace stays best (and on storage).
+
+Ties go to the older generation. Pure bookkeeping on the training thread: no I/O.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+__all__ = ["Entry", "TopK"]
+
+
+@dataclass
+class Entry:
+    """One requested generation.
+
+    Attributes:
+        step: Its step.
+        score: The monitored value at the cut (``None``: not ranked, e.g. a final or last-only checkpoint).
+        filename: The rendered ``filename`` template (recorded in the manifest).
+        epoch: The epoch at the cut.
+        path: The loadable checkpoint path, once committed.
+    """
+
+    step: int
+    score: float | None
+    filename: str
+    epoch: int = 0
+    path: str = ""
+
+    @property
+    def committed(self) -> bool:
+        """Whether the generation's manifest was written."""
+        return bool(self.path)
+
+
+class TopK:
+    """The requested and committed top ``k`` by ``mode`` (``k=-1``: all ranked entries)."""
+
+    def __init__(self, k: int, mode: str) -> None:
+        self.k = k
+        self.mode = mode
+        self.entries: dict[int, Entry] = {}
+
+    # -- ranking -----------------------------------------------------------------------------------------
+    def _key(self, entry: Entry) -> tuple[float, int]:
+        score = float(entry.score)  # type: ignore[arg-type]
+        if math.isnan(score):  # like ModelCheckpoint: NaN ranks last
+            score = math.inf if self.mode == "min" else -math.inf
+        return (score if self.mode == "min" else -score, entry.step)
+
+    def _top(self, committed_only: bool) -> list[Entry]:
+        ranked = [e for e in self.entries.values() if e.score is not None and (e.committed or not committed_only)]
+        ranked.sort(key=self._key)
+        return ranked if self.k < 0 else ranked[: self.k]
+
+    def enters(self, score: float | None) -> bool:
+        """Whether a cut scoring ``score`` enters the requested top k (``ModelCheckpoint.check_monitor_top_k``)."""
+        if score is None or self.k == 0:
+            return False
+        top = self._top(committed_only=False)
+        if self.k < 0 or len(top) < self.k:
+            return True
+        worst = float(top[-1].score)  # type: ignore[arg-type]
+        if math.isnan(worst):
+            worst = math.inf if self.mode == "min" else -math.inf
+        return score < worst if self.mode == "min" else score > worst
+
+    # -- lifecycle ---------------------------------------------------------------------------------------
+    def requested(self, entry: Entry) -> None:
+        """A cut was admitted."""
+        self.entries[entry.step] = entry
+
+    def failed(self, step: int) -> None:
+        """The save of ``step`` ended without a commit: it never counts."""
+        self.entries.pop(step, None)
+
+    def committed(self, step: int, path: str) -> Entry | None:
+        """The save of ``step`` committed at ``path``."""
+        entry = self.entries.get(step)
+        if entry is not None:
+            entry.path = path
+        return entry
+
+    def removed(self, step: int) -> None:
+        """Generation ``step`` was removed from storage."""
+        self.entries.pop(step, None)
+
+    # -- the committed view ------------------------------------------------------------------------------
+    def best(self) -> list[Entry]:
+        """The committed top k, best first."""
+        return self._top(committed_only=True)
+
+    def newest(self, n: int) -> list[Entry]:
+        """The ``n`` newest committed entries."""
+        return sorted((e for e in self.entries.values() if e.committed), key=lambda e: e.step)[-n:] if n > 0 else []
+
+    def to_remove(self, keep_newest: int) -> list[int]:
+        """Committed steps neither in the committed top k nor among the ``keep_newest`` newest (oldest first)."""
+        keep = {e.step for e in self.best()} | {e.step for e in self.newest(max(1, keep_newest))}
+        return sorted(e.step for e in self.entries.values() if e.committed and e.step not in keep)
+
+    def name_in_use(self, filename: str, *, but: Entry | None = None) -> bool:
+        """Whether a live entry other than ``but`` carries ``filename`` (for ``enable_version_counter``)."""
+        return any(e.filename == filename and e is not but for e in self.entries.values())
+
+    def replaced(self, *, monitored: bool) -> Entry | None:
+        """The entry a new save displaces in ``ModelCheckpoint``'s terms: the k-th best of a full top k, or, without
+        a monitor, the newest one (whose name ``ModelCheckpoint`` may overwrite)."""
+        if not monitored:
+            return max(self.entries.values(), key=lambda e: e.step, default=None)
+        top = self._top(committed_only=False)
+        return top[-1] if 0 < self.k == len(top) else None

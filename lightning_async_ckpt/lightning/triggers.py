@@ -1,0 +1,131 @@
+"""When ``AsyncCheckpointCallback`` takes a cut: ``ModelCheckpoint``'s decision, hook by hook (lightning 2.6).
+
+``ModelCheckpoint`` saves
+
+- at a training batch end every ``every_n_train_steps`` steps or once ``train_time_interval`` passed, unless the
+  monitored metric is missing or stale (validation runs right after this batch): then the save is deferred to
+  the next ``on_validation_end``;
+- at the end of every ``every_n_epochs``-th epoch: in ``on_train_epoch_end`` when it saves on train epoch ends
+  (no validation, or validation once per epoch), otherwise in ``on_validation_end`` (``val_check_interval=0.5``
+  saves after each validation run, ``check_val_every_n_epoch > 1`` after the validation runs);
+- never twice at the same step, never outside fitting, during sanity checks or with ``fast_dev_run``.
+
+:class:`Triggers` answers the same questions with the same rules; the callback cuts where it says so.
+"""
+
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+
+__all__ = ["Triggers", "monitor_candidates"]
+
+
+def monitor_candidates(trainer: pl.Trainer) -> dict[str, Any]:
+    """``ModelCheckpoint._monitor_candidates``: the logged metrics plus ``epoch`` and ``step`` as int tensors."""
+    candidates = dict(trainer.callback_metrics)
+    epoch, step = candidates.get("epoch"), candidates.get("step")
+    candidates["epoch"] = epoch.int() if isinstance(epoch, torch.Tensor) else torch.tensor(trainer.current_epoch)
+    candidates["step"] = step.int() if isinstance(step, torch.Tensor) else torch.tensor(trainer.global_step)
+    return candidates
+
+
+class Triggers:
+    """The save schedule of ``ModelCheckpoint`` for one callback (training thread only)."""
+
+    def __init__(
+        self,
+        *,
+        every_n_train_steps: int | None,
+        every_n_epochs: int | None,
+        train_time_interval: timedelta | None,
+        save_on_train_epoch_end: bool | None,
+        monitor: str | None,
+    ) -> None:
+        self.every_n_train_steps = every_n_train_steps or 0
+        self.every_n_epochs = every_n_epochs or 0
+        self.train_time_interval = train_time_interval
+        self.save_on_train_epoch_end = save_on_train_epoch_end
+        self.monitor = monitor
+        self.deferred = False
+        self._last_time_checked: float | None = None
+
+    def start(self) -> None:
+        """``on_train_start``: the time interval counts from here."""
+        self._last_time_checked = time.monotonic()
+        self.deferred = False
+
+    def on_epoch_end_saves(self, trainer: pl.Trainer) -> bool:
+        """``ModelCheckpoint._should_save_on_train_epoch_end``."""
+        if self.save_on_train_epoch_end is not None:
+            return self.save_on_train_epoch_end
+        if getattr(trainer, "_val_check_time_interval", None) is not None:
+            return False
+        if trainer.check_val_every_n_epoch != 1:
+            return False
+        num_val = trainer.num_val_batches
+        if (sum(num_val) if isinstance(num_val, list) else num_val) == 0:
+            return True
+        return trainer.val_check_interval == 1.0
+
+    def batch_end(self, trainer: pl.Trainer) -> bool:
+        """Whether the interval or the timer is due at this batch end (may record a deferral instead)."""
+        due_steps = self.every_n_train_steps >= 1 and trainer.global_step % self.every_n_train_steps == 0
+        due_time = False
+        if self.train_time_interval is not None:
+            now = time.monotonic()
+            last = self._last_time_checked
+            due_time = last is not None and now - last >= self.train_time_interval.total_seconds()
+            # Ranks' clocks differ: rank 0 decides, like ModelCheckpoint.
+            due_time = bool(trainer.strategy.broadcast(due_time))
+            if due_time:
+                self._last_time_checked = now
+        if not (due_steps or due_time):
+            return False
+        if self.monitor is not None and (
+            self.monitor not in monitor_candidates(trainer)
+            or (not self.on_epoch_end_saves(trainer) and _validation_follows(trainer))
+        ):
+            # The metric is missing, or stale with a validation run right after this batch: save after it.
+            self.deferred = True
+            return False
+        return True
+
+    def epoch_due(self, trainer: pl.Trainer) -> bool:
+        """Whether this epoch is an ``every_n_epochs``-th one."""
+        return self.every_n_epochs >= 1 and (trainer.current_epoch + 1) % self.every_n_epochs == 0
+
+    def validation_end(self, trainer: pl.Trainer) -> str | None:
+        """Whether to save in ``on_validation_end``: ``"deferred"`` (a deferred interval save: top k and last, like
+        at a batch end), ``"epoch"`` (the epoch interval when saving there: top k only), or ``None``."""
+        if self.on_epoch_end_saves(trainer):
+            return None
+        if self.deferred:
+            self.deferred = False
+            return "deferred"
+        return "epoch" if self.epoch_due(trainer) else None
+
+    def train_epoch_end(self, trainer: pl.Trainer) -> bool:
+        """Whether to save in ``on_train_epoch_end``."""
+        return self.on_epoch_end_saves(trainer) and self.epoch_due(trainer)
+
+    def validation_follows(self, trainer: pl.Trainer) -> bool:
+        """Whether the monitored metric will be refreshed by a validation run right after this batch."""
+        return self.monitor is not None and not self.on_epoch_end_saves(trainer) and _validation_follows(trainer)
+
+
+def _validation_follows(trainer: pl.Trainer) -> bool:
+    # ModelCheckpoint.on_train_batch_end: the last batch of an epoch after which the validation loop runs.
+    if not getattr(trainer.fit_loop.epoch_loop.batch_progress, "is_last_batch", False):
+        return False
+    if not getattr(trainer, "enable_validation", False):
+        return False
+    num_val = trainer.num_val_batches
+    if not (sum(num_val) if isinstance(num_val, list) else num_val):
+        return False
+    every = trainer.check_val_every_n_epoch
+    return every is None or (trainer.current_epoch + 1) % every == 0
