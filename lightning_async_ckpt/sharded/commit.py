@@ -1,21 +1,23 @@
 """The coordinator's commit of a sharded generation: ``manifest.json`` last, listing every rank's objects.
 
 Runs inside DCP's ``finish`` on the coordinator, which DCP calls only after every rank's ``write_data`` succeeded
-and after DCP's ``.metadata`` is durable. The manifest is the same schema as a single-writer generation's
-(:class:`~lightning_async_ckpt.storage.manifest.Manifest`), so ``CheckpointStore.generations``, ``latest``,
-``verify`` and retention read sharded generations unchanged; ``extra["format"] == "torch_dcp"`` and
-``extra["ranks"]`` (rank -> object names) say what it is.
+and after DCP's ``.metadata`` is durable. Every rank's reported objects are recorded into the coordinator's claim
+(:meth:`~lightning_async_ckpt.storage.writer.GenerationWriter.record`) and the claim's own ``commit`` writes the
+manifest: the same code path as a single-writer generation (sizes checked before and after the exclusive
+manifest write, a retried write that landed counts as ours, the loser of a race removes its objects). The manifest
+is the same schema as a single-writer generation's, so ``CheckpointStore.generations``, ``latest``, ``verify``
+and retention read sharded generations unchanged; ``extra["format"] == "torch_dcp"``, ``extra["ranks"]`` (rank ->
+object names) and ``extra["dcp_folder"]`` (where DCP's files are, relative to the generation folder: ``""``, or
+the writer's prefix when another writer held the step's claim) say what it is.
 """
 
 from __future__ import annotations
 
-import importlib.metadata
-import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from lightning_async_ckpt.errors import GenerationExistsError, StorageError
-from lightning_async_ckpt.storage.manifest import MANIFEST_NAME, Manifest, ObjectEntry
+from lightning_async_ckpt.errors import StorageError
+from lightning_async_ckpt.storage.manifest import Manifest
 
 if TYPE_CHECKING:
     from lightning_async_ckpt.sharded.dcp_writer import RankObjects
@@ -27,16 +29,6 @@ __all__ = ["DCP_FORMAT", "commit_generation"]
 DCP_FORMAT = "torch_dcp"
 
 
-def _versions() -> dict[str, str]:
-    out = {}
-    for dist in ("lightning_async_ckpt", "torch", "lightning", "fsspec"):
-        try:
-            out[dist] = importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            continue
-    return out
-
-
 def commit_generation(
     claim: GenerationWriter,
     reports: Sequence[RankObjects],
@@ -44,10 +36,11 @@ def commit_generation(
     cut: dict[str, Any] | None = None,
     extra: dict[str, Any] | None = None,
 ) -> Manifest:
-    """Write the manifest of a sharded generation last and exclusively.
+    """Write the manifest of a sharded generation last and exclusively, through the claim's ``commit``.
 
     Args:
         claim: The coordinator's claim on the step (from ``CheckpointStore.begin``); it wrote no objects itself.
+            With a prefix (another writer held the step), every object was written under that prefix.
         reports: Every rank's objects (rank ``-1``: the coordinator's DCP ``.metadata``).
         cut: What the cut was (``step`` and ``world_size`` are filled in).
         extra: More free-form metadata for ``Manifest.extra``.
@@ -59,58 +52,24 @@ def commit_generation(
         StorageError: Two ranks reported the same object, an object is missing or has another size than reported
             (before or after the manifest was written; the manifest is removed again), or the manifest cannot be
             written. The step is not committed.
-        GenerationExistsError: Another writer committed the step first.
+        GenerationExistsError: Another writer committed the step first (this save's objects were removed).
     """
-    store = claim.store
-    step = claim.step
-    objects: dict[str, ObjectEntry] = {}
     ranks: dict[str, list[str]] = {}
+    seen: set[str] = set()
     for report in reports:
         for entry in report.objects:
-            if entry.name in objects:
-                raise StorageError(f"object {entry.name!r} of step {step} was reported by two ranks; not committing")
-            objects[entry.name] = entry
+            if entry.name in seen:
+                claim.abort()
+                raise StorageError(
+                    f"object {entry.name!r} of step {claim.step} was reported by two ranks; not committing"
+                )
+            seen.add(entry.name)
         if report.rank >= 0:
             ranks[str(report.rank)] = [entry.name for entry in report.objects]
-    world_size = len(ranks)
-    manifest = Manifest(
-        step=step,
-        run_id=store.run_id,
-        objects=tuple(objects[name] for name in sorted(objects)),
-        cut={"step": step, "world_size": world_size, **(cut or {})},
-        versions=_versions(),
-        extra={"format": DCP_FORMAT, "ranks": ranks, **(extra or {})},
-        committed_at=time.time(),
+    for report in reports:
+        for entry in report.objects:
+            claim.record(entry)
+    return claim.commit(
+        cut={"step": claim.step, "world_size": len(ranks), **(cut or {})},
+        extra={"format": DCP_FORMAT, "ranks": ranks, "dcp_folder": claim.prefix.rstrip("/"), **(extra or {})},
     )
-    _check(store, manifest, "before")
-    path = f"{claim.path}/{MANIFEST_NAME}"
-    try:
-        store.backend.create_exclusive(path, manifest.to_json())
-    except FileExistsError as exc:
-        raise GenerationExistsError(
-            f"generation step {step} at {store.url(step)} was committed by another writer first"
-        ) from exc
-    except Exception as exc:
-        raise StorageError(f"could not write manifest {path!r}: {exc}") from exc
-    try:
-        store.backend.sync_folder(store.root)
-        _check(store, manifest, "after")
-    except BaseException:
-        try:
-            store.fs.rm_file(path)
-        except Exception:  # noqa: BLE001 - the raised error says the step is not committed
-            pass
-        raise
-    finally:
-        store.invalidate_cache()
-    store.end_write(step)
-    return manifest
-
-
-def _check(store: Any, manifest: Manifest, when: str) -> None:
-    problems = store.check_sizes(manifest)
-    if problems:
-        raise StorageError(
-            f"generation step {manifest.step} at {store.url(manifest.step)}: objects differ from what the ranks "
-            f"reported {when} the manifest was written ({'; '.join(problems)}). The step is NOT committed"
-        )

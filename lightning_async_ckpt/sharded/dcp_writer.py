@@ -20,6 +20,7 @@ If a rank fails, DCP raises on every rank and ``finish`` never runs: no manifest
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 from collections.abc import Callable, Iterator, Mapping
@@ -34,7 +35,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from lightning_async_ckpt.errors import GenerationExistsError, StorageError
+from lightning_async_ckpt.errors import StorageError
 from lightning_async_ckpt.storage.io import Checksum, WriteOnlyStream, fsync_dir
 from lightning_async_ckpt.storage.manifest import ObjectEntry, validate_object_name
 
@@ -90,10 +91,17 @@ class _ChecksumStream(WriteOnlyStream):
 class _StoreFileSystem(FileSystemBase):
     """DCP's file-system seam over a store's fsspec filesystem and backend; records every object written."""
 
-    def __init__(self, store: CheckpointStore) -> None:
+    def __init__(self, store: CheckpointStore, generation: str) -> None:
         self.store = store
+        self.generation = generation.rstrip("/")
         self.objects: dict[str, ObjectEntry] = {}
         self._lock = threading.Lock()
+
+    def _entry(self, path: str, size: int, checksum: str) -> ObjectEntry:
+        # Relative to the generation folder: a writer under another writer's claim writes below its own prefix.
+        rel = path[len(self.generation) + 1 :] if path.startswith(self.generation + "/") else path.rsplit("/", 1)[-1]
+        name = validate_object_name(rel.rsplit("/", 1)[-1])
+        return ObjectEntry(name=name, size=size, checksum=checksum, path=rel if rel != name else None)
 
     @contextmanager
     def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[Any]:
@@ -102,10 +110,10 @@ class _StoreFileSystem(FileSystemBase):
             with self.store.fs.open(path, mode) as f:
                 yield f
             return
-        name = validate_object_name(path.rsplit("/", 1)[-1])
+        entry = self._entry(path, 0, "")
         backend = self.store.backend
         try:
-            raw = backend.open_write(path, direct_io=self.store.direct_io, subfolder=False)
+            raw = backend.open_write(path, direct_io=self.store.direct_io, subfolder=entry.path is not None)
         except Exception as exc:
             raise StorageError(f"could not open {path!r} for writing: {exc}") from exc
         stream = _ChecksumStream(raw, self.store.checksum)
@@ -119,7 +127,7 @@ class _StoreFileSystem(FileSystemBase):
         except Exception as exc:
             raise StorageError(f"could not finish {path!r}: {exc}") from exc
         with self._lock:
-            self.objects[name] = ObjectEntry(name=name, size=stream.size, checksum=stream.digest.hexdigest())
+            self.objects[entry.name] = self._entry(path, stream.size, stream.digest.hexdigest())
 
     def concat_path(self, path: str | os.PathLike, suffix: str) -> str:
         return f"{str(path).rstrip('/')}/{suffix}"
@@ -131,10 +139,11 @@ class _StoreFileSystem(FileSystemBase):
             fsync_dir(os.path.dirname(new_path))
         else:
             self.store.fs.mv(path, new_path)
-        old, new = path.rsplit("/", 1)[-1], validate_object_name(new_path.rsplit("/", 1)[-1])
+        old = path.rsplit("/", 1)[-1]
         with self._lock:
             entry = self.objects.pop(old)
-            self.objects[new] = ObjectEntry(name=new, size=entry.size, checksum=entry.checksum)
+            renamed = self._entry(new_path, entry.size, entry.checksum)
+            self.objects[renamed.name] = renamed
 
     def init_path(self, path: str | os.PathLike) -> str:
         return str(path)
@@ -199,7 +208,7 @@ class StoreStorageWriter(FileSystemWriter):
         self._objects = dict(objects or {})
         path = store.generation_path(step)
         super().__init__(path, single_file_per_rank=True, sync_files=False, thread_count=thread_count)
-        self.fs = _StoreFileSystem(store)
+        self.fs = _StoreFileSystem(store, path)
         self.path = path
         self.store = store
         self.step = step
@@ -225,21 +234,33 @@ class StoreStorageWriter(FileSystemWriter):
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        """Claim the step on the coordinator (DCP step 2): refuses a committed step or another writer's claim."""
-        claim = self.store.begin(self.step)
-        if claim.prefix:
-            claim.abort()
-            raise GenerationExistsError(
-                f"generation {self.store.url(self.step)} is being written by another writer; not writing it twice"
+        """Claim the step on the coordinator (DCP step 2): a committed step is refused.
+
+        When another writer holds the step's claim (a live writer, or a crashed one that is not provably gone),
+        the claim comes with a prefix: every rank then writes its files below it (the plan tells each rank), and
+        DCP's ``.metadata`` goes there too, so the two writers never touch each other's files; the first manifest
+        wins, as for single-writer generations.
+        """
+        self.claim = self.store.begin(self.step)
+        planned = super().prepare_global_plan(plans)
+        if not self.claim.prefix:
+            return planned
+        return [
+            dataclasses.replace(
+                plan,
+                storage_data=dataclasses.replace(
+                    plan.storage_data, prefix=self.claim.prefix + plan.storage_data.prefix
+                ),
             )
-        self.claim = claim
-        return super().prepare_global_plan(plans)
+            for plan in planned
+        ]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         """Write this rank's objects (DCP step 3) and append this rank's object report to its results."""
         results = super().write_data(plan, planner).value()
+        folder = self.fs.concat_path(self.path, plan.storage_data.prefix.rpartition("/")[0])
         for name, data in self._objects.items():
-            with self.fs.create_stream(self.fs.concat_path(self.path, name), "wb") as stream:
+            with self.fs.create_stream(self.fs.concat_path(folder, name), "wb") as stream:
                 stream.write(data)
         with self.fs._lock:
             objects = tuple(sorted(self.fs.objects.values(), key=lambda e: e.name))
@@ -259,7 +280,27 @@ class StoreStorageWriter(FileSystemWriter):
         plain = [[wr for wr in rank if not isinstance(wr.storage_data, RankObjects)] for rank in results]
         if len(reports) != len(results):
             raise StorageError(f"{len(results)} ranks wrote but only {len(reports)} reported their objects")
-        super().finish(metadata, plain)
+        prefix = self.claim.prefix if self.claim is not None else ""
+        if prefix:
+            # This writer's DCP checkpoint is the prefix folder: its file paths relative to it, .metadata in it.
+            plain = [
+                [
+                    dataclasses.replace(
+                        wr,
+                        storage_data=dataclasses.replace(
+                            wr.storage_data, relative_path=wr.storage_data.relative_path.removeprefix(prefix)
+                        ),
+                    )
+                    for wr in rank
+                ]
+                for rank in plain
+            ]
+        path = self.path
+        self.path = self.fs.concat_path(path, prefix.rstrip("/")) if prefix else path
+        try:
+            super().finish(metadata, plain)
+        finally:
+            self.path = path
         entry = self.fs.objects[METADATA_NAME]
         reports.append(RankObjects(rank=-1, objects=(entry,)))
         if self.claim is None:

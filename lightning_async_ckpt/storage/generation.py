@@ -75,6 +75,19 @@ class GenerationInfo:
         return self.manifest.run_id if self.manifest else None
 
     @property
+    def checkpoint_format(self) -> str | None:
+        """``"torch_dcp"`` or ``"torch_save"`` when committed (see ``Manifest.checkpoint_format``), else ``None``."""
+        return self.manifest.checkpoint_format if self.manifest else None
+
+    @property
+    def dcp_path(self) -> str | None:
+        """For a committed DCP generation: the folder to give ``dcp.load`` or a sharded strategy, else ``None``."""
+        folder = self.manifest.dcp_folder if self.manifest else None
+        if folder is None:
+            return None
+        return f"{self.path}/{folder}" if folder else self.path
+
+    @property
     def state(self) -> GenerationState:
         """The generation's state."""
         if self.committed:

@@ -111,6 +111,35 @@ class Manifest:
         """Sum of the data objects' sizes."""
         return sum(obj.size for obj in self.objects)
 
+    @property
+    def checkpoint_format(self) -> str:
+        """``"torch_dcp"`` for a sharded generation in torch DCP's format, else ``"torch_save"`` (one stream)."""
+        fmt = self.extra.get("format")
+        return fmt if isinstance(fmt, str) and fmt else "torch_save"
+
+    @property
+    def dcp_folder(self) -> str | None:
+        """For a DCP generation: the folder holding DCP's ``.metadata`` and data files, relative to the generation
+        folder (``""``: the generation folder itself; a writer that found another writer's claim on the step wrote
+        under its own prefix). ``None`` for other formats."""
+        if self.checkpoint_format != "torch_dcp":
+            return None
+        folder = self.extra.get("dcp_folder", "")
+        return folder if isinstance(folder, str) else ""
+
+    @property
+    def ranks(self) -> dict[int, tuple[ObjectEntry, ...]]:
+        """For a multi-rank generation: each writing rank's objects (empty for a single-writer generation)."""
+        listed = self.extra.get("ranks")
+        if not isinstance(listed, dict):
+            return {}
+        by_name = {obj.name: obj for obj in self.objects}
+        out: dict[int, tuple[ObjectEntry, ...]] = {}
+        for rank, names in listed.items():
+            if isinstance(names, list) and str(rank).lstrip("-").isdigit():
+                out[int(rank)] = tuple(by_name[n] for n in names if isinstance(n, str) and n in by_name)
+        return dict(sorted(out.items()))
+
     def object(self, name: str) -> ObjectEntry:
         """Return the entry named ``name``.
 

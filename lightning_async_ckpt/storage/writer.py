@@ -182,6 +182,22 @@ class GenerationWriter:
         """Entries of the objects closed so far."""
         return tuple(self._objects.values())
 
+    def record(self, entry: ObjectEntry) -> None:
+        """Add an object that another process wrote into this generation (a rank of a sharded save).
+
+        It is listed by :meth:`commit` and, like this writer's own objects, checked before and after the manifest
+        and removed when another writer wins the step.
+
+        Raises:
+            WriterUsageError: The name was already recorded or written, or the writer is committed or aborted.
+        """
+        self._check_open()
+        validate_object_name(entry.name)
+        if entry.name in self._objects or entry.name in self._open:
+            raise WriterUsageError(f"object {entry.name!r} of generation step {self.step} was recorded twice")
+        self._objects[entry.name] = entry
+        self._written.add(entry.key)
+
     def commit(
         self,
         *,
