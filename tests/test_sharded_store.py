@@ -80,3 +80,23 @@ def test_a_single_writer_generation_is_torch_save_without_a_dcp_path(tmp_path):
     manifest = writer.commit()
     assert manifest.checkpoint_format == "torch_save" and manifest.dcp_folder is None and manifest.ranks == {}
     assert store.latest().dcp_path is None
+
+
+def test_cli_ls_and_verify_show_the_ranks_and_their_bytes(tmp_path, capsys):
+    from lightning_async_ckpt.tools.cli import main
+
+    model, opt = _trained()
+    with ShardedCheckpointer(str(tmp_path)) as ckpt:
+        ckpt.save(1, _state(model, opt)).result(timeout=60)
+    data = (tmp_path / "step-00000001" / "__0_0.distcp").stat().st_size
+    assert main(["ls", str(tmp_path), "--json"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)
+    assert row["format"] == "torch_dcp" and row["ranks"] == {"0": data}
+    assert main(["ls", str(tmp_path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "RANKS" in lines[0].split() and "0:" in lines[1]
+    assert main(["verify", str(tmp_path), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["results"][0]["ranks"] == {"0": data}
+    (tmp_path / "step-00000001" / "__0_0.distcp").write_bytes(b"torn")  # any rank's object is checked
+    assert main(["verify", str(tmp_path)]) == 1
+    assert "__0_0.distcp" in capsys.readouterr().out

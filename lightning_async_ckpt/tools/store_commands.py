@@ -39,6 +39,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
                 "committed": g.committed,
                 "bytes": g.manifest.total_bytes if g.manifest else None,
                 "objects": len(g.manifest.objects) if g.manifest else None,
+                "format": g.manifest.checkpoint_format if g.manifest else None,
+                "ranks": _rank_bytes(g.manifest),
                 "run_id": g.run_id,
                 "committed_at": g.manifest.committed_at if g.manifest else None,
                 "age_s": (now - g.mtime) if g.mtime else None,
@@ -54,7 +56,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
     if not rows:
         print(f"no generations at {args.uri}", file=sys.stderr)
         return 0
-    table = [("STEP", "STATE", "SIZE", "OBJECTS", "AGE", "RUN", "PATH")]
+    table = [("STEP", "STATE", "SIZE", "OBJECTS", "AGE", "RUN", "RANKS", "PATH")]
     for r in rows:
         state = "committed" if r["committed"] else ("INVALID" if r["error"] else "uncommitted")
         table.append(
@@ -65,6 +67,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
                 str(r["objects"]) if r["objects"] is not None else "-",
                 fmt_age(r["age_s"]),
                 r["run_id"] or "-",
+                _fmt_ranks(r["ranks"]),
                 r["path"],
             )
         )
@@ -76,6 +79,18 @@ def cmd_ls(args: argparse.Namespace) -> int:
     total = sum(r["bytes"] for r in committed)
     print(f"{len(committed)} committed ({fmt_bytes(total)}), {len(rows) - len(committed)} not committed")
     return 0
+
+
+def _rank_bytes(manifest: Any) -> dict[str, int] | None:
+    """A multi-rank (sharded) generation's bytes per writing rank; ``None`` for a single-writer generation."""
+    ranks = manifest.ranks if manifest is not None else {}
+    return {str(rank): sum(e.size for e in entries) for rank, entries in ranks.items()} or None
+
+
+def _fmt_ranks(ranks: dict[str, int] | None) -> str:
+    if not ranks:
+        return "-"
+    return ",".join(f"{rank}:{fmt_bytes(size).replace(' ', '')}" for rank, size in ranks.items())
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
@@ -108,6 +123,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
                 "ok": r.ok,
                 "problems": list(r.problems),
                 "bytes": gens[r.step].manifest.total_bytes if gens[r.step].manifest else None,
+                "ranks": _rank_bytes(gens[r.step].manifest),
             }
             for r in results
         ]
@@ -122,7 +138,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
         for r in results:
             g = gens[r.step]
             if r.ok and g.manifest is not None:
-                print(f"step {r.step}: OK ({len(g.manifest.objects)} objects, {fmt_bytes(g.manifest.total_bytes)})")
+                ranks = _rank_bytes(g.manifest)
+                by = f", {len(ranks)} ranks" if ranks else ""
+                print(f"step {r.step}: OK ({len(g.manifest.objects)} objects, {fmt_bytes(g.manifest.total_bytes)}{by})")
             else:
                 print(f"step {r.step}: FAILED")
                 for problem in r.problems:
