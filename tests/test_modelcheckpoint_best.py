@@ -1,0 +1,104 @@
+"""Issue 15, finding 1: ``ckpt_path="best"`` / ``"last"``, ``trainer.checkpoint_callback`` beside a real
+``ModelCheckpoint``, best-k across a restart, and the callback's ``state_dict``."""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from lightning_async_ckpt import AsyncCheckpointCallback, latest_checkpoint
+from tests._lightning_models import make_loader, trainer_kwargs
+from tests.test_modelcheckpoint_topk import ValModel, committed, step_of, step_of_file
+
+ARGS = dict(monitor="val_loss", save_top_k=2)
+
+
+def _trainer(callbacks, **kw) -> pl.Trainer:
+    return pl.Trainer(callbacks=callbacks, **trainer_kwargs(**kw))
+
+
+def _loaders():
+    return make_loader(n=64), make_loader(n=32, seed=1)
+
+
+def test_ckpt_path_best_and_last_resolve_to_committed_generations(tmp_path):
+    pl.seed_everything(3)
+    ours = AsyncCheckpointCallback(dirpath=str(tmp_path), **ARGS)
+    trainer = _trainer([ours], max_epochs=4)
+    model = ValModel()
+    train, val = _loaders()
+    trainer.fit(model, train, val)
+    assert trainer.checkpoint_callback is ours
+    best = ours.best_model_path
+    assert best and step_of(best) in committed(tmp_path)
+
+    trainer.validate(model, val, ckpt_path="best")
+    assert trainer.ckpt_path == best
+
+    # "last": the newest committed generation, in a new Trainer (fit resumes and trains one more epoch).
+    newest = max(committed(tmp_path))
+    again = AsyncCheckpointCallback(dirpath=str(tmp_path), **ARGS)
+    trainer2 = _trainer([again], max_epochs=5)
+    trainer2.fit(ValModel(), train, val, ckpt_path="last")
+    assert step_of(trainer2.ckpt_path) == newest == 32
+    assert trainer2.global_step == 40
+
+
+@pytest.mark.parametrize("ours_first", [True, False])
+def test_a_model_checkpoint_listed_beside_keeps_checkpoint_callback_and_best(tmp_path, ours_first):
+    pl.seed_everything(3)
+    sync = ModelCheckpoint(dirpath=tmp_path / "sync", monitor="val_loss", save_top_k=1)
+    ours = AsyncCheckpointCallback(dirpath=str(tmp_path / "async"), monitor="val_acc", mode="max")
+    trainer = _trainer([ours, sync] if ours_first else [sync, ours], max_epochs=3)
+    model = ValModel()
+    train, val = _loaders()
+    trainer.fit(model, train, val)
+    assert trainer.checkpoint_callback is sync
+    assert sync.best_model_path.endswith(".ckpt") and "sync" in sync.best_model_path
+    trainer.validate(model, val, ckpt_path="best")
+    assert trainer.ckpt_path == sync.best_model_path
+    # Both still saved what they were asked to.
+    assert committed(tmp_path / "async")
+
+
+def test_best_k_continues_across_a_restart_like_model_checkpoint(tmp_path):
+    # Run 1: 3 epochs; run 2 resumes from the newest committed generation and trains to 6 epochs. The kept set and
+    # the best path match a ModelCheckpoint that ran (and resumed) beside it.
+    args = dict(ARGS, filename="{epoch}-{step}-{val_loss:.4f}")
+    train, val = _loaders()
+    pl.seed_everything(3)
+    sync = ModelCheckpoint(dirpath=tmp_path / "sync", **args)
+    ours = AsyncCheckpointCallback(dirpath=str(tmp_path / "async"), save_on_train_end=False, **args)
+    _trainer([sync, ours], max_epochs=3).fit(ValModel(), train, val)
+    resume = latest_checkpoint(str(tmp_path / "async"))
+    assert step_of(resume) in {8, 16, 24}  # the newest committed: the newest top-2 save
+
+    pl.seed_everything(3)
+    sync2 = ModelCheckpoint(dirpath=tmp_path / "sync", **args)
+    ours2 = AsyncCheckpointCallback(dirpath=str(tmp_path / "async"), save_on_train_end=False, **args)
+    _trainer([sync2, ours2], max_epochs=6).fit(ValModel(), train, val, ckpt_path=resume)
+    theirs = {step_of_file(p): float(s) for p, s in sync2.best_k_models.items()}
+    assert {step_of(p): float(s) for p, s in ours2.best_k_models.items()} == theirs
+    assert step_of(ours2.best_model_path) == step_of_file(sync2.best_model_path)
+    kept = committed(tmp_path / "async")
+    assert set(theirs) <= set(kept) and set(kept) - set(theirs) <= {max(kept)}
+
+
+def test_state_dict_carries_model_checkpoint_entries_and_load_restores_them(tmp_path):
+    pl.seed_everything(3)
+    ours = AsyncCheckpointCallback(dirpath=str(tmp_path), **ARGS)
+    train, val = _loaders()
+    _trainer([ours], max_epochs=3).fit(ValModel(), train, val)
+    state = ours.state_dict()
+    for key in ("best_model_path", "best_model_score", "best_k_models", "kth_best_model_path", "last_model_path"):
+        assert key in state
+    assert state["best_model_path"] == ours.best_model_path and state["run_id"] == ours.run_id
+    fresh = AsyncCheckpointCallback(dirpath=str(tmp_path), **ARGS)
+    fresh.load_state_dict(state)
+    assert fresh.best_model_path == ours.best_model_path and fresh.best_k_models == ours.best_k_models
+    # A checkpoint's own copy holds what was committed when it was cut (it is written before its own commit).
+    ckpt = torch.load(ours.best_model_path, weights_only=False)
+    saved = next(v for k, v in ckpt["callbacks"].items() if k.startswith("AsyncCheckpointCallback"))
+    assert all(step_of(p) < ckpt["global_step"] for p in saved["best_k_models"])
