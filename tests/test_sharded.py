@@ -179,7 +179,9 @@ def _launch(out: Path, mode: str) -> list[dict[str, Any]]:
 
 
 @pytest.mark.slow
-def test_fsdp2_two_ranks_equal_sync_dcp_save_reshard_to_one_process_and_verify(tmp_path):
+def test_fsdp2_two_ranks_equal_sync_dcp_save_reshard_to_one_process_and_verify(tmp_path, capsys):
+    from lightning_async_ckpt.tools.cli import main
+
     results = _launch(tmp_path, "ok")
     assert [r["committed"] for r in results] == [[2, 3], [2, 3]]
     assert [r["uploaded"] for r in results] == [["__0_0.distcp"], ["__1_0.distcp"]]
@@ -193,6 +195,10 @@ def test_fsdp2_two_ranks_equal_sync_dcp_save_reshard_to_one_process_and_verify(t
         assert manifest.cut["world_size"] == 2
         assert manifest.run_id == results[0]["run_id"] == results[1]["run_id"]  # one run id on every rank
         assert store.verify(step).ok  # (d)
+        # The CLI lists both ranks with the bytes each wrote.
+        assert main(["ls", str(tmp_path / "store"), "--json"]) == 0
+        row = next(r for r in json.loads(capsys.readouterr().out) if r["step"] == step)
+        assert row["ranks"] == {str(r): (gen / f"__{r}_0.distcp").stat().st_size for r in (0, 1)}
         # (b) written by 2 ranks, loaded by DCP into a plain module in this single process.
         plain = make_model()
         target = {"model": plain.state_dict()}
