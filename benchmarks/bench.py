@@ -290,6 +290,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark; prints a markdown table and writes a JSON file. Returns the exit code."""
+    if (sys.argv[1:] if argv is None else argv)[:1] == ["sharded"]:
+        # ``bench sharded ...``: the sharded modes on 2 CPU ranks (``_bench_sharded.py`` beside this file).
+        spec = importlib.util.spec_from_file_location(
+            "lac_bench_sharded", Path(__file__).with_name("_bench_sharded.py")
+        )
+        sharded = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(sharded)
+        return sharded.main((sys.argv[1:] if argv is None else argv)[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
