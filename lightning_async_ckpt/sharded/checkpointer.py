@@ -16,9 +16,8 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
@@ -30,54 +29,16 @@ from torch.distributed.checkpoint.api import CheckpointException
 from lightning_async_ckpt.core.capture import Category, Fence
 from lightning_async_ckpt.core.hooks import FenceHooks
 from lightning_async_ckpt.core.staging import BufferPool, StagingJob, resolve_budget
-from lightning_async_ckpt.errors import CheckpointError, ConfigError
+from lightning_async_ckpt.errors import ConfigError
 from lightning_async_ckpt.sharded.capture import LocalCapture, capture_local
 from lightning_async_ckpt.sharded.dcp_writer import RankObjects, StoreStorageWriter
+from lightning_async_ckpt.sharded.handle import ShardedSaveError, ShardedSaveHandle, describe_failure
 from lightning_async_ckpt.storage.manifest import Manifest
 from lightning_async_ckpt.storage.store import CheckpointStore
 
 __all__ = ["ShardedCheckpointer", "ShardedSaveError", "ShardedSaveHandle"]
 
 _log = logging.getLogger(__name__)
-
-
-class ShardedSaveError(CheckpointError):
-    """A sharded save failed on some rank; raised on every rank, with the failing ranks named."""
-
-
-@dataclass(eq=False)
-class ShardedSaveHandle:
-    """One sharded save, with three real futures.
-
-    Attributes:
-        step: The generation's step.
-        staged: Resolves when every local shard was copied to host buffers (the training may mutate them); at
-            once when nothing was deferred, else on the background thread.
-        uploaded: Resolves to this rank's :class:`RankObjects` once its objects are durable.
-        committed: Resolves to the committed :class:`Manifest` (on every rank) once the coordinator wrote it
-            (``None`` on a non-coordinator rank that could not read it back; the step is committed all the same).
-        blocked_s: Seconds the training thread spent in ``save`` (waiting for the previous save, and copying).
-        sync_bytes: Bytes copied at the cut (on the training thread).
-        deferred_bytes: Bytes staged in the background, behind the fences.
-    """
-
-    step: int
-    staged: Future = field(default_factory=Future)
-    uploaded: Future = field(default_factory=Future)
-    committed: Future = field(default_factory=Future)
-    blocked_s: float = 0.0
-    sync_bytes: int = 0
-    deferred_bytes: int = 0
-    _job: StagingJob | None = field(default=None, repr=False)
-
-    @property
-    def fence_wait_s(self) -> float:
-        """Seconds the training thread waited at this save's fences so far."""
-        return 0.0 if self._job is None else sum(state.waited_s for state in self._job.fences.values())
-
-    def result(self, timeout: float | None = None) -> Manifest | None:
-        """The committed manifest (raises the save's error)."""
-        return self.committed.result(timeout)
 
 
 class ShardedCheckpointer:
@@ -371,7 +332,9 @@ class ShardedCheckpointer:
                 self._demoted |= job.torn_categories
             if not handle.staged.done():
                 handle.staged.set_exception(job.error or exc)
-            error = ShardedSaveError(f"sharded save of step {handle.step} failed, not committed: {_describe(exc)}")
+            error = ShardedSaveError(
+                f"sharded save of step {handle.step} failed, not committed: {describe_failure(exc)}"
+            )
             error.__cause__ = exc
             if not handle.uploaded.done():
                 handle.uploaded.set_exception(error)
@@ -394,15 +357,3 @@ class ShardedCheckpointer:
         except Exception:  # noqa: BLE001 - the step is committed; only this rank's copy of the manifest is missing
             _log.warning("step %s is committed but its manifest could not be read back here", step, exc_info=True)
             return None
-
-
-def _describe(exc: BaseException) -> str:
-    failures = getattr(exc, "failures", None)
-    if isinstance(failures, dict) and failures:
-        parts = []
-        for rank in sorted(failures):
-            err = failures[rank]
-            err = err[0] if isinstance(err, tuple) else err
-            parts.append(f"rank {rank}: {type(err).__name__}: {err}")
-        return "; ".join(parts)
-    return f"{type(exc).__name__}: {exc}"
