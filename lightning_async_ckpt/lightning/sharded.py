@@ -49,6 +49,7 @@ from lightning_async_ckpt.core.telemetry import EventLog
 from lightning_async_ckpt.errors import ConfigError
 from lightning_async_ckpt.lightning.collective import agree_on
 from lightning_async_ckpt.lightning.hooks import override_failures
+from lightning_async_ckpt.lightning.sliced import DDP_LAYOUTS, drop_buffers, install_dcp_loader, is_ddp
 from lightning_async_ckpt.sharded import DCP_FORMAT, ShardedCheckpointer, ShardedSaveError
 from lightning_async_ckpt.storage.manifest import Manifest
 from lightning_async_ckpt.storage.store import CheckpointStore
@@ -149,6 +150,8 @@ class ShardedCallbackCheckpointer:
             ``host_memory_budget``, ``event_log``).
         deferral_blocked: Called with the LightningModule at each cut; returns the reasons deferral is unsafe
             (overridden hooks that may write state before a fence), empty when it may defer.
+        replicated: DDP (``ddp_layout="sliced"``): the state is replicated; ranks other than 0 leave the module's
+            buffers out (see :mod:`~lightning_async_ckpt.lightning.sliced`) and DCP deduplicates the rest.
         timeout_s: Bound on every collective of a save (the checkpoint group's timeout).
     """
 
@@ -160,6 +163,7 @@ class ShardedCallbackCheckpointer:
         rank: int,
         options: CheckpointOptions,
         deferral_blocked: Callable[[Any], list[str]] = lambda module: [],
+        replicated: bool = False,
         timeout_s: float = 300.0,
     ) -> None:
         self.store = store
@@ -176,6 +180,7 @@ class ShardedCallbackCheckpointer:
         self.pool = self.inner.pool
         self.events = EventLog(options.event_log if rank == 0 else None)
         self.deferral_blocked = deferral_blocked
+        self.replicated = replicated
         self.committed_step: int | None = None
         self.last_committed: ShardedRecord | None = None
         self.deferred_bytes = 0  # staged behind the fences, over every save of this checkpointer
@@ -239,6 +244,8 @@ class ShardedCallbackCheckpointer:
         """
         start = time.perf_counter()
         state, meta = to_strategy_layout(checkpoint, self.model_key)
+        if self.replicated and self.rank != 0 and modules:
+            state[self.model_key] = drop_buffers(state[self.model_key], modules[0])
         objects = None
         if self.rank == 0:
             buffer = io.BytesIO()
@@ -319,16 +326,29 @@ def setup_sharded(callback: Any, trainer: pl.Trainer) -> bool:
     Called from ``AsyncCheckpointCallback.setup`` on every rank, after ``dirpath`` and ``run_id`` are set.
     Collective (creates the checkpoint's gloo group); a failure on any rank raises on every rank.
 
+    Under DDP with the callback's ``ddp_layout="sliced"`` every rank writes a slice of the replicated state
+    (:mod:`~lightning_async_ckpt.lightning.sliced`). File-based strategies get a checkpoint IO that also loads
+    Lightning DCP folders.
+
     Returns:
-        ``True`` when the strategy is sharded (the callback's ``store``, ``checkpointer`` and committed steps
-        are set), ``False`` otherwise (the callback sets up its single writer).
+        ``True`` when every rank writes (the callback's ``store``, ``checkpointer`` and committed steps are set),
+        ``False`` otherwise (the callback sets up its single writer on rank 0).
 
     Raises:
-        ConfigError: ``admission``/``max_outstanding`` other than ``"wait"``/``1`` (not supported sharded).
+        ConfigError: ``admission``/``max_outstanding`` other than ``"wait"``/``1`` (not supported when every rank
+            writes), or an unknown ``ddp_layout``.
     """
+    layout = getattr(callback, "ddp_layout", "single")
+    if layout not in DDP_LAYOUTS:
+        raise ConfigError(f"ddp_layout must be one of {DDP_LAYOUTS}, got {layout!r}")
     model_key = model_key_for(trainer.strategy)
+    replicated = model_key is None and layout == "sliced" and is_ddp(trainer.strategy) and trainer.world_size > 1
     if model_key is None:
-        return False
+        # File-based strategies load Lightning DCP folders too (a generation written with ddp_layout="sliced").
+        install_dcp_loader(trainer.strategy)
+        if not replicated:
+            return False
+        model_key = "state_dict"
     options = callback.options
     if options.admission != "wait" or options.max_outstanding != 1:
         raise ConfigError(
@@ -350,7 +370,12 @@ def setup_sharded(callback: Any, trainer: pl.Trainer) -> bool:
         return [reason for reasons in override_failures(trainer, pl_module, callback).values() for reason in reasons]
 
     callback.checkpointer = ShardedCallbackCheckpointer(
-        store, model_key=model_key, rank=trainer.global_rank, options=options, deferral_blocked=deferral_blocked
+        store,
+        model_key=model_key,
+        rank=trainer.global_rank,
+        options=options,
+        deferral_blocked=deferral_blocked,
+        replicated=replicated,
     )
     callback.checkpointer.declare_fences({Fence.BATCH_START, Fence.OPTIMIZER_STEP})
     callback.store = store

@@ -1,0 +1,119 @@
+"""DDP with every rank writing a slice: Lightning's checkpoint in torch DCP's format, and loading it back under DDP.
+
+With ``AsyncCheckpointCallback(ddp_layout="sliced")`` under ``DDPStrategy`` every rank hands its (replicated) model
+and optimizer state to a :class:`~lightning_async_ckpt.lightning.sharded.ShardedCallbackCheckpointer`; DCP's
+planner deduplicates the replicated items across ranks and balances them by size, so each item is written once,
+by one rank, and the aggregate write bandwidth grows with the ranks. ``meta.pt`` (loops, schedulers, callbacks...)
+is written by rank 0, as under the sharded strategies.
+
+What is replicated under DDP, and what is not:
+
+- parameters and optimizer state: identical on every rank after each update (gradients are all-reduced, the
+  optimizer runs the same arithmetic everywhere), so any rank's copy may be written;
+- buffers (BatchNorm running statistics): every rank updates its own during forward and DDP copies rank 0's over
+  them at the next forward (``broadcast_buffers``): at the cut only rank 0's are the checkpoint's. Ranks other than
+  0 leave buffers out of their state, so rank 0 writes them;
+- a ``ZeroRedundancyOptimizer``'s state is consolidated on rank 0 by Lightning (the other ranks hand in none).
+
+Loading: DDP's checkpoint IO reads files. :func:`install_dcp_loader` makes the strategy's checkpoint IO read such a
+generation folder into the same dict the single-writer checkpoint holds (``state_dict``, ``optimizer_states``,
+and ``meta.pt``'s keys), so ``trainer.fit(ckpt_path=latest_checkpoint(dirpath))`` resumes under DDP. DCP stores
+nested keys as strings: the optimizer state's integer parameter ids are restored from ``param_groups``.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+__all__ = ["DDP_LAYOUTS", "drop_buffers", "install_dcp_loader", "is_ddp", "is_dcp_folder", "load_lightning_dcp"]
+
+_log = logging.getLogger("lightning_async_ckpt")
+
+#: Values of ``AsyncCheckpointCallback(ddp_layout=...)``.
+DDP_LAYOUTS = ("single", "sliced")
+_META = "meta.pt"
+_DCP_METADATA = ".metadata"
+_INSTALLED = "_lightning_async_ckpt_dcp_loader"
+
+
+def is_ddp(strategy: Any) -> bool:
+    """Whether ``strategy`` is Lightning's ``DDPStrategy`` (or a subclass): replicated model and optimizer state."""
+    return "DDPStrategy" in {cls.__name__ for cls in type(strategy).__mro__}
+
+
+def drop_buffers(state_dict: dict[str, Any], module: torch.nn.Module) -> dict[str, Any]:
+    """``state_dict`` without ``module``'s buffers (ranks other than 0 under DDP: rank 0's buffers are the ones)."""
+    buffers = {name for name, _ in module.named_buffers()}
+    return {key: value for key, value in state_dict.items() if key not in buffers}
+
+
+def is_dcp_folder(path: Any) -> bool:
+    """Whether ``path`` is a local folder holding a Lightning DCP checkpoint (DCP's ``.metadata`` and ``meta.pt``)."""
+    text = os.fspath(path) if isinstance(path, str | os.PathLike) else None
+    return (
+        text is not None
+        and os.path.isdir(text)
+        and os.path.isfile(os.path.join(text, _DCP_METADATA))
+        and os.path.isfile(os.path.join(text, _META))
+    )
+
+
+def load_lightning_dcp(folder: str, weights_only: bool | None = None) -> dict[str, Any]:
+    """Read a Lightning DCP checkpoint folder, without a process group, into Lightning's single-file checkpoint dict.
+
+    Args:
+        folder: A local generation folder (``__<rank>_0.distcp``, ``.metadata``, ``meta.pt``).
+        weights_only: Passed to ``torch.load`` of ``meta.pt`` (as Lightning does).
+
+    Returns:
+        ``meta.pt``'s dict plus ``state_dict`` and ``optimizer_states`` (a list, optimizer ``i`` from
+        ``optimizer_<i>``), equal to what ``ModelCheckpoint`` writes under DDP.
+    """
+    buffer = io.BytesIO()
+    dcp_to_torch_save(folder, buffer)
+    buffer.seek(0)
+    state = torch.load(buffer, weights_only=False)  # written by dcp_to_torch_save just now, from DCP's own files
+    checkpoint = torch.load(os.path.join(folder, _META), weights_only=weights_only)
+    checkpoint["state_dict"] = state.pop("state_dict")
+    count = sum(1 for key in state if key.startswith("optimizer_"))
+    checkpoint["optimizer_states"] = [_int_param_ids(state.pop(f"optimizer_{i}")) for i in range(count)]
+    return checkpoint
+
+
+def _int_param_ids(osd: dict[str, Any]) -> dict[str, Any]:
+    # A plain optimizer's state is keyed by the integer ids listed in param_groups; DCP flattened them to strings
+    # (and lists each rank's items together). Restored to the ids, in param_groups order, as Optimizer.state_dict.
+    params = [p for group in osd.get("param_groups", []) for p in group.get("params", [])]
+    ids = {str(p): p for p in params}
+    if "state" in osd:
+        state = {ids.get(k, k) if isinstance(k, str) else k: v for k, v in osd["state"].items()}
+        ordered = {p: state.pop(p) for p in params if p in state}
+        osd["state"] = {**ordered, **state}
+    return osd
+
+
+def install_dcp_loader(strategy: Any) -> None:
+    """Let a file-based strategy (DDP, single device) load Lightning DCP folders through its checkpoint IO.
+
+    Every other path goes to the checkpoint IO's own loader unchanged. Idempotent.
+    """
+    checkpoint_io = strategy.checkpoint_io
+    if getattr(checkpoint_io, _INSTALLED, False):
+        return
+    original = checkpoint_io.load_checkpoint
+
+    def load_checkpoint(path: Any, *args: Any, **kwargs: Any) -> Any:
+        if not is_dcp_folder(path):
+            return original(path, *args, **kwargs)
+        weights_only = kwargs.get("weights_only", args[1] if len(args) > 1 else None)
+        _log.info("loading the DCP checkpoint folder %s without a process group", path)
+        return load_lightning_dcp(os.fspath(path), weights_only=weights_only)
+
+    checkpoint_io.load_checkpoint = load_checkpoint
+    setattr(checkpoint_io, _INSTALLED, True)
