@@ -39,7 +39,7 @@ from lightning_async_ckpt.lightning.progress import (
 from lightning_async_ckpt.lightning.rerun import place_run
 from lightning_async_ckpt.lightning.resume import find_last, install_reader, latest_checkpoint, remove_reader
 from lightning_async_ckpt.lightning.rng import collect_portable_rng, restore_rng
-from lightning_async_ckpt.lightning.selection import load_selection_state, selection_state
+from lightning_async_ckpt.lightning.selection import after_model_checkpoints, load_selection_state, selection_state
 from lightning_async_ckpt.lightning.sharded import is_lightning_dcp_generation, setup_sharded
 from lightning_async_ckpt.lightning.triggers import monitor_candidates
 from lightning_async_ckpt.storage.store import CheckpointStore
@@ -93,6 +93,8 @@ class AsyncCheckpointCallback(CallbackArguments):
         event_log: Path or URL of a JSONL event log (for ``lightning-async-ckpt timeline`` / ``plan``).
         restore_rng: Restore the RNG states captured at the cut when resuming (Lightning itself does not).
         verbose: Log every committed generation at INFO level, and ``ModelCheckpoint``'s top-k lines.
+        ddp_layout: Under DDP: ``"single"`` (rank 0 writes ``checkpoint.ckpt``) or ``"sliced"`` (every rank writes
+            a slice in torch DCP format; see ``docs/sharded.md``). Sharded strategies always write every rank's shards.
         filename, monitor, mode, save_top_k, save_last, save_weights_only, auto_insert_metric_name,
             train_time_interval, save_on_train_epoch_end, enable_version_counter, save_on_exception:
             ``ModelCheckpoint``'s arguments with its semantics on the committed generations: see
@@ -105,7 +107,7 @@ class AsyncCheckpointCallback(CallbackArguments):
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         # A ModelCheckpoint listed beside this callback stays `trainer.checkpoint_callback` (its "best").
-        trainer.callbacks = [c for c in trainer.callbacks if c is not self] + [self]
+        trainer.callbacks = after_model_checkpoints(self, trainer.callbacks)
         install_reader(self, trainer)  # paths in dirpath load through the store's storage_options (resume.py)
         if stage != "fit":
             return

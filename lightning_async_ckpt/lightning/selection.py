@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_async_ckpt.errors import ConfigError
@@ -27,11 +28,9 @@ from lightning_async_ckpt.lightning.topk import Entry, TopK
 from lightning_async_ckpt.storage.retention import remove_best_k
 
 if TYPE_CHECKING:
-    from lightning.pytorch.callbacks import ModelCheckpoint
-
     from lightning_async_ckpt.storage.store import CheckpointStore
 
-__all__ = ["EXTRA_KEY", "Selection", "load_selection_state", "selection_state"]
+__all__ = ["EXTRA_KEY", "Selection", "after_model_checkpoints", "load_selection_state", "selection_state"]
 
 _log = logging.getLogger("lightning_async_ckpt")
 #: ``Manifest.extra`` key of what the callback records about a generation.
@@ -190,6 +189,20 @@ class Selection:
             self.topk.committed(info.step, path_of(info.manifest))
         self._retain(None)
         self.publish()
+
+
+def after_model_checkpoints(cb: ModelCheckpoint, callbacks: list[Any]) -> list[Any]:
+    """``callbacks`` with ``cb`` moved right after the last plain ``ModelCheckpoint`` listed after it, if any.
+
+    Lightning's ``trainer.checkpoint_callback`` (what ``ckpt_path="best"`` reads) is the first checkpoint callback:
+    a ``ModelCheckpoint`` the user listed beside this callback keeps that role. Nothing else moves.
+    """
+    others = [i for i, c in enumerate(callbacks) if isinstance(c, ModelCheckpoint) and not isinstance(c, type(cb))]
+    mine = next(i for i, c in enumerate(callbacks) if c is cb)
+    if not others or others[-1] < mine:
+        return callbacks
+    rest = [c for c in callbacks if c is not cb]
+    return [*rest[: others[-1]], cb, *rest[others[-1] :]]
 
 
 def selection_state(cb: ModelCheckpoint) -> dict[str, Any]:
