@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from pathlib import Path
@@ -135,6 +136,22 @@ def test_background_error_is_raised_once_on_the_training_thread_and_leaves_no_fi
     # Raised once: the plugin's teardown (Lightning calls it again on the next fit) has nothing left to raise.
     plugin.teardown()
     assert [f for f in os.listdir(tmp_path) if "step=2" in f] == []
+
+
+class _UnpicklableThenRaises(_Unpicklable):
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        if self.global_step == 3:
+            raise RuntimeError("the user's own error")
+        return super().training_step(batch, batch_idx)
+
+
+def test_a_training_error_is_not_masked_by_a_pending_checkpoint_error(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    mc = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2, save_top_k=-1)
+    with caplog.at_level(logging.ERROR, "lightning_async_ckpt"), pytest.raises(RuntimeError, match="user's own"):
+        _fit(_UnpicklableThenRaises(), [mc], [StagedCheckpointIO()])
+    assert any("was not written" in r.getMessage() for r in caplog.records)
 
 
 def test_removal_waits_for_the_newer_commit(tmp_path: Path) -> None:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import collections
 import logging
 import os
+import sys
 import threading
 import time
 from concurrent.futures import Future
@@ -209,6 +210,9 @@ class StagedCheckpointIO(CheckpointIO):
     def teardown(self) -> None:
         """Drain every queued save and removal, stop the thread, and raise a background error not raised yet.
 
+        While another exception propagates (Lightning tears down after a training error) the error is logged
+        instead, so the training error is the one that surfaces.
+
         Raises:
             CheckpointError: The oldest error not raised yet (later ones are attached as notes).
         """
@@ -227,8 +231,13 @@ class StagedCheckpointIO(CheckpointIO):
                 error = later
             else:
                 error.add_note(f"another checkpoint write also failed: {later}")
-        if error is not None:
-            raise error
+        if error is None:
+            return
+        if sys.exc_info()[1] is not None:
+            # Lightning tears down while an exception propagates: that exception stays the one the user sees.
+            _log.error("checkpoint write failed while another exception was handled: %s", error)
+            return
+        raise error
 
     # -- public helpers ------------------------------------------------------------------------------------
     def drain(self, timeout: float | None = None) -> bool:
