@@ -55,8 +55,7 @@ def fit(model: pl.LightningModule, callbacks: list, max_steps: int, ckpt_path: s
 
 def main(out: str) -> None:
     single = AsyncCheckpointCallback(dirpath=f"{out}/single", every_n_train_steps=2)
-    sliced = AsyncCheckpointCallback(dirpath=f"{out}/sliced", every_n_train_steps=2)
-    sliced.ddp_layout = "sliced"
+    sliced = AsyncCheckpointCallback(dirpath=f"{out}/sliced", every_n_train_steps=2, ddp_layout="sliced")
     trainer = fit(Recording(), [single, sliced], max_steps=4)
     result: dict = {"rank": trainer.global_rank}
     result["sliced_latest"] = latest_checkpoint(f"{out}/sliced")

@@ -13,6 +13,8 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
+from lightning_async_ckpt import AsyncCheckpointCallback
+from lightning_async_ckpt.errors import ConfigError
 from lightning_async_ckpt.lightning.sliced import is_dcp_folder, load_lightning_dcp
 from lightning_async_ckpt.sharded import DCP_FORMAT
 from lightning_async_ckpt.storage.store import CheckpointStore
@@ -48,6 +50,11 @@ def _by_key(obj):
     if isinstance(obj, list | tuple):
         return type(obj)(_by_key(v) for v in obj)
     return obj
+
+
+def test_an_unknown_ddp_layout_is_refused_naming_the_choices():
+    with pytest.raises(ConfigError, match="ddp_layout must be 'single'.*or 'sliced'"):
+        AsyncCheckpointCallback(ddp_layout="striped")
 
 
 @pytest.fixture(scope="module")

@@ -17,6 +17,7 @@ from lightning_async_ckpt.core.engine import AsyncCheckpointer, CheckpointOption
 from lightning_async_ckpt.lightning.arguments import check_arguments, check_selection
 from lightning_async_ckpt.lightning.schedule import CutSchedule
 from lightning_async_ckpt.lightning.selection import Selection
+from lightning_async_ckpt.lightning.sliced import check_ddp_layout
 from lightning_async_ckpt.lightning.triggers import Triggers
 from lightning_async_ckpt.storage.store import CheckpointStore
 
@@ -61,6 +62,7 @@ class CallbackArguments(ModelCheckpoint):
         save_on_train_epoch_end: bool | None = None,
         enable_version_counter: bool = True,
         save_on_exception: bool = False,
+        ddp_layout: Literal["single", "sliced"] = "single",
     ) -> None:
         args = check_selection(
             filename=filename,
@@ -117,6 +119,7 @@ class CallbackArguments(ModelCheckpoint):
         self.storage_options = storage_options
         self.restore_rng = restore_rng
         self.verbose = verbose
+        self.ddp_layout = check_ddp_layout(ddp_layout)  # DDP: rank 0 writes, or every rank a slice (sliced.py)
         self.store: CheckpointStore | None = None
         self.checkpointer: AsyncCheckpointer | None = None
         self.run_id: str | None = None

@@ -31,7 +31,17 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-__all__ = ["DDP_LAYOUTS", "drop_buffers", "install_dcp_loader", "is_ddp", "is_dcp_folder", "load_lightning_dcp"]
+from lightning_async_ckpt.errors import ConfigError
+
+__all__ = [
+    "DDP_LAYOUTS",
+    "check_ddp_layout",
+    "drop_buffers",
+    "install_dcp_loader",
+    "is_ddp",
+    "is_dcp_folder",
+    "load_lightning_dcp",
+]
 
 _log = logging.getLogger("lightning_async_ckpt")
 
@@ -40,6 +50,20 @@ DDP_LAYOUTS = ("single", "sliced")
 _META = "meta.pt"
 _DCP_METADATA = ".metadata"
 _INSTALLED = "_lightning_async_ckpt_dcp_loader"
+
+
+def check_ddp_layout(ddp_layout: Any) -> str:
+    """Validate ``AsyncCheckpointCallback(ddp_layout=...)``.
+
+    Raises:
+        ConfigError: Not one of :data:`DDP_LAYOUTS`.
+    """
+    if ddp_layout not in DDP_LAYOUTS:
+        raise ConfigError(
+            f"ddp_layout must be 'single' (rank 0 writes one checkpoint file) or 'sliced' (every rank writes a "
+            f"slice, torch DCP format), got {ddp_layout!r}"
+        )
+    return ddp_layout
 
 
 def is_ddp(strategy: Any) -> bool:
