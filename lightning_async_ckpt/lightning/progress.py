@@ -70,7 +70,8 @@ class _StepMetric(Metric):
     full_state_update = False
 
     def __init__(self) -> None:
-        super().__init__()
+        # No collective ever: ranks log it at different batches (each when its own value changed).
+        super().__init__(sync_on_compute=False, dist_sync_on_step=False)
         self.add_state("step", default=torch.tensor(0, dtype=torch.int64), dist_reduce_fx="max")
 
     def update(self, step: int) -> None:
