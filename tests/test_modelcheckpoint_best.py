@@ -6,6 +6,7 @@ from __future__ import annotations
 import lightning.pytorch as pl
 import pytest
 import torch
+import yaml
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_async_ckpt import AsyncCheckpointCallback, latest_checkpoint
@@ -95,6 +96,11 @@ def test_state_dict_carries_model_checkpoint_entries_and_load_restores_them(tmp_
     for key in ("best_model_path", "best_model_score", "best_k_models", "kth_best_model_path", "last_model_path"):
         assert key in state
     assert state["best_model_path"] == ours.best_model_path and state["run_id"] == ours.run_id
+    # ModelCheckpoint's helpers work on the committed view: to_yaml and format_checkpoint_name.
+    ours.to_yaml(str(tmp_path / "best_k.yaml"))
+    written = yaml.safe_load((tmp_path / "best_k.yaml").read_text())
+    assert written == {p: pytest.approx(float(v)) for p, v in ours.best_k_models.items()}
+    assert ours.format_checkpoint_name({"epoch": 1, "step": 5}) == str(tmp_path / "epoch=1-step=5.ckpt")
     fresh = AsyncCheckpointCallback(dirpath=str(tmp_path), **ARGS)
     fresh.load_state_dict(state)
     assert fresh.best_model_path == ours.best_model_path and fresh.best_k_models == ours.best_k_models
