@@ -244,3 +244,23 @@ def _fit_catching(mc: ModelCheckpoint, plugin: StagedCheckpointIO, watch: Callba
         _fit(_Model(), [mc] + ([watch] if watch else []), [plugin])
     except BaseException as exc:  # noqa: BLE001 - reported by the test thread
         errors.append(exc)
+
+
+def test_s3_through_moto_same_files_and_loads_with_storage_options(
+    s3_uri: tuple[str, dict[str, Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    uri, options = s3_uri
+    # ModelCheckpoint lists and creates folders through its own fsspec lookup, without storage_options: the
+    # endpoint comes from the environment for it; the plugin gets it explicitly.
+    monkeypatch.setenv("AWS_ENDPOINT_URL", options["endpoint_url"])
+    plugin = StagedCheckpointIO(storage_options=options)
+    mc = ModelCheckpoint(dirpath=uri, every_n_train_steps=2, save_top_k=1)
+    _fit(_Model(), [mc], [plugin])
+    import s3fs
+
+    fs = s3fs.S3FileSystem(skip_instance_cache=True, **options)
+    names = sorted(p.rsplit("/", 1)[-1] for p in fs.ls(uri.removeprefix("s3://")))
+    assert names == ["epoch=0-step=8.ckpt"]
+    assert [c.size for c in plugin.committed if c.path.endswith("step=8.ckpt")] == [fs.info(mc.best_model_path)["size"]]
+    assert plugin.load_checkpoint(mc.best_model_path)["global_step"] == 8
+    plugin.teardown()
