@@ -272,8 +272,9 @@ def _summarize(ranks: list[dict[str, Any]], every: int) -> dict[str, Any]:
         committed = [max(c) for c in zip(*[p["committed_s"] for p in per], strict=True)]
         disk = [sum(s) for s in zip(*[p["bytes"] for p in per], strict=True)]  # same folder on both ranks: /2
         disk_bytes = disk[-1] // len(per)
-        # The first save is a warm-up; the idle saves come after the training loop.
-        training = committed[1:] or committed
+        # The first save is a warm-up; the last one of the loop is waited for after the last step (no training
+        # after it), so it counts as neither; the idle saves come after the loop.
+        training = committed[1:-1] or committed[1:] or committed
         persist = [disk_bytes / c / 1e6 for c in training]
         idle_s = [max(c) for c in zip(*[p["idle_s"] for p in per], strict=True)] or [committed[-1]]
         idle = disk_bytes / _median(idle_s) / 1e6
