@@ -73,7 +73,23 @@ def test_training_stopped_is_said_only_when_training_was_stopped(
     messages = [r.getMessage() for r in caplog.records if r.name == "lightning_async_ckpt"]
     assert any("training stopped by RuntimeError" in m for m in messages) is stopped
     if not stopped:
-        assert any("RuntimeError raised during fit" in m and "before any training step" in m for m in messages)
+        assert any("RuntimeError raised during fit, before any training step" in m for m in messages)
+
+
+class _FailsValidation(BNDropoutModel):
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        raise RuntimeError("boom in validation")
+
+
+def test_an_error_in_validate_after_fit_is_not_called_stopped_training(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    model = _FailsValidation()
+    trainer = _trainer([AsyncCheckpointCallback(dirpath=str(tmp_path), every_n_train_steps=2)], max_steps=4)
+    trainer.fit(model, make_loader())
+    with caplog.at_level(logging.WARNING, logger="lightning_async_ckpt"), pytest.raises(RuntimeError, match="boom"):
+        trainer.validate(model, make_loader())
+    assert not [r for r in caplog.records if "training stopped" in r.getMessage()]
 
 
 # -- interpreter exit -----------------------------------------------------------------------------------------

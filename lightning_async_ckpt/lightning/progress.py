@@ -108,12 +108,14 @@ def log_stopped(
         )
         return
     fn, stage = trainer.state.fn, trainer.state.stage
-    where = f"{fn.value if fn else 'the trainer'}" + (f" ({stage.value})" if stage else "")
+    if fn == TrainerFn.FITTING:
+        where = "fit, " + (
+            "in the sanity check" if stage == RunningStage.SANITY_CHECKING else "before any training step"
+        )
+    else:
+        where = f"{fn.value if fn else 'the trainer'}, not training"
     _log.warning(
-        "%s raised during %s, before any training step; last committed checkpoint step %s",
-        type(exception).__name__,
-        where,
-        committed_step,
+        "%s raised during %s; last committed checkpoint step %s", type(exception).__name__, where, committed_step
     )
 
 
