@@ -145,3 +145,27 @@ def test_fsdp_hooks_are_recognised_and_others_are_not():
 def test_wait_without_a_save_in_flight_returns_at_once(tmp_path):
     with ShardedCheckpointer(str(tmp_path)) as ckpt:
         assert ckpt.wait(Fence.OPTIMIZER_STEP) == 0.0
+
+
+def test_declared_fences_defer_and_wait_releases_them(tmp_path):
+    model = make_model()
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    _step(model, opt, 0)
+    with ShardedCheckpointer(str(tmp_path)) as ckpt:
+        ckpt.declare_fences({Fence.BATCH_START, Fence.OPTIMIZER_STEP}, modules=[model], optimizers=[opt])
+        at_cut = _snapshot(_state(model, opt))
+        handle = ckpt.save(1, _state(model, opt))
+        assert handle.deferred_bytes > 0
+        ckpt.wait(Fence.BATCH_START)  # the integration's own hooks call wait at each fence
+        model(torch.randn(4, 16)).square().mean().backward()
+        ckpt.wait(Fence.OPTIMIZER_STEP)  # every deferred shard landed before the update below
+        opt.step()
+        handle.result(timeout=60)
+    _assert_same(_as_torch(tmp_path / "step-00000001", tmp_path), at_cut)
+
+
+def test_a_bad_guard_mode_is_a_config_error(tmp_path):
+    from lightning_async_ckpt.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="guard"):
+        ShardedCheckpointer(str(tmp_path), guard="sometimes")
