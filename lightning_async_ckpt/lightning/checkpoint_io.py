@@ -21,6 +21,7 @@ stops the thread, raises a pending error).
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import os
 import sys
@@ -162,7 +163,8 @@ class StagedCheckpointIO(CheckpointIO):
         self._raise_pending()
         t0 = time.perf_counter()
         while self._outstanding() >= self.max_outstanding:
-            _quiet_result(self._saves[0])
+            with contextlib.suppress(Exception):  # its error is in the queue, raised just below
+                self._saves[0].result()
         self._raise_pending()
         plan = CapturePlan.build(checkpoint)  # no proof: every tensor is copied here, at the save
         self.pool.check(plan.total_bytes)
@@ -394,10 +396,3 @@ class StagedCheckpointIO(CheckpointIO):
         worker, self._worker = self._worker, None
         if worker is not None:
             worker.stop(0.0 if pending else None)
-
-
-def _quiet_result(future: Future) -> None:
-    try:
-        future.result()
-    except Exception:  # noqa: BLE001 - delivered through the error queue, raised on the training thread
-        pass
