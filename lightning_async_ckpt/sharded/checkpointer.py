@@ -230,6 +230,7 @@ class ShardedCheckpointer:
         if handle.deferred_bytes == 0:
             capture.job.run()  # nothing to copy: the fences open and the guard has nothing to check
             handle.staged.set_result(step)
+            self._capture = None
         else:
             self._capture = capture
         handle.blocked_s = time.perf_counter() - start
