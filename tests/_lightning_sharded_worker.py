@@ -11,6 +11,7 @@ One launch runs every fit (each 2-process Lightning start costs seconds):
 3. Resume: ``<out>/ours``'s step-4 generation is copied into ``<out>/half``; a fresh model resumes from
    ``latest_checkpoint(<out>/half)`` (the step-4 folder) to step 8, and another fresh model with
    ``ckpt_path="last"`` (the callback finds step 8 of the resumed run) continues to step 10.
+4. Rank 1's storage fails at the second save (a ``faulty://`` store): the fit must end with an error on both ranks.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from lightning_async_ckpt import AsyncCheckpointCallback, latest_checkpoint  # noqa: E402
 from lightning_async_ckpt.storage.store import CheckpointStore  # noqa: E402
+from lightning_async_ckpt.testing import Fault  # noqa: E402
 
 
 def make_net(kind: str) -> nn.Sequential:
@@ -153,6 +155,20 @@ def main(out: str) -> None:
     last = ShardedModel("plain")
     fit(last, [AsyncCheckpointCallback(dirpath=f"{out}/half", every_n_train_steps=4)], max_steps=10, ckpt_path="last")
     result.update(last_start=last.start_step, last_steps=len(last.losses))
+
+    # Last (it ends the fit with an error): rank 1's data file fails to open at the second save (step 4).
+    faults = [Fault(op="open", path="__1_0.distcp", at=2, error="oserror")]
+    faulty = AsyncCheckpointCallback(
+        dirpath=f"faulty://{out}/faulty",
+        storage_options={"target_protocol": "file", "faults": faults},
+        every_n_train_steps=2,
+        retries=0,
+    )
+    try:
+        fit(ShardedModel("plain"), [faulty], max_steps=8)
+        result["fault"] = None
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        result["fault"] = f"{type(exc).__name__}: {exc}"
     print("RESULT " + json.dumps(result), flush=True)
 
 

@@ -178,3 +178,15 @@ def test_a_two_rank_generation_loads_into_one_process_model_and_optimizer(runs, 
     set_optimizer_state_dict(holder, opt, optim_state_dict=osd["optimizer_0"])
     _assert_same(osd["optimizer_0"]["state"], expected["optimizer_0"]["state"])
     assert torch.equal(opt.state[net[0].weight]["exp_avg"], expected["optimizer_0"]["state"]["net.0.weight"]["exp_avg"])
+
+
+@pytest.mark.slow
+def test_one_ranks_storage_failure_fails_the_fit_on_every_rank_and_commits_nothing(runs):
+    out, results = runs
+    for r in results:
+        # Both ranks raise (at the next collective point), naming the failing rank; nobody hangs.
+        assert r["fault"] is not None and "rank 1" in r["fault"] and "step 4" in r["fault"], r["fault"]
+    store = CheckpointStore(str(out / "faulty"), check_writable=False)
+    committed = [g.step for g in store.generations() if g.manifest is not None]
+    assert committed == [2]  # the failed step has no manifest; the previous generation stays the latest
+    assert latest_checkpoint(str(out / "faulty")) == store.url(2)
