@@ -2,6 +2,10 @@
 
 Usage: ``python benchmarks/sharded_cut.py --out /tmp/shbench [--layers 8] [--width 1024] [--repeats 3]``
 
+A micro-benchmark of the cut alone (copy-at-cut, no training between saves). ``lightning-async-ckpt bench sharded``
+(``benchmarks/_bench_sharded.py``) is the full comparison: fenced staging in a training loop, DCP ``async_save``
+thread and process, persist throughput against the raw write floor.
+
 Launches itself as two ranks. Each rank prints one JSON line: the training-thread blocking time of
 ``ShardedCheckpointer.save`` (copy-at-cut) and of ``dcp.async_save`` (thread), the time until each is committed,
 and a synchronous ``dcp.save``, for the same state dict (model + Adam state). A first save of each kind warms up
