@@ -229,7 +229,7 @@ class ShardedCallbackCheckpointer:
         defer: bool = True,
         **kwargs: Any,
     ) -> ShardedCallbackHandle:
-        """Copy this rank's shards at the cut and write generation ``step`` (every rank calls it at the same step).
+        """Capture this rank's shards at the cut and write generation ``step`` (every rank, at the same step).
 
         Args:
             step: The global step.
