@@ -97,3 +97,23 @@ def test_verbose_prints_model_checkpoint_lines_through_rank_zero_info(tmp_path, 
     assert any("'val_loss' reached" in line and "as top 1" in line and "committed" in line for line in lines)
     # With this seed some epoch does not improve val_loss: ModelCheckpoint's "was not in top" line.
     assert any("'val_loss' was not in top 1" in line for line in lines), lines
+
+
+def test_save_top_k_zero_with_save_last_keeps_only_the_newest_like_last_ckpt(tmp_path):
+    pl.seed_everything(3)
+    sync = ModelCheckpoint(dirpath=tmp_path / "sync", save_top_k=0, save_last=True)
+    ours = AsyncCheckpointCallback(dirpath=str(tmp_path / "async"), save_top_k=0, save_last=True)
+    trainer = pl.Trainer(callbacks=[sync, ours], **trainer_kwargs(max_epochs=3))
+    trainer.fit(ValModel(), make_loader(n=64), make_loader(n=32, seed=1))
+    assert sorted(p.name for p in (tmp_path / "sync").iterdir()) == ["last.ckpt"]
+    assert set(committed(tmp_path / "async")) == {24} and step_of(ours.last_model_path) == 24
+
+
+def test_keep_last_beside_monitor_keeps_the_newest_n_besides_the_best(tmp_path):
+    # Every epoch's score enters the top 1 (the step, maximized): top-k alone keeps one generation, keep_last=2 two.
+    pl.seed_everything(3)
+    ours = AsyncCheckpointCallback(dirpath=str(tmp_path), monitor="step", mode="max", save_top_k=1, keep_last=2)
+    trainer = pl.Trainer(callbacks=[ours], **trainer_kwargs(max_epochs=4))
+    trainer.fit(ValModel(), make_loader(n=64), make_loader(n=32, seed=1))
+    assert set(committed(tmp_path)) == {24, 32} and step_of(ours.best_model_path) == 32
+    assert list(map(step_of, ours.best_k_models)) == [32]

@@ -59,16 +59,21 @@ MC_ARGS = dict(monitor="val_loss", filename="{epoch}-{step}-{val_loss:.4f}")
 @pytest.mark.parametrize(
     ("mode", "top_k", "monitor"), [("min", 2, "val_loss"), ("max", 1, "val_acc"), ("min", -1, "val_loss")]
 )
-def test_top_k_by_monitored_metric_keeps_what_model_checkpoint_keeps(tmp_path, mode, top_k, monitor):
+@pytest.mark.parametrize("final", [False, True])
+def test_top_k_by_monitored_metric_keeps_what_model_checkpoint_keeps(tmp_path, mode, top_k, monitor, final):
     args = dict(MC_ARGS, monitor=monitor, mode=mode, save_top_k=top_k)
     sync = ModelCheckpoint(dirpath=tmp_path / "sync", **args)
-    ours = AsyncCheckpointCallback(dirpath=str(tmp_path / "async"), save_on_train_end=False, **args)
+    ours = AsyncCheckpointCallback(dirpath=str(tmp_path / "async"), save_on_train_end=final, **args)
     fit([sync, ours], max_epochs=6)
 
     kept = committed(tmp_path / "async")
-    # The same generations on storage as files, named the same (the rendered template is in the manifest).
-    assert set(kept) == steps_of_files(tmp_path / "sync")
-    assert {v["filename"] for v in kept.values()} == set(os.listdir(tmp_path / "sync"))
+    # The same generations on storage as files, named the same (the rendered template is in the manifest); the
+    # final checkpoint (save_on_train_end) is ranked at the epoch end like ModelCheckpoint's save, and kept as
+    # the newest besides.
+    assert set(kept) - {48 if final else -1} == steps_of_files(tmp_path / "sync") - {48 if final else -1}
+    assert set(kept) <= steps_of_files(tmp_path / "sync") | ({48} if final else set())
+    files = {v["filename"] for s, v in kept.items() if v["ranked"]}
+    assert files == set(os.listdir(tmp_path / "sync"))
     # best_k_models: the same steps and scores; best_model_path names the same step, a loadable committed file.
     theirs = {step_of_file(p): float(s) for p, s in sync.best_k_models.items()}
     assert {step_of(p): float(s) for p, s in ours.best_k_models.items()} == theirs

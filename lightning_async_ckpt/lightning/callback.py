@@ -175,7 +175,8 @@ class AsyncCheckpointCallback(CallbackArguments):
         # Where ModelCheckpoint saves when validation does not run once per epoch end (lightning/triggers.py).
         kind = None if self._skip(trainer) else self.triggers.validation_end(trainer)
         if kind is not None:
-            self._cut(trainer, pl_module, trainer.global_step, last=kind == "deferred")
+            final = self.triggers.final_waits
+            self._cut(trainer, pl_module, trainer.global_step, final=final, ranked=True, last=kind == "deferred")
         self._poll(trainer)
 
     @override
@@ -220,9 +221,9 @@ class AsyncCheckpointCallback(CallbackArguments):
         # The end of training is known here when max_steps is reached or this is the last batch of the last epoch:
         # the final checkpoint is taken now, before epoch-end bookkeeping and other callbacks' on_train_end (an EMA
         # callback copies its averaged weights into the model there), so it resumes like an uninterrupted run.
-        # With a monitor refreshed by a validation run right after this batch, the cut waits for that run.
+        # With a monitor, it waits for ModelCheckpoint's ranked save at this epoch's end (fresh metrics, ranked).
         final = self.save_on_train_end and is_last_batch(trainer, batch_idx)
-        final = final and not self.triggers.validation_follows(trainer)
+        final = final and not self.triggers.final_waits_for_epoch_end(trainer)
         if due or retake or final:
             self._cut(trainer, pl_module, step, final=final, ranked=ranked)
         elif not self._preallocated and self.checkpointer is not None and step > self._fit_start_step:
@@ -234,7 +235,8 @@ class AsyncCheckpointCallback(CallbackArguments):
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not self._skip(trainer) and self.triggers.train_epoch_end(trainer):
-            self._cut(trainer, pl_module, trainer.global_step, last=False)
+            final = self.triggers.final_waits
+            self._cut(trainer, pl_module, trainer.global_step, final=final, ranked=True, last=False)
         self._poll(trainer)
 
     @override
@@ -284,7 +286,7 @@ class AsyncCheckpointCallback(CallbackArguments):
         take, entry = self.selection.prepare(
             trainer, monitor_candidates(trainer), ranked=not final if ranked is None else ranked, last=last
         )
-        if not take:
+        if not take and not final:
             return
         self._last_cut_step = step
         clash = None

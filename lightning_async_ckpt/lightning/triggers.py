@@ -52,12 +52,27 @@ class Triggers:
         self.save_on_train_epoch_end = save_on_train_epoch_end
         self.monitor = monitor
         self.deferred = False
+        self.final_waits = False
         self._last_time_checked: float | None = None
 
     def start(self) -> None:
         """``on_train_start``: the time interval counts from here."""
         self._last_time_checked = time.monotonic()
         self.deferred = False
+        self.final_waits = False
+
+    def final_waits_for_epoch_end(self, trainer: pl.Trainer) -> bool:
+        """At the last batch of training, with a monitor: whether ``ModelCheckpoint`` saves this step at the epoch's
+        end (``on_train_epoch_end``, or ``on_validation_end`` after the validation run that follows). The final
+        checkpoint is then taken there, ranked with the metrics of that moment (recorded in ``final_waits``)."""
+        if self.monitor is None:
+            waits = False
+        elif self.on_epoch_end_saves(trainer):
+            waits = self.epoch_due(trainer)
+        else:
+            waits = _validation_follows(trainer) and (self.deferred or self.epoch_due(trainer))
+        self.final_waits = waits
+        return waits
 
     def on_epoch_end_saves(self, trainer: pl.Trainer) -> bool:
         """``ModelCheckpoint._should_save_on_train_epoch_end``."""
@@ -112,10 +127,6 @@ class Triggers:
     def train_epoch_end(self, trainer: pl.Trainer) -> bool:
         """Whether to save in ``on_train_epoch_end``."""
         return self.on_epoch_end_saves(trainer) and self.epoch_due(trainer)
-
-    def validation_follows(self, trainer: pl.Trainer) -> bool:
-        """Whether the monitored metric will be refreshed by a validation run right after this batch."""
-        return self.monitor is not None and not self.on_epoch_end_saves(trainer) and _validation_follows(trainer)
 
 
 def _validation_follows(trainer: pl.Trainer) -> bool:
