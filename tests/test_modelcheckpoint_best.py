@@ -9,7 +9,7 @@ import torch
 import yaml
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from lightning_async_ckpt import AsyncCheckpointCallback, latest_checkpoint
+from lightning_async_ckpt import AsyncCheckpointCallback, CheckpointStore, latest_checkpoint
 from tests._lightning_models import make_loader, trainer_kwargs
 from tests.test_modelcheckpoint_topk import ValModel, committed, step_of, step_of_file
 
@@ -37,6 +37,8 @@ def test_ckpt_path_best_and_last_resolve_to_committed_generations(tmp_path):
 
     trainer.validate(model, val, ckpt_path="best")
     assert trainer.ckpt_path == best
+    # Loading restores the callbacks' states: the loaded copy (cut before its own commit) does not roll back "best".
+    assert ours.best_model_path == best
 
     # "last": the newest committed generation, in a new Trainer (fit resumes and trains one more epoch).
     newest = max(committed(tmp_path))
@@ -108,3 +110,19 @@ def test_state_dict_carries_model_checkpoint_entries_and_load_restores_them(tmp_
     ckpt = torch.load(ours.best_model_path, weights_only=False)
     saved = next(v for k, v in ckpt["callbacks"].items() if k.startswith("AsyncCheckpointCallback"))
     assert all(step_of(p) < ckpt["global_step"] for p in saved["best_k_models"])
+
+
+def test_best_k_and_ckpt_path_best_on_s3_with_storage_options_only(s3_uri):
+    # On an object store: displaced generations are removed, and "best" loads through the callback's options.
+    uri, options = s3_uri
+    pl.seed_everything(3)
+    ours = AsyncCheckpointCallback(dirpath=uri, storage_options=options, monitor="val_loss", save_top_k=1)
+    trainer = _trainer([ours], max_epochs=3)
+    model = ValModel()
+    train, val = _loaders()
+    trainer.fit(model, train, val)
+    assert ours.best_model_path.startswith("s3://")
+    steps = [g.step for g in CheckpointStore(uri, options, check_writable=False).generations()]
+    assert steps == sorted({step_of(ours.best_model_path), 24})
+    trainer.validate(model, val, ckpt_path="best")
+    assert trainer.ckpt_path == ours.best_model_path

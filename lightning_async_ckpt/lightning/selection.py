@@ -215,8 +215,13 @@ def selection_state(cb: ModelCheckpoint) -> dict[str, Any]:
 def load_selection_state(cb: ModelCheckpoint, state: dict[str, Any]) -> None:
     """``ModelCheckpoint.load_state_dict``: the attributes, when the checkpoint was written to the same ``dirpath``.
 
-    A resumed fit then rebuilds them from the committed manifests (:meth:`Selection.restore`).
+    A callback that already follows commits keeps its own view (Lightning restores callbacks at
+    ``validate(ckpt_path="best")`` too, and a checkpoint's copy was cut before its own commit); a resumed fit
+    rebuilds the view from the committed manifests (:meth:`Selection.restore`).
     """
+    selection = getattr(cb, "selection", None)
+    if isinstance(selection, Selection) and selection.topk.entries:
+        return
     if "best_model_path" not in state or state.get("dirpath", cb.dirpath) != cb.dirpath:
         return
     for name in ("best_model_score", "best_model_path", "current_score", "best_k_models"):
