@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from lightning_async_ckpt.accelerate._bounded import bounded_collective
 from lightning_async_ckpt.accelerate._checkpointer import AccelerateCheckpointer
 from lightning_async_ckpt.accelerate._layout import _ATTR, _check_supported
 from lightning_async_ckpt.core.engine import CheckpointOptions, SaveHandle
@@ -17,6 +18,7 @@ def attach(
     *,
     storage_options: dict[str, Any] | None = None,
     defer: bool = True,
+    collective_timeout_s: float | None = None,
     **options: Any,
 ) -> AccelerateCheckpointer:
     """Make ``accelerator.save_state`` asynchronous for the weights, and enable :func:`save_state` to ``uri``.
@@ -31,6 +33,10 @@ def attach(
             ``None`` for the hook path only.
         storage_options: fsspec options for ``uri``.
         defer: ``False`` copies everything at the cut (no staging behind the optimizer-step fence).
+        collective_timeout_s: With several processes, how long a checkpoint collective (``save_state``,
+            ``load_state``, ``close``, accelerate's ``save_state``/``load_state``) waits for the other processes
+            before it raises a ``CheckpointError`` naming the fix (a call made on the main process only). Default
+            300 s; keep it below the process group's timeout and above how late a process can legitimately be.
         **options: :class:`~lightning_async_ckpt.core.engine.CheckpointOptions` fields (``max_outstanding``,
             ``admission`` in ``wait``/``skip``/``abort``, ``host_memory_budget``, ``keep_last`` for ``uri``, ...).
 
@@ -42,7 +48,8 @@ def attach(
     """
     existing = getattr(accelerator, _ATTR, None)
     if existing is not None and not existing.closed:
-        if (uri is None or uri == existing.uri) and not options and storage_options is None and defer:
+        unchanged = storage_options is None and defer and collective_timeout_s is None
+        if (uri is None or uri == existing.uri) and not options and unchanged:
             return existing
         raise ConfigError(
             f"this accelerator already has a checkpointer attached (uri={existing.uri!r}); close() it first or "
@@ -53,6 +60,12 @@ def attach(
     _check_supported(accelerator)
     if not isinstance(defer, bool):
         raise ConfigError(f"defer must be True or False, got {defer!r}")
+    if collective_timeout_s is not None and (
+        isinstance(collective_timeout_s, bool)
+        or not isinstance(collective_timeout_s, int | float)
+        or not collective_timeout_s > 0
+    ):
+        raise ConfigError(f"collective_timeout_s must be a positive number of seconds, got {collective_timeout_s!r}")
     opts = CheckpointOptions(**options)
     if opts.admission == "coalesce":
         raise ConfigError("admission='coalesce' is not supported with Accelerate; use 'wait', 'skip' or 'abort'")
@@ -68,6 +81,9 @@ def attach(
             f"written (max_outstanding={opts.max_outstanding}): use total_limit >= max_outstanding + 1"
         )
     checkpointer = AccelerateCheckpointer(accelerator, uri, storage_options=storage_options, defer=defer, options=opts)
+    bounded = bounded_collective(accelerator, collective_timeout_s)  # collective: every process is in attach()
+    if bounded is not None:
+        checkpointer._collective_group = bounded
     setattr(accelerator, _ATTR, checkpointer)
     return checkpointer
 

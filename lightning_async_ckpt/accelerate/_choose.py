@@ -4,11 +4,12 @@ Three layouts are recognised under the ``uri`` given:
 
 * one committed folder (a hook-path ``output_dir`` holding ``manifest.json``);
 * a folder of accelerate's automatically named ``checkpoint_N`` folders: the newest committed one whose objects
-  are all present with their sizes (newer, incomplete ones are skipped with a warning);
+  all match their sizes and checksums (newer, incomplete or damaged ones are skipped with a warning);
 * a store root of ``step-XXXXXXXX`` generations (:class:`~lightning_async_ckpt.storage.store.CheckpointStore`).
 
 A folder that is an uncommitted save, or holds accelerate's files without a manifest, is an error, never a
-silent ``None``.
+silent ``None``. ``None`` means the location was listed and holds no committed generation (uncommitted leftovers
+of a crashed first save are named in a warning); committed generations none of which is intact are an error.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any
 
 from lightning_async_ckpt.accelerate._layout import INCOMPLETE_MARKER
 from lightning_async_ckpt.errors import CheckpointError, ManifestError
+from lightning_async_ckpt.storage.io import read_verified
 from lightning_async_ckpt.storage.manifest import MANIFEST_NAME, Manifest
 from lightning_async_ckpt.storage.store import CheckpointStore
 
@@ -45,7 +47,7 @@ def choose(fs: Any, root: str, uri: str, options: dict[str, Any], step: int | No
         ManifestError: ``step`` is not a committed generation there, or the chosen one is damaged.
     """
     if fs.exists(f"{root}/{MANIFEST_NAME}"):
-        manifest = folder_manifest(fs, root)
+        manifest = folder_manifest(fs, root, verify=True)
         if step is not None and manifest.step != step:
             raise ManifestError(f"{root} holds step {manifest.step}, not {step}")
         return Choice(url=_url(fs, root), step=manifest.step)
@@ -65,19 +67,34 @@ def choose(fs: Any, root: str, uri: str, options: dict[str, Any], step: int | No
         )
     store = CheckpointStore(uri, options, check_writable=False)
     if step is None:
-        info = store.latest()
-        return None if info is None else Choice(url=store.url(info.step), step=info.step)
+        info = store.latest()  # checksums verified; damaged or uncommitted generations are skipped with a warning
+        if info is None:
+            damaged = [g.step for g in store.generations()]
+            if damaged:
+                raise CheckpointError(
+                    f"no intact committed generation under {uri}: steps {damaged} are committed but damaged (see "
+                    "the warnings); nothing was loaded. Check them with `lightning-async-ckpt verify`, or pass step="
+                )
+            return None
+        return Choice(url=store.url(info.step), step=info.step)
     problems = store.check_sizes(store.manifest(step))
     if problems:
         raise ManifestError(f"generation step {step} under {store.uri} is damaged: {'; '.join(problems)}")
     return Choice(url=store.url(step), step=step)
 
 
-def folder_manifest(fs: Any, folder: str) -> Manifest:
+def folder_manifest(fs: Any, folder: str, *, verify: bool = False) -> Manifest:
     """The manifest of one committed folder, after checking every object it lists is there with its size.
 
+    Args:
+        fs: The folder's filesystem.
+        folder: The folder's path on ``fs``.
+        verify: Also re-read every object and check its checksum.
+
     Raises:
-        ManifestError: The manifest is invalid, or an object is missing or has another size.
+        FileNotFoundError: The folder has no manifest (not committed).
+        ManifestError: The manifest is invalid, or an object is missing, has another size or (with ``verify``)
+            another checksum.
     """
     where = f"{folder}/{MANIFEST_NAME}"
     manifest = Manifest.from_json(fs.cat_file(where), where=where)
@@ -90,9 +107,19 @@ def folder_manifest(fs: Any, folder: str) -> Manifest:
             continue
         if size != obj.size:
             problems.append(f"{obj.name}: size {size}, manifest says {obj.size}")
+        elif verify:
+            try:
+                read_verified(fs, f"{folder}/{obj.key}", obj, into=_Discard())
+            except ManifestError as exc:
+                problems.append(f"{obj.name}: {' '.join(str(exc).split())}")
     if problems:
         raise ManifestError(f"{folder} does not match its manifest: {'; '.join(problems)}")
     return manifest
+
+
+class _Discard:
+    def write(self, data: bytes) -> int:
+        return len(data)
 
 
 def _automatic_folders(fs: Any, root: str) -> list[tuple[int, str]]:
@@ -111,12 +138,15 @@ def _automatic_folders(fs: Any, root: str) -> list[tuple[int, str]]:
 
 def _choose_automatic(fs: Any, root: str, autos: list[tuple[int, str]], step: int | None) -> Choice | None:
     skipped: list[str] = []
+    damaged = 0
     for _, folder in autos:
         try:
-            manifest = folder_manifest(fs, folder)
+            manifest = folder_manifest(fs, folder, verify=step is None or _folder_step(fs, folder) == step)
         except (FileNotFoundError, ManifestError) as exc:
             if step is None:
-                skipped.append(f"{folder.rsplit('/', 1)[-1]} ({_why(fs, folder, exc)})")
+                why = _why(fs, folder, exc)
+                damaged += not why.endswith("no manifest")
+                skipped.append(f"{folder.rsplit('/', 1)[-1]} ({why})")
             continue
         if step is not None and manifest.step != step:
             continue
@@ -130,11 +160,19 @@ def _choose_automatic(fs: Any, root: str, autos: list[tuple[int, str]], step: in
         return Choice(url=_url(fs, folder), step=manifest.step)
     if step is not None:
         raise ManifestError(f"no committed checkpoint_N folder under {root} holds step {step}")
+    if damaged:
+        raise CheckpointError(f"no intact committed checkpoint under {root}: {', '.join(skipped)}; nothing was loaded")
     if skipped:
-        raise CheckpointError(
-            f"no committed checkpoint under {root}: every checkpoint_N folder is incomplete ({', '.join(skipped)})"
-        )
+        _log.warning("load_state: no checkpoint_N folder under %s is committed: %s", root, ", ".join(skipped))
     return None
+
+
+def _folder_step(fs: Any, folder: str) -> int | None:
+    try:
+        where = f"{folder}/{MANIFEST_NAME}"
+        return Manifest.from_json(fs.cat_file(where), where=where).step
+    except Exception:  # noqa: BLE001 - an unreadable manifest is reported by folder_manifest
+        return None
 
 
 def _why(fs: Any, folder: str, exc: BaseException) -> str:

@@ -36,7 +36,7 @@ TRUST_FLAG = "trust_pickled_objects=True"
 
 def load_state(
     accelerator: Any,
-    uri: str,
+    uri: str | None = None,
     step: int | None = None,
     storage_options: dict[str, Any] | None = None,
     *,
@@ -47,15 +47,19 @@ def load_state(
 
     ``uri`` is one of: a store root (generations ``step-XXXXXXXX``); one committed folder (a hook-path
     ``output_dir`` holding ``manifest.json``); or a folder of accelerate's automatically named ``checkpoint_N``
-    folders (``ProjectConfiguration(automatic_checkpoint_naming=True)``), where the newest committed one is
-    loaded and newer incomplete ones are skipped with a warning. Uncommitted generations are never loaded. Local
-    generations are loaded in place; others are downloaded to a temporary folder (checksums verified) first.
+    folders (``ProjectConfiguration(automatic_checkpoint_naming=True)``; the default ``uri`` then), where the
+    newest committed one whose files match their checksums is loaded and newer incomplete or damaged ones are
+    skipped with a warning. Uncommitted generations are never loaded. Local generations are loaded in place;
+    others are downloaded to a temporary folder (checksums verified) first. With a checkpointer attached, the
+    restored generation's run continues: its run id becomes the checkpointer's, so ``keep_last`` counts the
+    generations written before the restart.
     Collective: every process must call it; the main process chooses the generation. ``uri`` must be readable
     by every process.
 
     Args:
         accelerator: The ``Accelerator``.
-        uri: Local folder or fsspec URL.
+        uri: Local folder or fsspec URL; default ``<project_dir>/checkpoints`` with accelerate's automatic
+            checkpoint naming.
         step: A specific committed step; default the newest whose objects are all present with their sizes.
         storage_options: fsspec options for ``uri``.
         trust_pickled_objects: Let accelerate unpickle ``custom_checkpoint_{i}.pkl`` files that the restricted
@@ -64,22 +68,35 @@ def load_state(
         **load_kwargs: Passed to ``accelerator.load_state``.
 
     Returns:
-        The restored generation's manifest, or ``None`` (with a warning) if ``uri`` is a store or a folder of
-        ``checkpoint_N`` folders that holds no committed generation yet: a first run starts fresh.
+        The restored generation's manifest, or ``None`` (with a warning) only when ``uri`` was listed and holds no
+        committed generation (empty, missing local folder, or only uncommitted leftovers of a crashed first save,
+        named in the warning): a first run starts fresh.
 
     Raises:
+        StoreUnavailableError: ``uri`` cannot be listed (missing bucket, unreachable endpoint, no permission).
         CheckpointError: ``uri`` is an uncommitted folder (a save that never finished), a folder without a
-            manifest, or a custom object needs ``trust_pickled_objects=True``.
+            manifest, holds committed generations none of which is intact, or a custom object needs
+            ``trust_pickled_objects=True``; also no ``uri`` without automatic checkpoint naming.
         ManifestError: ``step`` is not a committed generation, or an object does not match its manifest.
     """
     import fsspec
     from fsspec.implementations.local import LocalFileSystem
 
     options = dict(storage_options or {})
-    collective = collective_for(accelerator)
+    if uri is None:
+        project = accelerator.project_configuration
+        if not project.automatic_checkpoint_naming:
+            raise CheckpointError(
+                "load_state(accelerator) without uri needs ProjectConfiguration(automatic_checkpoint_naming=True) "
+                "(it then reads <project_dir>/checkpoints); pass the uri you saved to"
+            )
+        uri = os.path.join(accelerator.project_dir, "checkpoints")
+    checkpointer = getattr(accelerator, _ATTR, None)
+    # The attached checkpointer's exchange is bounded (a call on some processes only raises instead of hanging).
+    attached = checkpointer is not None and not checkpointer.closed
+    collective = checkpointer._collective_group if attached else collective_for(accelerator)
     fs, root = fsspec.core.url_to_fs(uri, **options)
     root = root.rstrip("/") or "/"
-    checkpointer = getattr(accelerator, _ATTR, None)
     if checkpointer is not None and not checkpointer.closed:
         # Hook-path saves into this folder (or below it) end first, so the choice sees them committed or failed.
         checkpointer._quiesce(os.path.abspath(root) if isinstance(fs, LocalFileSystem) else None)

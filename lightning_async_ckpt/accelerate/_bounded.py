@@ -1,0 +1,92 @@
+"""The checkpointer's collectives with a bound: a private gloo group whose operations time out.
+
+With a checkpointer attached, ``accelerator.save_state``/``load_state``, :func:`save_state`, :func:`load_state` and
+``close()`` are collectives. A call made on some processes only (``if accelerator.is_main_process:
+accelerator.save_state(...)``, a common pattern with plain accelerate) used to wait in accelerate's
+``gather_object`` until the process group's own timeout (30 minutes by default), with no message. Here the
+exchange runs on a dedicated gloo group created at ``attach`` (every process calls it) with a shorter timeout, so
+the processes that made the call raise a :class:`~lightning_async_ckpt.errors.CheckpointError` naming the fix.
+Once an exchange timed out the group cannot be trusted to pair calls again: every later one raises at once.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+from typing import Any
+
+from lightning_async_ckpt.errors import CheckpointError
+
+__all__ = ["DEFAULT_COLLECTIVE_TIMEOUT_S", "BoundedCollective", "bounded_collective"]
+
+_log = logging.getLogger("lightning_async_ckpt")
+DEFAULT_COLLECTIVE_TIMEOUT_S = 300.0
+
+
+class BoundedCollective:
+    """A :class:`~lightning_async_ckpt.core.collective.Collective` over a gloo group whose exchanges time out.
+
+    Thread-safety: used on the training thread only (every process calls ``all_gather`` in the same order).
+
+    Args:
+        accelerator: The ``Accelerator`` (for the process index and count).
+        timeout_s: How long one exchange waits for the other processes.
+    """
+
+    def __init__(self, accelerator: Any, timeout_s: float) -> None:
+        import torch.distributed as dist
+
+        self.accelerator = accelerator
+        self.timeout_s = timeout_s
+        self._group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+        self._broken: str | None = None
+
+    @property
+    def rank(self) -> int:
+        """This process's index."""
+        return self.accelerator.process_index
+
+    @property
+    def world_size(self) -> int:
+        """Number of processes."""
+        return self.accelerator.num_processes
+
+    def all_gather(self, obj: Any) -> list[Any]:
+        """Every process's ``obj``, indexed by process.
+
+        Raises:
+            CheckpointError: The other processes did not reach the same call within ``timeout_s`` (or an earlier
+                exchange already failed that way).
+        """
+        import torch.distributed as dist
+
+        if self._broken is not None:
+            raise CheckpointError(self._broken)
+        out: list[Any] = [None] * self.world_size
+        try:
+            dist.all_gather_object(out, obj, group=self._group)
+        except RuntimeError as exc:
+            self._broken = (
+                f"a checkpoint collective on process {self.rank} failed while waiting up to {self.timeout_s:g}s for "
+                f"the other {self.world_size - 1} process(es) ({' '.join(str(exc).split())[:200]}): with a "
+                "checkpointer attached, accelerator.save_state, accelerator.load_state, save_state(), load_state() "
+                "and close() are collectives. Call them on every process, not only under "
+                "`if accelerator.is_main_process:` (only the main process writes the shared files anyway); if a "
+                "process can legitimately arrive later than that, raise attach(..., collective_timeout_s=...)"
+            )
+            raise CheckpointError(self._broken) from exc
+        return out
+
+
+def bounded_collective(accelerator: Any, timeout_s: float | None) -> BoundedCollective | None:
+    """A bounded collective for ``accelerator``'s processes (collective: every process calls it), or ``None``
+    for a single process or where ``torch.distributed`` has no gloo backend (accelerate's exchange is used then).
+    """
+    import torch.distributed as dist
+
+    if accelerator.num_processes <= 1 or not dist.is_available() or not dist.is_initialized():
+        return None
+    if not dist.is_gloo_available():
+        _log.info("no gloo backend: checkpoint collectives wait as long as the process group's own timeout")
+        return None
+    return BoundedCollective(accelerator, DEFAULT_COLLECTIVE_TIMEOUT_S if timeout_s is None else timeout_s)
