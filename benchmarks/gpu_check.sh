@@ -47,6 +47,6 @@ timeout 130 python3 benchmarks/cuda_profile.py --out "$out" --tmp /tmp 2>&1 | te
 [ -f "$out/trace.json" ] && gzip -f "$out/trace.json"
 
 echo "== bench (CUDA, 2.4 GB per checkpoint)" | tee -a "$log"
-timeout 270 python3 -m lightning_async_ckpt bench --device cuda --param-mb 1000 --width 8192 --batch 4096 \
+timeout 340 python3 -m lightning_async_ckpt bench --device cuda --param-mb 1000 --width 8192 --batch 4096 \
   --steps 130 --every 40 --json "$out/bench.json" --markdown "$out/bench.md" 2>&1 | tee "$out/bench.log" || rc=1
 exit $rc
