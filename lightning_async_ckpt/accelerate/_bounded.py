@@ -11,6 +11,7 @@ Once an exchange timed out the group cannot be trusted to pair calls again: ever
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 from typing import Any
@@ -40,6 +41,16 @@ class BoundedCollective:
         self.timeout_s = timeout_s
         self._group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
         self._broken: str | None = None
+
+    def release(self) -> None:
+        """Destroy the private group (at close); later exchanges raise instead of using it."""
+        import torch.distributed as dist
+
+        group, self._group = self._group, None
+        if group is not None and dist.is_initialized():
+            with contextlib.suppress(Exception):  # best effort: a peer may already be gone
+                dist.destroy_process_group(group)
+        self._broken = self._broken or "the checkpointer was closed"
 
     @property
     def rank(self) -> int:

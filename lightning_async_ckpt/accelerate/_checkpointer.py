@@ -185,6 +185,9 @@ class AccelerateCheckpointer(DrainOnExit):
             self._collective(error, doing="close")
         finally:
             self._book.cancel_all()
+            release = getattr(self._collective_group, "release", None)
+            if callable(release):
+                release()  # a private gloo group left to interpreter exit can abort the process
 
     # -- hooks (training thread) ----------------------------------------------------------------------------
     def _on_save_state(self, models: list, weights: list, output_dir: str) -> None:
