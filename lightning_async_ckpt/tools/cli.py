@@ -127,7 +127,13 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def store_args(p: argparse.ArgumentParser) -> None:
-        p.add_argument("uri", help="store location: a local path, file://, memory://, s3://bucket/prefix, ...")
+        p.add_argument(
+            "uri",
+            help=(
+                "store location (a local path, file://, memory://, s3://bucket/prefix, ...), or accelerate's "
+                "checkpoint folders: <project_dir>/checkpoints or one save_state folder"
+            ),
+        )
         p.add_argument(
             "--storage-option",
             action="append",
@@ -137,7 +143,9 @@ def build_parser() -> argparse.ArgumentParser:
             "(e.g. --storage-option endpoint_url=http://127.0.0.1:9000, anon=true)",
         )
 
-    p = sub.add_parser("ls", help="list generations (committed or not) with step, size and age")
+    p = sub.add_parser(
+        "ls", help="list generations (committed or not) with step, size and age; accelerate checkpoint_N folders too"
+    )
     store_args(p)
     p.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
     p.set_defaults(func=cmd_ls)

@@ -25,7 +25,12 @@ class UsageError(Exception):
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    """``ls``: list generations (committed or not) with step, size, age and run."""
+    """``ls``: list generations (committed or not) with step, size, age and run; or accelerate's folders."""
+    folders = _accelerate_folders(args)
+    if folders is not None:
+        from lightning_async_ckpt.tools.folder_commands import ls_folders
+
+        return ls_folders(args, folders)
     store = open_store(args)
     listing = store.scan(include_uncommitted=True)
     gens = listing.generations
@@ -94,7 +99,12 @@ def _fmt_ranks(ranks: dict[str, int] | None) -> str:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    """``verify``: re-read generations and check sizes and checksums; 1 when any failed."""
+    """``verify``: re-read generations (or accelerate's folders) and check sizes and checksums; 1 when any failed."""
+    folders = _accelerate_folders(args)
+    if folders is not None:
+        from lightning_async_ckpt.tools.folder_commands import verify_folders
+
+        return verify_folders(args, folders)
     store = open_store(args)
     listing = store.scan(include_uncommitted=True)
     _print_skipped(listing.skipped, to_stderr=args.json)
@@ -158,6 +168,11 @@ def cmd_gc(args: argparse.Namespace) -> int:
     """``gc``: delete old generations, keeping the newest ``--keep-last`` committed ones."""
     if args.keep_last < 1:
         raise ConfigError(f"--keep-last must be >= 1 (the newest committed generation is kept), got {args.keep_last}")
+    if _accelerate_folders(args) is not None:
+        raise UsageError(
+            f"{args.uri} holds accelerate checkpoint folders, not step-* generations: accelerate owns their "
+            "retention (ProjectConfiguration(total_limit=K)); `ls` and `verify` read them"
+        )
     store = open_store(args, run_id=args.run_id)
     gens = store.generations(include_uncommitted=True)
     runs = sorted({g.run_id for g in gens if g.committed and g.run_id})
@@ -190,6 +205,13 @@ def cmd_gc(args: argparse.Namespace) -> int:
         print(f"{PROG} gc: could not remove steps {[s for s, _ in report.failed]}; run gc again", file=sys.stderr)
         return 1
     return 0
+
+
+def _accelerate_folders(args: argparse.Namespace) -> list[Any] | None:
+    """Accelerate's checkpoint folders at ``args.uri``, or ``None`` when it is not such a layout (a store)."""
+    from lightning_async_ckpt.accelerate.folders import accelerate_folders
+
+    return accelerate_folders(args.uri, storage_options(args.storage_option))
 
 
 def _print_skipped(skipped: list[Any], *, to_stderr: bool) -> None:
