@@ -17,6 +17,7 @@ from typing import Any
 
 from lightning_async_ckpt.core.capture import CapturePlan
 from lightning_async_ckpt.core.workers import THREAD_PREFIX, Worker, register_at_exit
+from lightning_async_ckpt.storage.direct import release_buffers
 
 __all__ = ["ABANDON_JOIN_S", "Lifecycle"]
 
@@ -103,6 +104,7 @@ class Lifecycle:
         self._stop_workers(None if finished and not self.abandoning.is_set() else remaining())
         self.events.close()
         self.pool.clear()
+        release_buffers()  # the aligned write buffers kept between files
         while (later := self.take_pending_error()) is not None:  # type: ignore[attr-defined]
             if error is None:
                 error = later

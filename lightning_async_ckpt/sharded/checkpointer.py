@@ -33,6 +33,7 @@ from lightning_async_ckpt.errors import ConfigError
 from lightning_async_ckpt.sharded.capture import LocalCapture, capture_local
 from lightning_async_ckpt.sharded.dcp_writer import RankObjects, StoreStorageWriter
 from lightning_async_ckpt.sharded.handle import ShardedSaveError, ShardedSaveHandle, describe_failure
+from lightning_async_ckpt.storage.direct import release_buffers
 from lightning_async_ckpt.storage.manifest import Manifest
 from lightning_async_ckpt.storage.store import CheckpointStore
 
@@ -270,6 +271,7 @@ class ShardedCheckpointer:
             self._fence_hooks.remove()
             self._capture = None
             self.pool.clear()
+            release_buffers()
             if drained and self._own_group and dist.is_initialized():
                 dist.destroy_process_group(self.process_group)
             self._own_group = False
