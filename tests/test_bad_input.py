@@ -323,14 +323,17 @@ def test_second_run_colliding_with_committed_steps_goes_to_a_new_version(run_dir
     assert [g.step for g in CheckpointStore(str(versions[0]), check_writable=False).generations()] == [4]
 
 
-def test_second_run_resuming_from_a_copied_folder_keeps_its_generations(run_dir):
-    # run_dir is a copy of the first run's folder (the checkpoint names another dirpath), so the resumed run is
-    # placed in a new version: it neither collides with nor retires the generations it found.
+def test_second_run_resuming_from_a_copied_folder_continues_there_and_keep_last_applies(run_dir):
+    # run_dir is a copy of the first run's folder: the checkpoint names another dirpath, so Lightning does not restore
+    # the callback's state (its key holds the dirpath). Resuming from the newest checkpoint there is still that run
+    # continuing in place: no collision, and keep_last=1 retires the older generations only once a newer one is
+    # committed.
     callback = AsyncCheckpointCallback(dirpath=str(run_dir), every_n_train_steps=2, keep_last=1)
     _fit([callback], max_steps=8, ckpt_path=latest_checkpoint(str(run_dir)))
     store = CheckpointStore(str(run_dir), check_writable=False)
-    assert [g.step for g in store.generations()] == [2, 4]
-    assert all(store.verify(s).ok for s in (2, 4))
+    assert [g.step for g in store.generations()] == [8]
+    assert store.verify(8).ok
+    assert not [p for p in run_dir.iterdir() if p.name.startswith("v")]
     newest = latest_checkpoint(str(run_dir))
     assert newest is not None and "step-00000008" in newest
 

@@ -92,3 +92,57 @@ def test_without_the_version_counter_a_rerun_is_refused_before_training(tmp_path
     assert "new dirpath" in str(info.value)
     assert seen == []  # decided before the first training step
     assert _steps_and_runs(root)[0] == [2, 4]
+
+
+@pytest.mark.parametrize("how", ["latest_checkpoint", "last"])
+def test_resuming_the_newest_checkpoint_with_changed_arguments_continues_in_place(tmp_path, how):
+    # Other callback arguments change Lightning's callback state key, so the callback's saved state (and the run id
+    # in it) is not restored; resuming from the newest checkpoint of dirpath is still a continuation of that run.
+    root = str(tmp_path / "ckpt")
+    first = AsyncCheckpointCallback(dirpath=root, every_n_train_steps=2)
+    _fit(first, max_steps=4)
+    seen: list[int] = []
+    resumed = AsyncCheckpointCallback(dirpath=root, every_n_train_steps=3, keep_last=2)
+    ckpt_path = latest_checkpoint(root) if how == "latest_checkpoint" else "last"
+    _fit(resumed, max_steps=9, ckpt_path=ckpt_path, seen=seen)
+    assert seen[0] == 4
+    assert not (tmp_path / "ckpt" / "v1").exists()
+    # One run: keep_last counts the generations it resumed from, as if it had never stopped.
+    assert _steps_and_runs(root) == ([6, 9], {first.run_id})
+    assert resumed.run_id == first.run_id
+
+
+def test_resuming_the_newest_checkpoint_of_a_copied_folder_continues_in_the_copy(tmp_path):
+    import shutil
+
+    first_dir = tmp_path / "first"
+    first = AsyncCheckpointCallback(dirpath=str(first_dir), every_n_train_steps=2)
+    _fit(first, max_steps=4)
+    copy = tmp_path / "copy"
+    shutil.copytree(first_dir, copy)
+    resumed = AsyncCheckpointCallback(dirpath=str(copy), every_n_train_steps=2)
+    _fit(resumed, max_steps=6, ckpt_path=latest_checkpoint(str(copy)))
+    assert _steps_and_runs(str(copy)) == ([2, 4, 6], {first.run_id})
+    assert not (copy / "v1").exists()
+    assert _steps_and_runs(str(first_dir))[0] == [2, 4]  # the original is untouched
+
+
+def test_a_newer_step_with_a_manifest_this_version_rejects_is_never_continued_into(tmp_path):
+    import json
+
+    root = tmp_path / "ckpt"
+    first = AsyncCheckpointCallback(dirpath=str(root), every_n_train_steps=2)
+    _fit(first, max_steps=4)
+    # Step 6 holds a manifest written by a newer format version: not a readable generation, but a step that is
+    # never written again. Resuming from step 4 in place would collide with it at step 6.
+    planted = root / "step-00000006"
+    planted.mkdir()
+    body = json.loads((root / "step-00000004" / "manifest.json").read_text())
+    body.update(step=6, format_version=99)
+    (planted / "manifest.json").write_text(json.dumps(body))
+    resumed = AsyncCheckpointCallback(dirpath=str(root), every_n_train_steps=2)
+    with pytest.warns(UserWarning, match="v1"):
+        trainer = _fit(resumed, max_steps=8, ckpt_path="last")
+    assert trainer.global_step == 8
+    assert json.loads((planted / "manifest.json").read_text())["format_version"] == 99
+    assert _steps_and_runs(f"{root}/v1")[0] == [6, 8]

@@ -61,6 +61,22 @@ def test_ckpt_path_last_resumes_with_storage_options_only(options_only):
     assert len({g.run_id for g in store.generations()}) == 1
 
 
+@pytest.mark.parametrize("how", ["last", "latest_checkpoint"])
+def test_resuming_with_other_intervals_continues_the_run_in_the_bucket(options_only, how):
+    # Other intervals change the callback's state key, so Lightning does not restore its state (the run id); the
+    # fit resumed from the bucket's newest checkpoint (behind "last", an in-memory marker) and continues that run.
+    uri, options = options_only
+    first = _callback(uri, options)
+    _fit(first, max_steps=4)
+    resumed = AsyncCheckpointCallback(dirpath=uri, every_n_train_steps=3, storage_options=options)
+    ckpt_path = "last" if how == "last" else latest_checkpoint(uri, options)
+    trainer = _fit(resumed, max_steps=6, ckpt_path=ckpt_path)
+    assert trainer.global_step == 6 and resumed.run_id == first.run_id
+    store = CheckpointStore(uri, options, check_writable=False)
+    assert [g.step for g in store.generations()] == [2, 4, 6]
+    assert not CheckpointStore(f"{uri}/v1", options, check_writable=False).generations()
+
+
 def test_latest_checkpoint_resumes_with_storage_options_only(options_only):
     uri, options = options_only
     _fit(_callback(uri, options), max_steps=4)

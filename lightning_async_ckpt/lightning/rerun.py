@@ -8,7 +8,10 @@ resumed run id are known):
 * the fit **continues a run** where that run's generations are (``dirpath`` itself or one of its versions) when the
   callback's run id wrote generations there and none of them is newer than the step training starts from: a resume
   from the newest checkpoint (``ckpt_path="last"``, ``latest_checkpoint(...)``), or a second ``fit`` of the same
-  callback;
+  callback. When Lightning did not restore the callback's state (its key holds ``dirpath`` and the intervals, so
+  changed arguments or a copied folder skip it), a fit resumed from the newest generation of a location adopts
+  that generation's run id (:func:`resumed_run`); "newest" counts every step folder holding a manifest, even one
+  this version rejects, since such a step is never written again;
 * otherwise, when ``dirpath`` already holds committed generations (a fresh run, a resume from a checkpoint of
   another place, or from an older step whose newer generations exist), it writes to a **new version**,
   ``<dirpath>/v1``, ``<dirpath>/v2``, ... (``ModelCheckpoint``'s version counter names its files ``-v1``; a
@@ -20,6 +23,7 @@ versions and pick the most recently committed checkpoint, like ``ModelCheckpoint
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -30,7 +34,7 @@ from lightning_async_ckpt.storage.store import CheckpointStore
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-__all__ = ["Location", "place_run", "run_locations", "version_uri"]
+__all__ = ["Location", "place_run", "resumed_run", "run_locations", "version_uri"]
 
 _VERSION_RE = re.compile(r"^v([1-9][0-9]{0,5})$")
 
@@ -76,11 +80,12 @@ def choose_version(locations: list[Location], run_id: str | None, start_step: in
     """The version a fit of run ``run_id`` starting at ``start_step`` writes to, and why (for the message)."""
     taken = []
     for loc in locations:
-        gens = loc.store.generations()
+        found = _occupied(loc.store)
+        gens = [g for g in found if g.committed]
         if not gens:
             continue
         taken.append(loc.version)
-        newest = max(g.step for g in gens)
+        newest = max(g.step for g in found)
         if run_id is not None and any(g.run_id == run_id for g in gens) and newest <= start_step:
             return loc.version, "continues its run"
     if not taken or 0 not in taken:
@@ -100,6 +105,7 @@ def place_run(callback: Any, trainer: pl.Trainer) -> None:
     from lightning_async_ckpt.core.capture import Fence
     from lightning_async_ckpt.core.engine import AsyncCheckpointer
     from lightning_async_ckpt.lightning.collective import agree_on
+    from lightning_async_ckpt.lightning.resume import resumed_from
 
     error: BaseException | None = None
     store = callback.store
@@ -108,6 +114,12 @@ def place_run(callback: Any, trainer: pl.Trainer) -> None:
         try:
             dirpath = callback.dirpath
             locations = run_locations(dirpath, callback.storage_options)
+            adopted = resumed_run(locations, resumed_from(callback, trainer), trainer.global_step)
+            if adopted is not None and adopted != callback.run_id:
+                # Resumed from the newest checkpoint of a location, without the callback state that carries the
+                # run id (Lightning restores it only for the same callback state key: same dirpath and
+                # intervals): it is still that run continuing.
+                callback.run_id = store.run_id = adopted
             version, why = choose_version(locations, callback.run_id, trainer.global_step)
             target = version_uri(dirpath, version)
             if target != store.uri and version > 0 and not getattr(callback, "_enable_version_counter", True):
@@ -133,3 +145,40 @@ def place_run(callback: Any, trainer: pl.Trainer) -> None:
         except Exception as exc:  # noqa: BLE001 - raised below on every rank
             error = exc
     agree_on(trainer, error, "choosing where this run's checkpoints go")
+    if trainer.world_size > 1:
+        callback.run_id = trainer.strategy.broadcast(callback.run_id, src=0)  # the writing rank may have adopted one
+
+
+def resumed_run(locations: list[Location], resumed: str | None, start_step: int) -> str | None:
+    """The run id of the generation ``resumed`` points into, when it is the newest of its location.
+
+    Args:
+        locations: ``dirpath`` and its versions (:func:`run_locations`).
+        resumed: The checkpoint the fit restored (a URL, or a local path), or ``None`` for a fresh fit.
+        start_step: The step training starts from.
+    """
+    if not resumed:
+        return None
+    target = _comparable(resumed)
+    for loc in locations:
+        found = _occupied(loc.store)
+        for gen in found:
+            base = _comparable(loc.store.url(gen.step))
+            if gen.committed and (target == base or target.startswith(base + "/")):
+                newest = max(g.step for g in found)
+                return gen.run_id if gen.run_id and newest <= start_step else None
+    return None
+
+
+def _occupied(store: CheckpointStore) -> list[Any]:
+    """The generations holding a manifest (committed, or one this version rejects or cannot read right now).
+
+    A step whose folder holds any manifest is never written again, so a run may only continue where none is newer
+    than its start; a leftover without a manifest (a crashed save) does not count: writing that step again is safe.
+    """
+    return [g for g in store.scan(include_uncommitted=True).generations if g.committed or g.error is not None]
+
+
+def _comparable(path: str) -> str:
+    path = path.rstrip("/")
+    return path if "://" in path else os.path.realpath(path)

@@ -26,7 +26,7 @@ from lightning_async_ckpt.lightning.sharded import is_lightning_dcp_generation
 from lightning_async_ckpt.storage.generation import parse_generation_name
 from lightning_async_ckpt.storage.store import CheckpointStore
 
-__all__ = ["StoreReader", "find_last", "install_reader", "latest_checkpoint", "remove_reader"]
+__all__ = ["StoreReader", "find_last", "install_reader", "latest_checkpoint", "remove_reader", "resumed_from"]
 
 _log = logging.getLogger("lightning_async_ckpt")
 _ALIAS_ROOT = "memory://lightning_async_ckpt-resume"
@@ -111,6 +111,7 @@ class StoreReader:
         self.root_url = self._root.backend.url(self._root.root).rstrip("/")
         self._aliases: dict[str, str] = {}
         self._io: Any = None
+        self.loaded: str | None = None  # the store URL of the last checkpoint loaded through this reader
 
     @property
     def remote(self) -> bool:
@@ -136,6 +137,7 @@ class StoreReader:
     def install(self, checkpoint_io: Any) -> None:
         """Route ``checkpoint_io.load_checkpoint`` of paths inside ``dirpath`` through the store."""
         self._uninstall()
+        self.loaded = None
         original = checkpoint_io.load_checkpoint
 
         def load_checkpoint(path: Any, *args: Any, **kwargs: Any) -> Any:
@@ -145,9 +147,11 @@ class StoreReader:
             map_location = kwargs.get("map_location", args[0] if args else _keep_storage)
             weights_only = kwargs.get("weights_only", args[1] if len(args) > 1 else None)
             try:
-                return self.load(url, map_location=map_location, weights_only=weights_only)
+                checkpoint = self.load(url, map_location=map_location, weights_only=weights_only)
             finally:
                 self._forget(str(path))
+            self.loaded = url
+            return checkpoint
 
         checkpoint_io.load_checkpoint = load_checkpoint
         self._io = (checkpoint_io, load_checkpoint)
@@ -233,6 +237,14 @@ def install_reader(callback: Any, trainer: Any) -> None:
     reader = _reader(callback, _dirpath(callback, trainer))
     if reader.remote:
         reader.install(trainer.strategy.checkpoint_io)
+
+
+def resumed_from(callback: Any, trainer: Any) -> str | None:
+    """The checkpoint this fit restored, as a URL or local path (the real object behind a ``"last"`` marker)."""
+    reader = getattr(callback, _READER_ATTR, None)
+    if reader is not None and reader.loaded is not None:
+        return reader.loaded
+    return None if trainer.ckpt_path is None else str(trainer.ckpt_path)
 
 
 def remove_reader(callback: Any) -> None:
