@@ -30,6 +30,7 @@ _BUFFER = 32 << 20
 _DEPTH = 3
 # A copy smaller than this is done with the GIL held (numpy's GIL release costs more than it saves).
 _SMALL = 64 << 10
+_PRIVATE = mmap.MAP_PRIVATE | getattr(mmap, "MAP_ANONYMOUS", 0)
 
 
 class _BufferCache:
@@ -45,7 +46,8 @@ class _BufferCache:
             for i, (buf, _) in enumerate(self._free):
                 if len(buf) == size:
                     return self._free.pop(i)
-        buf = mmap.mmap(-1, size)  # page-aligned, as O_DIRECT requires
+        # Page-aligned, as O_DIRECT requires; private, so a forked child never shares a kept buffer's pages.
+        buf = mmap.mmap(-1, size, flags=_PRIVATE)
         return buf, np.frombuffer(buf, dtype=np.uint8)
 
     def give(self, entries: list[tuple[mmap.mmap, np.ndarray]]) -> None:
