@@ -203,7 +203,8 @@ def test_latest_checkpoint_and_resume_on_s3(s3_uri, tmp_path, monkeypatch):
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"every_n_train_steps": 0}, "every_n_train_steps"),
+        ({"every_n_train_steps": -1}, "every_n_train_steps"),
+        ({"every_n_train_steps": 1.5}, "every_n_train_steps"),
         ({"every_n_epochs": -1}, "every_n_epochs"),
         ({"admission": "later"}, "admission"),
         ({"max_outstanding": 0}, "max_outstanding"),

@@ -87,6 +87,38 @@ def test_monitor_missing_after_validation_is_a_config_error_with_the_hint(tmp_pa
         trainer.fit(ValModel(), make_loader(n=64), make_loader(n=32, seed=1))
 
 
+def test_a_missing_monitor_is_the_misconfiguration_exception_model_checkpoint_raises(tmp_path):
+    from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+    pl.seed_everything(3)
+    ours = AsyncCheckpointCallback(dirpath=str(tmp_path), monitor="val_los")
+    trainer = pl.Trainer(callbacks=[ours], **trainer_kwargs(max_epochs=2))
+    with pytest.raises(MisconfigurationException) as info:  # what code written for ModelCheckpoint catches
+        trainer.fit(ValModel(), make_loader(n=64), make_loader(n=32, seed=1))
+    assert isinstance(info.value, ConfigError)
+    assert "val_loss" in str(info.value) and "ckpt/" not in str(info.value)  # the user's metrics, not ours
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"every_n_epochs": 0, "every_n_train_steps": 4},  # epoch ends disabled: the step interval only
+        {"every_n_train_steps": 0, "every_n_epochs": 2},  # step interval disabled: every second epoch
+        {"every_n_epochs": 0, "every_n_train_steps": 0},  # nothing but the final checkpoint
+    ],
+)
+def test_zero_intervals_disable_a_schedule_like_model_checkpoint(tmp_path, kwargs):
+    pl.seed_everything(3)
+    sync = ModelCheckpoint(dirpath=tmp_path / "sync", filename="{step}", save_top_k=-1, **kwargs)
+    ours = AsyncCheckpointCallback(dirpath=str(tmp_path / "async"), save_top_k=-1, save_on_train_end=False, **kwargs)
+    trainer = pl.Trainer(callbacks=[sync, ours], **trainer_kwargs(max_epochs=4))
+    trainer.fit(ValModel(), make_loader(n=64), make_loader(n=32, seed=1))
+    saved = sorted(int(p.stem.split("=")[1]) for p in (tmp_path / "sync").glob("*.ckpt"))
+    assert sorted(committed(tmp_path / "async")) == saved
+    if kwargs["every_n_epochs"] == 0 and kwargs["every_n_train_steps"] == 0:
+        assert saved == []
+
+
 def test_verbose_prints_model_checkpoint_lines_through_rank_zero_info(tmp_path, caplog):
     pl.seed_everything(3)
     ours = AsyncCheckpointCallback(dirpath=str(tmp_path), monitor="val_loss", save_top_k=1, verbose=True)

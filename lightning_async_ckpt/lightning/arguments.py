@@ -23,8 +23,10 @@ def check_arguments(
     if dirpath is not None and (not isinstance(dirpath, str) or not dirpath.strip()):
         raise ConfigError(f"dirpath must be a non-empty path or URL string, got {dirpath!r}")
     for name, value in (("every_n_train_steps", every_n_train_steps), ("every_n_epochs", every_n_epochs)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise ConfigError(f"{name} must be None or an int >= 1, got {value!r}")
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+            raise ConfigError(
+                f"{name} must be None or an int >= 0 (0 disables it, like ModelCheckpoint), got {value!r}"
+            )
     for name, value in flags.items():
         if not isinstance(value, bool):
             raise ConfigError(f"{name} must be True or False, got {value!r}")

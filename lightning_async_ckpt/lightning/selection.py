@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_async_ckpt.errors import ConfigError
@@ -30,7 +31,20 @@ from lightning_async_ckpt.storage.retention import remove_best_k
 if TYPE_CHECKING:
     from lightning_async_ckpt.storage.store import CheckpointStore
 
-__all__ = ["EXTRA_KEY", "Selection", "after_model_checkpoints", "load_selection_state", "selection_state"]
+
+class MonitorMissingError(ConfigError, MisconfigurationException):
+    """The monitored metric was never logged: what ``ModelCheckpoint`` raises as a ``MisconfigurationException``
+    (code catching that keeps working), and a :class:`~lightning_async_ckpt.errors.ConfigError`."""
+
+
+__all__ = [
+    "EXTRA_KEY",
+    "MonitorMissingError",
+    "Selection",
+    "after_model_checkpoints",
+    "load_selection_state",
+    "selection_state",
+]
 
 _log = logging.getLogger("lightning_async_ckpt")
 #: ``Manifest.extra`` key of what the callback records about a generation.
@@ -65,12 +79,13 @@ class Selection:
         if monitor is not None and ranked:
             value = candidates.get(monitor)
             if value is None:
+                logged = [k for k in candidates if not k.startswith("ckpt/")]  # not the callback's own progress
                 message = (
                     f"AsyncCheckpointCallback(monitor={monitor!r}) could not find the monitored key in the returned "
-                    f"metrics: {list(candidates)}. HINT: Did you call `log({monitor!r}, value)` in the LightningModule?"
+                    f"metrics: {logged}. HINT: Did you call `log({monitor!r}, value)` in the LightningModule?"
                 )
                 if trainer.fit_loop.epoch_loop.val_loop._has_run:
-                    raise ConfigError(message)
+                    raise MonitorMissingError(message)
                 rank_zero_warn(message)
             else:
                 score = float(value.item() if isinstance(value, torch.Tensor) else value)
