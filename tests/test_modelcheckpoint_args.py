@@ -149,3 +149,22 @@ def test_keep_last_beside_monitor_keeps_the_newest_n_besides_the_best(tmp_path):
     trainer.fit(ValModel(), make_loader(n=64), make_loader(n=32, seed=1))
     assert set(committed(tmp_path)) == {24, 32} and step_of(ours.best_model_path) == 32
     assert list(map(step_of, ours.best_k_models)) == [32]
+
+
+def test_two_callbacks_on_one_dirpath_are_refused_at_setup_before_any_step(tmp_path):
+    # ModelCheckpoint(monitor=...) + ModelCheckpoint(every_n_train_steps=5) in one folder is common (their file
+    # names differ); two of these callbacks would collide at a step both save, possibly the last one of the fit.
+    best = AsyncCheckpointCallback(dirpath=str(tmp_path), monitor="val_loss")
+    periodic = AsyncCheckpointCallback(dirpath=str(tmp_path) + "/", every_n_train_steps=5, save_top_k=-1)
+    model = ValModel()
+    trainer = pl.Trainer(callbacks=[best, periodic], **trainer_kwargs(max_epochs=3))
+    with pytest.raises(ConfigError, match="own dirpath"):
+        trainer.fit(model, make_loader(n=64), make_loader(n=32, seed=1))
+    assert trainer.global_step == 0
+    assert not committed(tmp_path)
+    # Their own folders work.
+    best = AsyncCheckpointCallback(dirpath=str(tmp_path / "best"), monitor="val_loss")
+    periodic = AsyncCheckpointCallback(dirpath=str(tmp_path / "periodic"), every_n_train_steps=5, save_top_k=-1)
+    trainer = pl.Trainer(callbacks=[best, periodic], **trainer_kwargs(max_epochs=3))
+    trainer.fit(ValModel(), make_loader(n=64), make_loader(n=32, seed=1))
+    assert sorted(committed(tmp_path / "periodic"))[:2] == [5, 10]

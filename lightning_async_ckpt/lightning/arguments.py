@@ -8,7 +8,7 @@ from typing import Any
 
 from lightning_async_ckpt.errors import ConfigError
 
-__all__ = ["Selection", "check_arguments", "check_selection", "check_strategy"]
+__all__ = ["Selection", "check_arguments", "check_selection", "check_shared_dirpath", "check_strategy"]
 
 
 def check_arguments(
@@ -145,3 +145,26 @@ def check_selection(
     if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
         raise ConfigError(f"keep_last must be None or an int >= 1, got {keep_last!r}")
     return Selection(filename, monitor, mode, top_k, top_k, save_last, None, keep_last or 1)
+
+
+def check_shared_dirpath(callback: Any, trainer: Any) -> None:
+    """Refuse a second ``AsyncCheckpointCallback`` writing to the same ``dirpath`` (found at setup, before training).
+
+    ``ModelCheckpoint`` instances can share a folder because their file names differ; here a generation is the
+    step's folder, so two callbacks would collide at the first step both save (possibly the last one of the fit).
+    """
+    import os
+
+    def place(cb: Any) -> str:
+        path = cb.dirpath or f"{str(trainer.default_root_dir).rstrip('/')}/checkpoints"
+        return path.rstrip("/") if "://" in path else os.path.abspath(path)
+
+    mine = place(callback)
+    for other in trainer.callbacks:
+        if other is not callback and type(other) is type(callback) and place(other) == mine:
+            raise ConfigError(
+                f"two {type(callback).__name__}s write to dirpath {mine!r}: a generation is the folder of its step, "
+                "so they would collide at the first step both save. Give each its own dirpath (e.g. "
+                f"'{mine}/best' and '{mine}/periodic'); ModelCheckpoint instances can share one folder only because "
+                "their file names differ"
+            )

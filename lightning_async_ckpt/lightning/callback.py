@@ -25,7 +25,7 @@ from typing_extensions import override
 from lightning_async_ckpt.core.capture import Fence
 from lightning_async_ckpt.core.engine import AsyncCheckpointer
 from lightning_async_ckpt.errors import GenerationExistsError
-from lightning_async_ckpt.lightning.arguments import check_strategy
+from lightning_async_ckpt.lightning.arguments import check_shared_dirpath, check_strategy
 from lightning_async_ckpt.lightning.base import CallbackArguments
 from lightning_async_ckpt.lightning.collective import agree_on
 from lightning_async_ckpt.lightning.hooks import is_last_batch, lightning_proof
@@ -116,6 +116,7 @@ class AsyncCheckpointCallback(CallbackArguments):
         self._fit_closed = False
         if self.dirpath is None:
             self.dirpath = f"{trainer.default_root_dir.rstrip('/')}/checkpoints"
+        check_shared_dirpath(self, trainer)
         if self.run_id is None:
             # One run id across ranks and across fit() calls of this callback, so retention sees one run.
             run_id = CheckpointStore.new_run_id()
