@@ -128,7 +128,7 @@ def test_checkpointer_rejects_bad_save_arguments(tmp_path):
 CALLBACK_CASES = [
     ("dirpath", ""),
     ("dirpath", 5),
-    ("every_n_train_steps", 0),
+    ("every_n_train_steps", -2),
     ("every_n_train_steps", 2.0),
     ("every_n_train_steps", True),
     ("every_n_epochs", -1),

@@ -126,3 +126,31 @@ def test_best_k_and_ckpt_path_best_on_s3_with_storage_options_only(s3_uri):
     assert steps == sorted({step_of(ours.best_model_path), 24})
     trainer.validate(model, val, ckpt_path="best")
     assert trainer.ckpt_path == ours.best_model_path
+
+
+def test_resuming_an_older_best_checkpoint_keeps_it_in_the_top_k_like_model_checkpoint(tmp_path):
+    # fit(ckpt_path=cb.best_model_path) from an older step: ModelCheckpoint restores its best_k_models, so "best"
+    # never points at a worse model than the one resumed from. Here the fit branches into a new version (newer
+    # steps exist in dirpath) and must still rank the generations of the run it resumed, without removing them.
+    from tests.test_modelcheckpoint_topk import fit
+
+    args = dict(monitor="val_loss", mode="min", save_top_k=3, filename="{epoch}-{step}")
+    sync = ModelCheckpoint(dirpath=tmp_path / "sync", **args)
+    fit([sync], max_epochs=4)
+    ours = AsyncCheckpointCallback(dirpath=str(tmp_path / "async"), save_on_train_end=False, **args)
+    fit([ours], max_epochs=4)
+    assert float(ours.best_model_score) == pytest.approx(float(sync.best_model_score))
+    first_best, first_kept = ours.best_model_path, set(committed(tmp_path / "async"))
+
+    sync2 = ModelCheckpoint(dirpath=tmp_path / "sync", **args)
+    fit([sync2], max_epochs=6, ckpt_path=sync.best_model_path)
+    ours2 = AsyncCheckpointCallback(dirpath=str(tmp_path / "async"), save_on_train_end=False, **args)
+    with pytest.warns(UserWarning, match="v1"):
+        trainer, _ = fit([ours2], max_epochs=6, ckpt_path=first_best)
+    assert float(ours2.best_model_score) == pytest.approx(float(sync2.best_model_score))
+    assert step_of(ours2.best_model_path) == step_of_file(sync2.best_model_path)
+    assert sorted(step_of(p) for p in ours2.best_k_models) == sorted(step_of_file(p) for p in sync2.best_k_models)
+    # The branch's retention never touched the generations of the run it resumed.
+    assert set(committed(tmp_path / "async")) == first_kept
+    assert trainer.validate(ValModel(), make_loader(n=32, seed=1), ckpt_path="best", verbose=False)
+    assert trainer.ckpt_path == ours2.best_model_path

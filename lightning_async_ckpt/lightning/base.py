@@ -123,6 +123,7 @@ class CallbackArguments(ModelCheckpoint):
         self.store: CheckpointStore | None = None
         self.checkpointer: AsyncCheckpointer | None = None
         self.run_id: str | None = None
+        self.resumed_location: Any = None  # set at train start: where the resumed generation is (rerun.py)
         self.requested_step: int | None = None
         self.committed_step: int | None = None
         self.skipped = 0

@@ -143,8 +143,15 @@ class AsyncCheckpointCallback(CallbackArguments):
         self._schedule.start(trainer.global_step)
         self.triggers.start()
         if self.store is not None and trainer.ckpt_path is not None:
-            # Resumed: best-k from the manifests of the run resumed (a generation counts once committed).
-            self.selection.restore(self.store, self.run_id, trainer.global_step, self._path_of)
+            # Resumed: best-k from the manifests of the run resumed (a generation counts once committed), where
+            # they are: a fit that branched into a new version ranks them too, but never removes them.
+            resumed = getattr(self, "resumed_location", None)
+            if resumed is not None and resumed.store.uri != self.store.uri:
+                self.selection.restore(
+                    resumed.store, resumed.run_id, resumed.step, lambda m: self._path_of(m, resumed.store), foreign=True
+                )
+            else:
+                self.selection.restore(self.store, self.run_id, trainer.global_step, self._path_of)
         error = None
         if self.checkpointer is not None:
             # The budget is checked before the first step: optimizer state does not exist yet, so it is estimated.
@@ -361,11 +368,12 @@ class AsyncCheckpointCallback(CallbackArguments):
         if self.checkpointer is not None:
             self.selection.poll(trainer, self.store, self._path_of)
 
-    def _path_of(self, manifest: Any) -> str:
-        assert self.store is not None
+    def _path_of(self, manifest: Any, store: CheckpointStore | None = None) -> str:
+        store = store or self.store
+        assert store is not None
         if is_lightning_dcp_generation(manifest):  # sharded: the folder the strategy loads (lightning/sharded.py)
-            return self.store.url(manifest.step)
-        return self.store.url(manifest.step, manifest.object(CHECKPOINT_NAME).key)
+            return store.url(manifest.step)
+        return store.url(manifest.step, manifest.object(CHECKPOINT_NAME).key)
 
     def _sync_progress(self) -> None:
         if self.checkpointer is not None:

@@ -10,7 +10,7 @@ resumed run id are known):
   from the newest checkpoint (``ckpt_path="last"``, ``latest_checkpoint(...)``), or a second ``fit`` of the same
   callback. When Lightning did not restore the callback's state (its key holds ``dirpath`` and the intervals, so
   changed arguments or a copied folder skip it), a fit resumed from the newest generation of a location adopts
-  that generation's run id (:func:`resumed_run`); "newest" counts every step folder holding a manifest, even one
+  that generation's run id (:func:`resumed_generation`); "newest" counts every step folder holding a manifest, even one
   this version rejects, since such a step is never written again;
 * otherwise, when ``dirpath`` already holds committed generations (a fresh run, a resume from a checkpoint of
   another place, or from an older step whose newer generations exist), it writes to a **new version**,
@@ -34,7 +34,7 @@ from lightning_async_ckpt.storage.store import CheckpointStore
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-__all__ = ["Location", "place_run", "resumed_run", "run_locations", "version_uri"]
+__all__ = ["Location", "Resumed", "place_run", "resumed_generation", "run_locations", "version_uri"]
 
 _VERSION_RE = re.compile(r"^v([1-9][0-9]{0,5})$")
 
@@ -114,12 +114,13 @@ def place_run(callback: Any, trainer: pl.Trainer) -> None:
         try:
             dirpath = callback.dirpath
             locations = run_locations(dirpath, callback.storage_options)
-            adopted = resumed_run(locations, resumed_from(callback, trainer), trainer.global_step)
-            if adopted is not None and adopted != callback.run_id:
+            resumed = resumed_generation(locations, resumed_from(callback, trainer))
+            callback.resumed_location = resumed  # where best-k is rebuilt from (callback.on_train_start)
+            if resumed is not None and resumed.newest and resumed.run_id and resumed.run_id != callback.run_id:
                 # Resumed from the newest checkpoint of a location, without the callback state that carries the
                 # run id (Lightning restores it only for the same callback state key: same dirpath and
                 # intervals): it is still that run continuing.
-                callback.run_id = store.run_id = adopted
+                callback.run_id = store.run_id = resumed.run_id
             version, why = choose_version(locations, callback.run_id, trainer.global_step)
             target = version_uri(dirpath, version)
             if target != store.uri and version > 0 and not getattr(callback, "_enable_version_counter", True):
@@ -149,13 +150,29 @@ def place_run(callback: Any, trainer: pl.Trainer) -> None:
         callback.run_id = trainer.strategy.broadcast(callback.run_id, src=0)  # the writing rank may have adopted one
 
 
-def resumed_run(locations: list[Location], resumed: str | None, start_step: int) -> str | None:
-    """The run id of the generation ``resumed`` points into, when it is the newest of its location.
+@dataclass(frozen=True)
+class Resumed:
+    """The committed generation a fit restored, found in ``dirpath`` or one of its versions.
+
+    Attributes:
+        store: The location (``dirpath`` or a version) holding it, read-only.
+        step: Its step.
+        run_id: The run that wrote it (from its manifest).
+        newest: Whether no step folder of that location holding a manifest is newer (the run continues there).
+    """
+
+    store: CheckpointStore
+    step: int
+    run_id: str
+    newest: bool
+
+
+def resumed_generation(locations: list[Location], resumed: str | None) -> Resumed | None:
+    """The committed generation ``resumed`` points into, or ``None`` (a fresh fit, or a checkpoint elsewhere).
 
     Args:
         locations: ``dirpath`` and its versions (:func:`run_locations`).
         resumed: The checkpoint the fit restored (a URL, or a local path), or ``None`` for a fresh fit.
-        start_step: The step training starts from.
     """
     if not resumed:
         return None
@@ -165,8 +182,8 @@ def resumed_run(locations: list[Location], resumed: str | None, start_step: int)
         for gen in found:
             base = _comparable(loc.store.url(gen.step))
             if gen.committed and (target == base or target.startswith(base + "/")):
-                newest = max(g.step for g in found)
-                return gen.run_id if gen.run_id and newest <= start_step else None
+                newest = max(g.step for g in found) <= gen.step
+                return Resumed(store=loc.store, step=gen.step, run_id=gen.run_id or "", newest=newest)
     return None
 
 

@@ -158,6 +158,12 @@ class Selection:
         steps = self.topk.to_remove(self.args.keep_newest)
         if store is None or not steps:
             return
+        foreign = [s for s in steps if self.topk.entries[s].foreign]
+        for step in foreign:  # another branch's generation: out of this run's top k, left on storage
+            self.topk.removed(step)
+        steps = [s for s in steps if s not in foreign]
+        if not steps:
+            return
         keep = {e.step for e in self.topk.best()} | {e.step for e in self.topk.newest(self.args.keep_newest)}
         for step in remove_best_k(store, steps, keep):
             self.topk.removed(step)
@@ -189,8 +195,15 @@ class Selection:
         for name, value in summary.items():
             setattr(self.cb, name, value)
 
-    def restore(self, store: CheckpointStore, run_id: str | None, up_to: int, path_of: Any) -> None:
-        """Rebuild the committed view from the manifests of ``run_id`` up to step ``up_to`` (a resumed run)."""
+    def restore(
+        self, store: CheckpointStore, run_id: str | None, up_to: int, path_of: Any, *, foreign: bool = False
+    ) -> None:
+        """Rebuild the committed view from the manifests of ``run_id`` up to step ``up_to`` (a resumed run).
+
+        ``foreign``: ``store`` is not where this fit writes (it resumed an older step and branched into a new
+        version): those generations rank like ``ModelCheckpoint``'s restored ``best_k_models``, but best-k
+        retention only forgets them, never removes them (they belong to the branch they were written in).
+        """
         self.topk.entries.clear()
         self._pending.clear()
         for info in store.generations():
@@ -199,7 +212,7 @@ class Selection:
             body = info.manifest.extra.get(EXTRA_KEY) or {}
             ranked = body.get("ranked") and body.get("monitor") == self.args.monitor and self.args.monitor
             score = body.get("score") if ranked else None
-            entry = Entry(info.step, score, str(body.get("filename", "")), int(body.get("epoch", 0)))
+            entry = Entry(info.step, score, str(body.get("filename", "")), int(body.get("epoch", 0)), foreign=foreign)
             self.topk.requested(entry)
             self.topk.committed(info.step, path_of(info.manifest))
         self._retain(None)

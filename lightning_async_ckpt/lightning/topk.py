@@ -29,6 +29,7 @@ class Entry:
         filename: The rendered ``filename`` template (recorded in the manifest).
         epoch: The epoch at the cut.
         path: The loadable checkpoint path, once committed.
+        foreign: Restored from another location (the run this fit branched from): ranked, never removed.
     """
 
     step: int
@@ -36,6 +37,7 @@ class Entry:
     filename: str
     epoch: int = 0
     path: str = ""
+    foreign: bool = False
 
     @property
     def committed(self) -> bool:
