@@ -104,3 +104,38 @@ def test_accelerate_restart_keeps_keep_last_generations_in_total(tmp_path):
     gens = CheckpointStore(uri, check_writable=False).generations()
     assert [g.step for g in gens] == [6, 7, 8]  # not [3, 4, 5, 6, 7, 8]
     assert {g.run_id for g in gens} == {first_run}
+
+
+def test_last_resumes_from_a_model_checkpoint_last_file_left_in_dirpath(tmp_path):
+    # Replacing ModelCheckpoint(save_last=True) by this callback in an existing script: "last" must resume from the
+    # last.ckpt ModelCheckpoint left there (it used to find nothing and train from scratch), and once this
+    # callback committed newer generations, from those.
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lightning_async_ckpt import AsyncCheckpointCallback, CheckpointStore
+    from tests._lightning_models import BNDropoutModel, make_loader, trainer_kwargs
+
+    def fit(callback, max_steps, ckpt_path=None, seen=None):
+        class Counting(BNDropoutModel):
+            def training_step(self, batch, batch_idx):
+                if seen is not None:
+                    seen.append(self.trainer.global_step)
+                return super().training_step(batch, batch_idx)
+
+        pl.seed_everything(5)
+        trainer = pl.Trainer(max_steps=max_steps, callbacks=[callback], **trainer_kwargs())
+        trainer.fit(Counting(), make_loader(), ckpt_path=ckpt_path)
+        return trainer
+
+    root = tmp_path / "ckpt"
+    fit(ModelCheckpoint(dirpath=root, every_n_train_steps=2, save_last=True), max_steps=6)
+    assert (root / "last.ckpt").exists()
+    seen: list[int] = []
+    ours = AsyncCheckpointCallback(dirpath=str(root), every_n_train_steps=2, save_last=True)
+    fit(ours, max_steps=10, ckpt_path="last", seen=seen)
+    assert seen[0] == 6  # resumed from last.ckpt, not from scratch
+    assert [g.step for g in CheckpointStore(str(root), check_writable=False).generations()] == [8, 10]
+    seen.clear()
+    fit(AsyncCheckpointCallback(dirpath=str(root), every_n_train_steps=2, save_last=True), 12, "last", seen)
+    assert seen[0] == 10  # now the newest committed generation, newer than last.ckpt

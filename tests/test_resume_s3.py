@@ -102,3 +102,19 @@ def test_a_missing_bucket_is_found_at_setup_before_any_training(options_only):
         trainer.fit(Counting(), make_loader())
     assert "lac-no-such-bucket" in str(info.value)
     assert steps == []  # found in setup, not at the first save
+
+
+def test_last_resumes_from_a_model_checkpoint_last_file_in_the_bucket(options_only, tmp_path):
+    # A ModelCheckpoint last.ckpt uploaded to the bucket before this callback replaced it: "last" finds it with the
+    # callback's storage_options only, and loads it through them.
+    import fsspec
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    uri, options = options_only
+    _fit(ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2, save_last=True), max_steps=4)
+    fs, root = fsspec.core.url_to_fs(uri, **options)
+    fs.put_file(str(tmp_path / "last.ckpt"), f"{root}/last.ckpt")
+    trainer = _fit(_callback(uri, options), max_steps=6, ckpt_path="last")
+    assert trainer.global_step == 6
+    store = CheckpointStore(uri, options, check_writable=False)
+    assert [g.step for g in store.generations()] == [6]  # resumed at step 4, not from scratch

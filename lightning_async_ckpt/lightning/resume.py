@@ -31,6 +31,7 @@ __all__ = ["StoreReader", "find_last", "install_reader", "latest_checkpoint", "r
 _log = logging.getLogger("lightning_async_ckpt")
 _ALIAS_ROOT = "memory://lightning_async_ckpt-resume"
 _READER_ATTR = "_lightning_async_ckpt_reader"
+_LAST_PREFIX = "last"  # ModelCheckpoint.CHECKPOINT_NAME_LAST
 
 
 def latest_checkpoint(dirpath: str, storage_options: dict[str, Any] | None = None) -> str | None:
@@ -169,8 +170,31 @@ class StoreReader:
                 del checkpoint_io.load_checkpoint
             self._io = None
 
+    def modified(self, url: str) -> float:
+        """Modification time of ``url`` on the store's filesystem (0 when it cannot be read)."""
+        fs = self._root.fs
+        try:
+            return fs.modified(url).timestamp()
+        except Exception:  # noqa: BLE001 - an undatable candidate loses to a datable one
+            return 0.0
+
+    def model_checkpoint_last_files(self) -> list[str]:
+        """``ModelCheckpoint``'s ``last*.ckpt`` files directly in ``dirpath`` (its ``_find_last_checkpoints``)."""
+        try:
+            names = self._root.fs.ls(self._root.root, detail=False)
+        except FileNotFoundError:
+            return []
+        found = []
+        for name in names:
+            base = name.rstrip("/").rsplit("/", 1)[-1]
+            if base.startswith(_LAST_PREFIX) and base.endswith(".ckpt") and self._root.fs.isfile(name):
+                found.append(self._root.backend.url(name))
+        return sorted(found)
+
     def load(self, url: str, *, map_location: Any = _keep_storage, weights_only: bool | None = None) -> Any:
         """``torch.load`` of object ``url`` of a committed generation, read with the store's options.
+
+        A ``ModelCheckpoint`` ``last*.ckpt`` file directly in ``dirpath`` is loaded as it is (no manifest).
 
         Raises:
             ManifestError: ``url`` is not an object of a committed generation of ``dirpath`` (or a version).
@@ -178,6 +202,9 @@ class StoreReader:
         import torch
 
         parts = url[len(self.root_url) + 1 :].split("/")
+        if len(parts) == 1 and url in self.model_checkpoint_last_files():
+            with self._root.fs.open(url, "rb") as f:
+                return torch.load(f, map_location=map_location, weights_only=weights_only)
         version = 0
         if parts and parts[0].startswith("v") and parts[0][1:].isdigit():
             version, parts = int(parts[0][1:]), parts[1:]
@@ -226,10 +253,17 @@ def find_last(callback: Any, trainer: Any) -> set[str]:
     """
     dirpath = _dirpath(callback, trainer)
     path = latest_checkpoint(dirpath, callback.storage_options)
-    if path is None:
-        return set()
     reader = _reader(callback, dirpath)
-    return {reader.alias(path) if reader.remote else path}
+    # A ModelCheckpoint that wrote to this dirpath before this callback replaced it: its `last*.ckpt` is what "last"
+    # resumed from then, so it stays a candidate; the most recently written one wins, as in Lightning's lookup.
+    legacy = reader.model_checkpoint_last_files()
+    candidates = ([path] if path is not None else []) + legacy
+    if not candidates:
+        return set()
+    newest = max(candidates, key=reader.modified) if len(candidates) > 1 else candidates[0]
+    if newest in legacy:
+        _log.warning("ckpt_path='last' resumes from %s, written by ModelCheckpoint (no manifest verifies it)", newest)
+    return {reader.alias(newest) if reader.remote else newest}
 
 
 def install_reader(callback: Any, trainer: Any) -> None:
