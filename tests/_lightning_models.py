@@ -174,6 +174,6 @@ def fit_compare_every_step(
     store = CheckpointStore(str(tmp_path / "async"), check_writable=False)
     for gen in store.generations():
         theirs = without_model_checkpoint_state(load_checkpoint(str(tmp_path / "sync" / f"step={gen.step}.ckpt")))
-        mine = without_model_checkpoint_state(load_checkpoint(store.url(gen.step, "checkpoint.ckpt")))
+        mine = without_model_checkpoint_state(load_checkpoint(store.object_url(gen.step, "checkpoint.ckpt")))
         assert_same(theirs, mine, f"step{gen.step}")
     return store

@@ -207,7 +207,15 @@ def run_dir(committed_run, tmp_path) -> Path:
 
 
 def _valid_body(run_dir: Path) -> dict:
-    return json.loads((run_dir / "step-00000004" / MANIFEST_NAME).read_text())
+    """Step 4's manifest with its checkpoint referenced by name only (the planted copies sit at that name)."""
+    body = json.loads((run_dir / "step-00000004" / MANIFEST_NAME).read_text())
+    for obj in body["objects"]:
+        obj.pop("path", None)
+    return body
+
+
+def _step4_file(run_dir: Path) -> str:
+    return CheckpointStore(str(run_dir), check_writable=False).object_url(4, "checkpoint.ckpt")
 
 
 def _mutate(body: dict, **changes) -> bytes:
@@ -229,6 +237,8 @@ def _mutate(body: dict, **changes) -> bytes:
 _DROP = object()
 HOSTILE = {
     "path-traversal": lambda b, s: _mutate(b, step=s, obj_name="../step-00000004/checkpoint.ckpt"),
+    "file-path-traversal": lambda b, s: _mutate(b, step=s, obj_path="../step-00000004/checkpoint.ckpt"),
+    "file-path-absolute": lambda b, s: _mutate(b, step=s, obj_path="/etc/passwd"),
     "absolute-path": lambda b, s: _mutate(b, step=s, obj_name="/etc/passwd"),
     "url-object": lambda b, s: _mutate(b, step=s, obj_name="s3://other-bucket/checkpoint.ckpt"),
     "backslash-traversal": lambda b, s: _mutate(b, step=s, obj_name="..\\..\\checkpoint.ckpt"),
@@ -262,7 +272,7 @@ HOSTILE = {
 def _plant(run_dir: Path, name: str, step: int = 6) -> Path:
     folder = run_dir / f"step-{step:08d}"
     folder.mkdir()
-    shutil.copy(run_dir / "step-00000004" / "checkpoint.ckpt", folder / "checkpoint.ckpt")
+    shutil.copy(_step4_file(run_dir), folder / "checkpoint.ckpt")
     (folder / MANIFEST_NAME).write_bytes(HOSTILE[name](_valid_body(run_dir), step))
     return folder
 
@@ -271,7 +281,7 @@ def _plant(run_dir: Path, name: str, step: int = 6) -> Path:
 def test_hostile_manifest_is_never_trusted_and_loses_nothing(run_dir, name):
     folder = _plant(run_dir, name)
     before = (folder / MANIFEST_NAME).read_bytes()
-    assert latest_checkpoint(str(run_dir)) == str(run_dir / "step-00000004" / "checkpoint.ckpt")
+    assert latest_checkpoint(str(run_dir)) == _step4_file(run_dir)
     store = CheckpointStore(str(run_dir), check_writable=False)
     with pytest.warns(UserWarning, match="step-00000006"):
         assert store.latest().step == 4
@@ -292,7 +302,7 @@ def test_resume_past_every_hostile_manifest_at_once(run_dir):
     for i, name in enumerate(sorted(HOSTILE)):
         _plant(run_dir, name, step=6 + 2 * i)
     path = latest_checkpoint(str(run_dir))
-    assert path == str(run_dir / "step-00000004" / "checkpoint.ckpt")
+    assert path == _step4_file(run_dir)
     trainer = _fit([], max_steps=6, ckpt_path=path, enable_checkpointing=False)
     assert trainer.global_step == 6
     store = CheckpointStore(str(run_dir), check_writable=False)

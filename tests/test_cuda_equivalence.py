@@ -56,6 +56,6 @@ def test_every_committed_generation_on_cuda_equals_model_checkpoint(tmp_path, de
     assert steps == [2, 4, 6, 8, 10, 12]
     for step in steps:
         theirs = _load(str(tmp_path / "sync" / f"step={step}.ckpt"))
-        mine = _load(store.url(step, "checkpoint.ckpt"))
+        mine = _load(store.object_url(step, "checkpoint.ckpt"))
         assert mine["global_step"] == step
         assert_same(theirs, mine, f"step{step}")

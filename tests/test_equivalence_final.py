@@ -36,7 +36,7 @@ def _compare_final(tmp_path, step: int, extra_callbacks=(), **trainer_args) -> C
     store = CheckpointStore(str(tmp_path / "async"), check_writable=False)
     assert store.generations()[-1].step == step
     theirs = without_model_checkpoint_state(load_checkpoint(str(tmp_path / "sync" / f"step={step}.ckpt")))
-    mine = without_model_checkpoint_state(load_checkpoint(store.url(step, "checkpoint.ckpt")))
+    mine = without_model_checkpoint_state(load_checkpoint(store.object_url(step, "checkpoint.ckpt")))
     assert_same(theirs, mine, f"final step {step}")
     return store
 
@@ -53,13 +53,13 @@ def test_final_checkpoint_at_max_steps_mid_epoch_with_ema_resumes_like_model_che
         assert [g.step for g in store.generations()] == [5, 7]
         sync_path = str(root / "sync" / "step=7.ckpt")
         theirs = without_model_checkpoint_state(load_checkpoint(sync_path))
-        mine = without_model_checkpoint_state(load_checkpoint(store.url(7, "checkpoint.ckpt")))
+        mine = without_model_checkpoint_state(load_checkpoint(store.object_url(7, "checkpoint.ckpt")))
         assert_same(theirs, mine, f"seed{seed}.final")
         # Resuming from either continues identically (mid-epoch, with the EMA state).
         _, from_ours = _fit(
             [EMAWeightAveraging(decay=0.5)],
             max_steps=11,
-            ckpt_path=store.url(7, "checkpoint.ckpt"),
+            ckpt_path=store.object_url(7, "checkpoint.ckpt"),
             enable_checkpointing=False,
             seed=seed,
         )
@@ -93,4 +93,4 @@ def test_an_end_not_known_at_the_batch_end_is_checkpointed_at_on_train_end(tmp_p
     assert trainer.global_step == 5
     store = CheckpointStore(str(tmp_path), check_writable=False)
     assert [g.step for g in store.generations()] == [3, 5]
-    assert load_checkpoint(store.url(5, "checkpoint.ckpt"))["global_step"] == 5
+    assert load_checkpoint(store.object_url(5, "checkpoint.ckpt"))["global_step"] == 5

@@ -67,7 +67,7 @@ def test_a_write_the_proof_cannot_see_is_refused_retaken_and_demoted(tmp_path):
         steps = [g.step for g in store.generations()]
         for step in steps:
             theirs = without_model_checkpoint_state(load_checkpoint(str(root / "sync" / f"step={step}.ckpt")))
-            mine = without_model_checkpoint_state(load_checkpoint(store.url(step, "checkpoint.ckpt")))
+            mine = without_model_checkpoint_state(load_checkpoint(store.object_url(step, "checkpoint.ckpt")))
             assert_same(theirs, mine, f"run{run}.step{step}")
         outcomes = {r.requested_step: r.outcome for r in ours.checkpointer.records}
         torn = sorted(s for s, o in outcomes.items() if o == "torn")

@@ -43,7 +43,7 @@ def test_committed_checkpoint_equals_model_checkpoint_at_every_step(tmp_path):
     assert steps == [2, 4, 6, 8]
     for step in steps:
         theirs = _without_model_checkpoint_state(_load(str(tmp_path / "sync" / f"step={step}.ckpt")))
-        mine = _without_model_checkpoint_state(_load(store.url(step, "checkpoint.ckpt")))
+        mine = _without_model_checkpoint_state(_load(store.object_url(step, "checkpoint.ckpt")))
         assert mine["global_step"] == step
         assert_same(theirs, mine, f"step{step}")
     # The deferral really happened: parameters and Adam state were staged after the cut, behind the step fence.
@@ -63,7 +63,7 @@ def test_resuming_from_ours_continues_like_resuming_from_model_checkpoint(tmp_pa
     _fit(tmp_path, [ours, sync], max_steps=4)
 
     path = latest_checkpoint(str(tmp_path / "async"))
-    assert path is not None and path.endswith("step-00000004/checkpoint.ckpt")
+    assert path is not None and path.endswith("step-00000004/epoch=0-step=4.ckpt")
     _, from_ours = _fit(tmp_path, [], max_steps=10, ckpt_path=path, enable_checkpointing=False)
     _, from_sync = _fit(
         tmp_path, [], max_steps=10, ckpt_path=str(tmp_path / "sync" / "step=4.ckpt"), enable_checkpointing=False
@@ -110,7 +110,7 @@ def test_unproven_deferral_falls_back_to_batch_start_and_stays_equivalent(tmp_pa
     assert manifest.plan["failures"]
     assert_same(
         _without_model_checkpoint_state(_load(str(tmp_path / "sync" / "step=4.ckpt"))),
-        _without_model_checkpoint_state(_load(store.url(4, "checkpoint.ckpt"))),
+        _without_model_checkpoint_state(_load(store.object_url(4, "checkpoint.ckpt"))),
     )
 
 
@@ -178,7 +178,7 @@ def test_latest_checkpoint_ignores_uncommitted_generations(tmp_path):
     store = CheckpointStore(str(tmp_path))
     writer = store.begin(6)
     writer.write_bytes("checkpoint.ckpt", b"half")
-    assert latest_checkpoint(str(tmp_path)).endswith("step-00000004/checkpoint.ckpt")
+    assert "/step-00000004/" in latest_checkpoint(str(tmp_path))
     assert latest_checkpoint(str(tmp_path / "nothing-here")) is None
 
 
@@ -187,7 +187,7 @@ def test_latest_checkpoint_and_resume_on_s3(s3_uri, tmp_path, monkeypatch):
     ours = AsyncCheckpointCallback(dirpath=uri, every_n_train_steps=2, storage_options=options)
     _fit(tmp_path, [ours], max_steps=4, accumulate=1)
     path = latest_checkpoint(uri, storage_options=options)
-    assert path is not None and path.startswith("s3://") and path.endswith("step-00000004/checkpoint.ckpt")
+    assert path is not None and path.startswith("s3://") and path.endswith("step-00000004/epoch=0-step=4.ckpt")
     assert _load(path, options)["global_step"] == 4
     # Lightning's own loader has no storage options: resume from a custom endpoint through the environment.
     import s3fs

@@ -94,3 +94,35 @@ def test_a_model_checkpoint_beside_it_notifies_loggers_as_before(tmp_path):
     # ModelCheckpoint's calls and ours both arrive (ours is a ModelCheckpoint subclass, so both are recorded).
     paths = {c["best_model_path"] for c in theirs_logger.calls}
     assert any("sync" in p for p in paths) and any("async" in p for p in paths)
+
+
+def test_checkpoint_files_are_named_by_the_template_so_mlflow_keeps_one_artifact_each(tmp_path):
+    # MLflowLogger uploads each scanned checkpoint to the artifact path `Path(p).stem`: one fixed file name for
+    # every generation made each upload overwrite the previous one (the best model was lost from MLflow).
+    pl.seed_everything(3)
+    args = dict(monitor="val_loss", save_top_k=2, save_last=True)
+    sync = ModelCheckpoint(dirpath=tmp_path / "sync", **args)
+    ours = AsyncCheckpointCallback(dirpath=str(tmp_path / "async"), save_on_train_end=False, **args)
+    ours_log, sync_log = RecordingLogger(AsyncCheckpointCallback), RecordingLogger(ModelCheckpoint)
+    trainer = pl.Trainer(callbacks=[sync, ours], **trainer_kwargs(max_epochs=4, logger=[ours_log, sync_log]))
+    trainer.fit(ValModel(), make_loader(n=64), make_loader(n=32, seed=1))
+
+    def artifacts(calls) -> dict[str, set[int]]:
+        out: dict[str, set[int]] = {}
+        for call in calls:
+            for _, path, _, _ in call["scan"]:
+                out.setdefault(Path(path).stem, set()).add(step_of_any(path))
+        return out
+
+    mine = artifacts(ours_log.calls)
+    assert all(len(steps) == 1 for steps in mine.values()), mine  # one checkpoint per artifact path
+    theirs = artifacts([c for c in sync_log.calls if "sync" in str(c["best_model_path"])])
+    assert set(mine) == set(theirs) - {"last"}  # ModelCheckpoint's names; "last" is the newest generation here
+    assert Path(ours.best_model_path).name == Path(sync.best_model_path).name
+
+
+def step_of_any(path: str) -> int:
+    import re
+
+    found = re.search(r"step[-=]0*(\d+)", path)
+    return int(found.group(1)) if found else -1  # ModelCheckpoint's last.ckpt

@@ -100,7 +100,7 @@ def test_top_k_with_save_last_keeps_top_k_and_last_ckpt(tmp_path, every):
     assert set(committed(tmp_path / "async")) == steps_of_files(tmp_path / "sync") | {last_step}
     assert step_of(ours.last_model_path) == last_step
     assert set(ours.best_k_models) <= {
-        CheckpointStore(str(tmp_path / "async")).url(s, "checkpoint.ckpt") for s in committed(tmp_path / "async")
+        CheckpointStore(str(tmp_path / "async")).object_url(s, "checkpoint.ckpt") for s in committed(tmp_path / "async")
     }
 
 

@@ -81,7 +81,7 @@ def test_latest_checkpoint_resumes_with_storage_options_only(options_only):
     uri, options = options_only
     _fit(_callback(uri, options), max_steps=4)
     path = latest_checkpoint(uri, storage_options=options)
-    assert path is not None and path.startswith("s3://") and path.endswith("step-00000004/checkpoint.ckpt")
+    assert path is not None and path.startswith("s3://") and path.endswith("step-00000004/epoch=0-step=4.ckpt")
     trainer = _fit(_callback(uri, options), max_steps=6, ckpt_path=path)
     assert trainer.global_step == 6
     assert [g.step for g in CheckpointStore(uri, options, check_writable=False).generations()] == [2, 4, 6]

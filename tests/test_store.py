@@ -812,3 +812,37 @@ def test_gc_never_deletes_a_generation_whose_manifest_cannot_be_read_right_now(t
     finally:
         del store.fs.cat_file
     assert [g.step for g in store.generations()] == [1, 3]
+
+
+def test_an_object_placed_at_another_file_name_is_found_by_its_name(tmp_path):
+    store = CheckpointStore(str(tmp_path))
+    writer = store.begin(3)
+    writer.place(CKPT, "epoch=0-step=3.ckpt")
+    writer.write_bytes(CKPT, b"payload")
+    manifest = writer.commit()
+    entry = manifest.object(CKPT)
+    assert entry.key == "epoch=0-step=3.ckpt" and (tmp_path / "step-00000003" / "epoch=0-step=3.ckpt").exists()
+    assert not (tmp_path / "step-00000003" / CKPT).exists()
+    assert store.object_url(3, CKPT).endswith("step-00000003/epoch=0-step=3.ckpt")
+    with store.open(3, CKPT) as f:
+        assert f.read() == b"payload"
+    assert store.verify(3).ok
+
+
+@pytest.mark.parametrize("key", ["manifest.json", ".writer.json", "w-abc/x.ckpt", "../x.ckpt", "/abs.ckpt"])
+def test_a_reserved_or_unsafe_file_name_is_refused(tmp_path, key):
+    writer = CheckpointStore(str(tmp_path)).begin(1)
+    with pytest.raises(ManifestError):
+        writer.place(CKPT, key)
+    writer.abort()
+
+
+def test_two_objects_cannot_share_a_file(tmp_path):
+    writer = CheckpointStore(str(tmp_path)).begin(1)
+    writer.place(CKPT, "same.ckpt")
+    with pytest.raises(WriterUsageError):
+        writer.place("other.bin", "same.ckpt")
+    writer.write_bytes("plain.bin", b"x")
+    with pytest.raises(WriterUsageError):
+        writer.place("another.bin", "plain.bin")  # the file of an object already written
+    writer.abort()

@@ -56,6 +56,7 @@ class Completion:
         buffers: list[torch.Tensor],
         cut: dict[str, Any],
         extra: dict[str, Any],
+        object_keys: dict[str, str] | None = None,
     ) -> None:
         record = handle.record
 
@@ -93,6 +94,7 @@ class Completion:
                 on_retry=lambda attempt, exc: self.events.emit(
                     "retry", step=handle.step, attempt=attempt, error=str(exc)
                 ),
+                object_keys=object_keys,
             )
         except BaseException as exc:  # noqa: BLE001 - delivered through the futures and raise_pending
             release()

@@ -109,6 +109,7 @@ class AsyncCheckpointer(Completion, Lifecycle, DrainOnExit):
         cut: dict[str, Any] | None = None,
         extra: dict[str, Any] | None = None,
         admission: str | None = None,
+        object_keys: dict[str, str] | None = None,
     ) -> SaveHandle:
         """Request a checkpoint of ``state`` at the cut ``step``.
 
@@ -128,6 +129,8 @@ class AsyncCheckpointer(Completion, Lifecycle, DrainOnExit):
             extra: Free-form JSON metadata for the manifest.
             admission: Policy for this request only (e.g. ``"wait"`` for a final checkpoint that must not be
                 skipped); default: the configured one.
+            object_keys: File names for the serializer's objects, by object name (e.g. ``{"checkpoint.ckpt":
+                "epoch=2-step=24.ckpt"}``); the manifest records each as the object's path.
 
         Returns:
             The save's handle; for a skipped or coalesced request its futures are cancelled.
@@ -189,7 +192,8 @@ class AsyncCheckpointer(Completion, Lifecycle, DrainOnExit):
         with self._lock:
             self._inflight.append(handle)
         self.stage_worker.submit(job.run)
-        self.upload_worker.submit(lambda: self._persist(handle, job, plan, buffers, cut_meta, extra or {}))
+        keys = dict(object_keys or {})
+        self.upload_worker.submit(lambda: self._persist(handle, job, plan, buffers, cut_meta, extra or {}, keys))
         return handle
 
     def _capture(

@@ -18,7 +18,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
@@ -297,8 +297,11 @@ def persist(
     on_uploaded: Callable[[int], None],
     commit: Callable[[Any], Any],
     on_retry: Callable[[int, BaseException], None],
+    object_keys: Mapping[str, str] | None = None,
 ) -> Any:
     """Write one generation with retries: serialize through the pump, then ``commit(writer)`` writes the manifest.
+
+    ``object_keys`` maps object names to the file each is written to (:meth:`GenerationWriter.place`).
 
     Returns:
         The committed manifest.
@@ -315,6 +318,8 @@ def persist(
         try:
             t_up = time.time()
             writer = store.begin(step)
+            for name, key in (object_keys or {}).items():
+                writer.place(name, key)
             serializer.write(state, PumpedWriter(writer, io, abandon, buffers))
             record.upload_s = time.time() - t_up
             record.bytes = sum(o.size for o in writer.objects)

@@ -24,7 +24,7 @@ from typing_extensions import override
 
 from lightning_async_ckpt.core.capture import Fence
 from lightning_async_ckpt.core.engine import AsyncCheckpointer
-from lightning_async_ckpt.errors import GenerationExistsError
+from lightning_async_ckpt.errors import GenerationExistsError, ManifestError
 from lightning_async_ckpt.lightning.arguments import check_shared_dirpath, check_strategy
 from lightning_async_ckpt.lightning.base import CallbackArguments
 from lightning_async_ckpt.lightning.collective import agree_on
@@ -42,6 +42,7 @@ from lightning_async_ckpt.lightning.rng import collect_portable_rng, restore_rng
 from lightning_async_ckpt.lightning.selection import after_model_checkpoints, load_selection_state, selection_state
 from lightning_async_ckpt.lightning.sharded import is_lightning_dcp_generation, setup_sharded
 from lightning_async_ckpt.lightning.triggers import monitor_candidates
+from lightning_async_ckpt.storage.manifest import validate_object_name
 from lightning_async_ckpt.storage.store import CheckpointStore
 
 __all__ = ["CHECKPOINT_NAME", "AsyncCheckpointCallback", "latest_checkpoint"]
@@ -320,6 +321,7 @@ class AsyncCheckpointCallback(CallbackArguments):
                     cut={"epoch": trainer.current_epoch, "global_step": step, "world_size": trainer.world_size},
                     admission="wait" if final else None,
                     extra=self.selection.extra(entry),
+                    **self._object_keys(entry),
                 )
                 decision = handle.decision.decision
                 if self.verbose:
@@ -334,6 +336,22 @@ class AsyncCheckpointCallback(CallbackArguments):
         else:
             self.selection.admitted(entry, handle)
         self._schedule.recorded(step, decision, handle, deferred=self.defer)
+
+    def _object_keys(self, entry: Any) -> dict[str, Any]:
+        """The checkpoint file is named like ``ModelCheckpoint``'s (``epoch=2-step=24.ckpt``) inside the step's
+        folder, so tools that key on file names (MLflow's model upload) tell generations apart; a rendered name that
+        is not a plain file name (a ``/`` in the template) keeps :data:`CHECKPOINT_NAME`."""
+        if not isinstance(self.checkpointer, AsyncCheckpointer):
+            return {}
+        key = str(entry.filename)
+        if not key.endswith(self.FILE_EXTENSION):
+            key += self.FILE_EXTENSION
+        try:
+            if "/" in validate_object_name(key) or key.startswith(("w-", ".")):
+                return {}
+        except ManifestError:
+            return {}
+        return {"object_keys": {CHECKPOINT_NAME: key}}
 
     def _raise_collectively(self, trainer: pl.Trainer, local: BaseException | None = None) -> None:
         # A background error from an earlier save is raised here, at a collective point, on every rank.

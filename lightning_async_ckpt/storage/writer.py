@@ -22,7 +22,7 @@ import time
 import uuid
 from typing import IO, TYPE_CHECKING, Any
 
-from lightning_async_ckpt.errors import GenerationExistsError, StorageError, WriterUsageError
+from lightning_async_ckpt.errors import GenerationExistsError, ManifestError, StorageError, WriterUsageError
 from lightning_async_ckpt.storage.io import Checksum, WriteOnlyStream
 from lightning_async_ckpt.storage.manifest import MANIFEST_NAME, Manifest, ObjectEntry, validate_object_name
 
@@ -91,8 +91,9 @@ class ObjectStream(WriteOnlyStream):
             self._writer._discard(self.name)
             raise StorageError(f"could not finish object {self.name!r} of {self._writer.path}: {exc}") from exc
         entry = ObjectEntry(name=self.name, size=self.size, checksum=self._sum.hexdigest())
-        if self._writer.prefix:
-            entry = ObjectEntry(**{**entry.__dict__, "path": self._writer.prefix + self.name})
+        key = self._writer.key_of(self.name)
+        if key != self.name:
+            entry = ObjectEntry(**{**entry.__dict__, "path": key})
         self._writer._record(entry)
 
     def abandon(self) -> None:
@@ -142,7 +143,33 @@ class GenerationWriter:
         self._objects: dict[str, ObjectEntry] = {}
         self._open: set[str] = set()
         self._written: set[str] = set()
+        self._keys: dict[str, str] = {}
         self._done = False
+
+    def place(self, name: str, key: str) -> None:
+        """Write object ``name`` to the file ``key`` of the generation instead of a file called ``name``.
+
+        The manifest records ``key`` as the object's path; readers look the object up by ``name``. The Lightning
+        callback names its checkpoint file after the rendered ``filename`` template this way.
+
+        Raises:
+            WriterUsageError: ``name`` was already opened, or another object uses ``key``.
+            ManifestError: ``key`` is not a valid object name (or is the manifest's or a claim's).
+        """
+        self._check_open()
+        validate_object_name(key)
+        if key in (MANIFEST_NAME, CLAIM_NAME) or key.startswith("w-"):
+            raise ManifestError(f"object file name {key!r} is reserved by the store")
+        if name in self._objects or name in self._open:
+            raise WriterUsageError(f"object {name!r} of generation step {self.step} is already written")
+        taken = {self._keys.get(n, n) for n in (*self._objects, *self._open)} | set(self._keys.values())
+        if key != self._keys.get(name) and key in taken:
+            raise WriterUsageError(f"another object of generation step {self.step} is written to {key!r}")
+        self._keys[name] = key
+
+    def key_of(self, name: str) -> str:
+        """Where object ``name`` is written, relative to the generation folder (prefix included)."""
+        return self.prefix + self._keys.get(name, name)
 
     def open(self, name: str) -> ObjectStream:
         """Open data object ``name`` for streaming writes.
@@ -161,7 +188,7 @@ class GenerationWriter:
         validate_object_name(name)
         if name in self._objects or name in self._open:
             raise WriterUsageError(f"object {name!r} was already written to generation step {self.step}")
-        key = self.prefix + name
+        key = self.key_of(name)
         path = f"{self.path}/{key}"
         try:
             raw = self.store.backend.open_write(path, direct_io=self.store.direct_io, subfolder="/" in key)
