@@ -87,7 +87,7 @@ def run_scenario(sc: dict) -> None:
     trainer.fit(model, make_loader())
     if sc.get("counts"):
         fs = callback.store.fs
-        counts = {op: fs.count(op, "checkpoint.ckpt") for op in ("open", "write", "close")}
+        counts = {op: fs.count(op, ".ckpt") for op in ("open", "write", "close")}
         counts.update({op: fs.count(op) for op in ("pipe_file", "rm_file", "rm")})
         with open(sc["counts"], "w") as f:
             json.dump(counts, f)
@@ -128,7 +128,7 @@ def exit_with_save(dirpath: str, speed: str, drain_timeout_s: float) -> None:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr)
     options: dict = {"target_protocol": "file"}
     if speed == "hang":
-        options["faults"] = [Fault(op="write", path="checkpoint.ckpt", stall=threading.Event())]
+        options["faults"] = [Fault(op="write", path=".ckpt", stall=threading.Event())]
     else:
         options["bandwidth_bps"] = float(speed)
     store = CheckpointStore(f"faulty://{dirpath}", options, check_writable=False)
@@ -149,7 +149,7 @@ def sigterm_run(dirpath: str) -> None:
     def in_flight(call: FaultCall) -> None:
         print(f"IN_FLIGHT {call.path}", flush=True)
 
-    fault = Fault(op="open", path="checkpoint.ckpt", at=2, callback=in_flight, stall=gate, stall_timeout_s=60.0)
+    fault = Fault(op="open", path=".ckpt", at=2, callback=in_flight, stall=gate, stall_timeout_s=60.0)
     callback = AsyncCheckpointCallback(
         dirpath=f"faulty://{dirpath}",
         storage_options={"target_protocol": "file", "faults": [fault]},

@@ -35,7 +35,7 @@ CHILD_ALARM_S = 60
 
 
 def _stalled_store(root: str, gate: threading.Event, entered: threading.Event) -> CheckpointStore:
-    fault = Fault(op="write", path="checkpoint.ckpt", stall=gate, callback=lambda _call: entered.set())
+    fault = Fault(op="write", path=".ckpt", stall=gate, callback=lambda _call: entered.set())  # the checkpoint file
     # Released, the upload of 16 MB is still inside torch.save while the interpreter finishes.
     options = {"target_protocol": "file", "faults": [fault]}
     return CheckpointStore(f"faulty://{root}", options, check_writable=False)
@@ -71,7 +71,7 @@ def sigterm_during_fit(root: str) -> None:
     signal.signal(signal.SIGTERM, lambda *_: gate.set())  # Lightning composes handlers that exist before fit
     fault = Fault(
         op="open",
-        path="checkpoint.ckpt",
+        path=".ckpt",
         at=2,
         callback=lambda _call: os.kill(os.getpid(), signal.SIGTERM),
         stall=gate,

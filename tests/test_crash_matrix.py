@@ -33,6 +33,7 @@ from lightning_async_ckpt.testing import FaultyFileSystem
 from tests._lightning_models import BNDropoutModel, make_loader, trainer_kwargs
 
 pytestmark = pytest.mark.slow
+DATA = ".ckpt"  # the checkpoint file, named by the filename template (epoch=E-step=S.ckpt)
 
 WORKER = Path(__file__).with_name("_crash_worker.py")
 MAX_STEPS, EVERY, KEEP_LAST = 8, 2, 2
@@ -129,12 +130,12 @@ for s in CUTS[:-1]:
     POINTS.append(("staging", f"forward-after-cut@{s}", {"hook": "training_step", "step": s}))
     POINTS.append(("staging", f"optimizer-fence-after-cut@{s}", {"hook": "on_before_optimizer_step", "step": s}))
 for k in range(1, len(CUTS) + 1):
-    POINTS.append(("upload", f"open#{k}", _fault("open", k, path=CHECKPOINT_NAME)))
+    POINTS.append(("upload", f"open#{k}", _fault("open", k, path=DATA)))
 for label, at in WRITE_POINTS.items():
-    POINTS.append(("upload", f"write-{label}", _fault("write", at, path=CHECKPOINT_NAME)))
-POINTS.append(("upload", "close#1", _fault("close", 1, path=CHECKPOINT_NAME)))
-POINTS.append(("upload", "close#3", _fault("close", 3, path=CHECKPOINT_NAME)))
-POINTS.append(("upload", "after-close#2", _fault("close", 2, path=CHECKPOINT_NAME, after=True)))
+    POINTS.append(("upload", f"write-{label}", _fault("write", at, path=DATA)))
+POINTS.append(("upload", "close#1", _fault("close", 1, path=DATA)))
+POINTS.append(("upload", "close#3", _fault("close", 3, path=DATA)))
+POINTS.append(("upload", "after-close#2", _fault("close", 2, path=DATA, after=True)))
 for k in range(1, len(CUTS) + 1):
     POINTS.append(("manifest", f"before-put#{k}", _fault("pipe_file", k, path="manifest.json")))
     POINTS.append(("manifest", f"after-put#{k}", _fault("pipe_file", k, path="manifest.json", after=True)))
@@ -198,7 +199,7 @@ def test_sigkill_loses_nothing_committed(zygote, base, calls, phase, name, kill)
     assert len([s for s in reported if s in present]) >= min(KEEP_LAST, len(reported))
 
     path = latest_checkpoint(sc["dir"])
-    assert path == (store.url(latest.step, CHECKPOINT_NAME) if latest else None)
+    assert path == (store.object_url(latest.step, CHECKPOINT_NAME) if latest else None)
     _resume_and_continue(sc["dir"], path, latest.step if latest else 0, present)
 
 

@@ -62,7 +62,7 @@ class _ReleaseOnException(pl.Callback):
 
 
 def _stalled_callback(root: str, gate: threading.Event, in_flight: threading.Event, **kwargs):
-    fault = Fault(op="open", path="checkpoint.ckpt", stall=gate, callback=lambda call: in_flight.set())
+    fault = Fault(op="open", path=".ckpt", stall=gate, callback=lambda call: in_flight.set())
     return AsyncCheckpointCallback(
         dirpath=f"faulty://{root}",
         storage_options={"target_protocol": "file", "faults": [fault]},
