@@ -154,3 +154,44 @@ def test_resuming_an_older_best_checkpoint_keeps_it_in_the_top_k_like_model_chec
     assert set(committed(tmp_path / "async")) == first_kept
     assert trainer.validate(ValModel(), make_loader(n=32, seed=1), ckpt_path="best", verbose=False)
     assert trainer.ckpt_path == ours2.best_model_path
+
+
+class _ScriptedVal(pl.LightningModule):
+    """val_loss follows a script per epoch (0.5, 0.1, 0.4, 0.6, 0.7): the best is epoch 1."""
+
+    VALS = (0.5, 0.1, 0.4, 0.6, 0.7)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(4, 1)
+
+    def training_step(self, batch, batch_idx):
+        return self.layer(batch[0]).pow(2).mean()
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", torch.tensor(self.VALS[min(self.current_epoch, len(self.VALS) - 1)]))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def _scripted_fit(callback, max_epochs, ckpt_path=None):
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(32, 4)), batch_size=4)
+    pl.seed_everything(1)
+    trainer = pl.Trainer(callbacks=[callback], **trainer_kwargs(max_epochs=max_epochs, limit_val_batches=1))
+    trainer.fit(_ScriptedVal(), data, data, ckpt_path=ckpt_path)
+    return trainer, data
+
+
+def test_resuming_a_model_checkpoint_last_file_keeps_its_best_like_model_checkpoint(tmp_path):
+    # The script used ModelCheckpoint(monitor=..., save_last=True) and now uses this callback with ckpt_path="last":
+    # ModelCheckpoint would keep its restored best (epoch 1, 0.1); "best" must not become the newest, worse one.
+    args = dict(monitor="val_loss", save_top_k=1, save_last=True)
+    _scripted_fit(ModelCheckpoint(dirpath=tmp_path, **args), max_epochs=3)
+    old_best = next(tmp_path.glob("epoch=1-*.ckpt"))
+    ours = AsyncCheckpointCallback(dirpath=str(tmp_path), **args)
+    trainer, data = _scripted_fit(ours, max_epochs=5, ckpt_path="last")
+    assert ours.best_model_path == str(old_best) and float(ours.best_model_score) == pytest.approx(0.1)
+    trainer.validate(_ScriptedVal(), data, ckpt_path="best", verbose=False)
+    assert trainer.ckpt_path == str(old_best)
+    assert old_best.exists()  # a file of the ModelCheckpoint run: ranked, never removed by this callback

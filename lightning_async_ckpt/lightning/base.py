@@ -124,6 +124,7 @@ class CallbackArguments(ModelCheckpoint):
         self.checkpointer: AsyncCheckpointer | None = None
         self.run_id: str | None = None
         self.resumed_location: Any = None  # set at train start: where the resumed generation is (rerun.py)
+        self._model_checkpoint_best: dict[str, Any] = {}  # best k of a ModelCheckpoint state in a loaded checkpoint
         self.requested_step: int | None = None
         self.committed_step: int | None = None
         self.skipped = 0

@@ -39,7 +39,12 @@ from lightning_async_ckpt.lightning.progress import (
 from lightning_async_ckpt.lightning.rerun import place_run
 from lightning_async_ckpt.lightning.resume import find_last, install_reader, latest_checkpoint, remove_reader
 from lightning_async_ckpt.lightning.rng import collect_portable_rng, restore_rng
-from lightning_async_ckpt.lightning.selection import after_model_checkpoints, load_selection_state, selection_state
+from lightning_async_ckpt.lightning.selection import (
+    after_model_checkpoints,
+    load_selection_state,
+    model_checkpoint_best_k,
+    selection_state,
+)
 from lightning_async_ckpt.lightning.sharded import is_lightning_dcp_generation, setup_sharded
 from lightning_async_ckpt.lightning.triggers import monitor_candidates
 from lightning_async_ckpt.storage.manifest import validate_object_name
@@ -147,7 +152,10 @@ class AsyncCheckpointCallback(CallbackArguments):
             # Resumed: best-k from the manifests of the run resumed (a generation counts once committed), where
             # they are: a fit that branched into a new version ranks them too, but never removes them.
             resumed = getattr(self, "resumed_location", None)
-            if resumed is not None and resumed.store.uri != self.store.uri:
+            if resumed is None and self._model_checkpoint_best:
+                # Resumed from a ModelCheckpoint's file (its last.ckpt): rank the best k it had saved.
+                self.selection.adopt(self._model_checkpoint_best, self.store.fs.exists)
+            elif resumed is not None and resumed.store.uri != self.store.uri:
                 self.selection.restore(
                     resumed.store, resumed.run_id, resumed.step, lambda m: self._path_of(m, resumed.store), foreign=True
                 )
@@ -408,6 +416,12 @@ class AsyncCheckpointCallback(CallbackArguments):
         # RNG states at the cut, in a form torch.load(weights_only=True) accepts.
         # The run id travels with the checkpoint, so a resumed run keeps it and keep_last reaches across restarts.
         return {"rng_states": collect_portable_rng(), "run_id": self.run_id, **selection_state(self)}
+
+    @override
+    def on_load_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        self._model_checkpoint_best = model_checkpoint_best_k(checkpoint, self.monitor, self.dirpath)
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

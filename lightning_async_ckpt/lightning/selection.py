@@ -13,6 +13,7 @@ epoch, weights_only, ranked.
 from __future__ import annotations
 
 import logging
+import re
 import weakref
 from collections import deque
 from typing import TYPE_CHECKING, Any
@@ -195,6 +196,24 @@ class Selection:
         for name, value in summary.items():
             setattr(self.cb, name, value)
 
+    def adopt(self, best_k: dict[str, Any], exists: Any) -> None:
+        """Rank the files of a ``ModelCheckpoint``'s restored ``best_k_models`` (see :func:`model_checkpoint_best_k`)
+        like this run's generations: "best" never points at a worse model than that callback's best. They stay on
+        storage (never removed by this callback's retention) and only those ``exists(path)`` confirms count."""
+        if self.args.monitor is None:
+            return
+        for i, (path, score) in enumerate(sorted(best_k.items())):
+            if score is None or not exists(path):
+                continue
+            match = re.search(r"step=(\d+)", str(path).rsplit("/", 1)[-1])
+            step = int(match.group(1)) if match else -(i + 1)
+            if step in self.topk.entries:
+                step = -(i + 1)
+            value = float(score.item() if isinstance(score, torch.Tensor) else score)
+            self.topk.requested(Entry(step, value, str(path).rsplit("/", 1)[-1], 0, foreign=True))
+            self.topk.committed(step, str(path))
+        self.publish()
+
     def restore(
         self, store: CheckpointStore, run_id: str | None, up_to: int, path_of: Any, *, foreign: bool = False
     ) -> None:
@@ -217,6 +236,32 @@ class Selection:
             self.topk.committed(info.step, path_of(info.manifest))
         self._retain(None)
         self.publish()
+
+
+def model_checkpoint_best_k(checkpoint: dict[str, Any], monitor: str | None, dirpath: str | None) -> dict[str, Any]:
+    """``best_k_models`` of a plain ``ModelCheckpoint`` (same ``monitor`` and ``dirpath``) saved in ``checkpoint``.
+
+    A script that replaced its ``ModelCheckpoint`` by this callback and resumed from the ``last.ckpt`` it left: that
+    checkpoint carries the old callback's best k under the old callback's state key, which Lightning never hands to
+    this one.
+    """
+    if monitor is None or dirpath is None:
+        return {}
+    found: dict[str, Any] = {}
+    for key, state in (checkpoint.get("callbacks") or {}).items():
+        if not (isinstance(key, str) and key.startswith("ModelCheckpoint{") and isinstance(state, dict)):
+            continue
+        if state.get("monitor") == monitor and _same_place(str(state.get("dirpath")), str(dirpath)):
+            found.update(state.get("best_k_models") or {})
+    return found
+
+
+def _same_place(a: str, b: str) -> bool:
+    import os
+
+    if "://" in a or "://" in b:
+        return a.rstrip("/") == b.rstrip("/")
+    return os.path.realpath(a) == os.path.realpath(b)
 
 
 def after_model_checkpoints(cb: ModelCheckpoint, callbacks: list[Any]) -> list[Any]:
