@@ -15,20 +15,11 @@ pytest.importorskip("accelerate")
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from lightning_async_ckpt.accelerate import INCOMPLETE_MARKER, attach  # noqa: E402
+from lightning_async_ckpt.accelerate import INCOMPLETE_MARKER  # noqa: E402
 from lightning_async_ckpt.accelerate.folders import accelerate_folders  # noqa: E402
 from lightning_async_ckpt.tools.cli import main  # noqa: E402
 from tests.test_accelerate import fresh_accelerate, make_run, train  # noqa: E402, F401 - fixture applies here too
-
-
-def _commit_folder(folder: Path, steps: int) -> None:
-    run = make_run()
-    ckpt = attach(run.acc)
-    train(run, steps)
-    ckpt.step = steps
-    run.acc.save_state(str(folder))
-    ckpt.close()
-    assert (folder / "manifest.json").exists()
+from tests.test_accelerate_crash import _commit_folder  # noqa: E402
 
 
 def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:

@@ -15,7 +15,7 @@ from typing import Any
 
 from lightning_async_ckpt.accelerate.folders import verify_accelerate_folder
 from lightning_async_ckpt.tools.fmt import fmt_age, fmt_bytes, one_line, print_table
-from lightning_async_ckpt.tools.store_commands import PROG, UsageError, storage_options
+from lightning_async_ckpt.tools.store_commands import PROG, UsageError, print_committed_summary, storage_options
 
 __all__ = ["ls_folders", "verify_folders"]
 
@@ -59,9 +59,7 @@ def ls_folders(args: argparse.Namespace, folders: list[Any]) -> int:
     for r in rows:
         if r["error"]:
             print(f"{r['folder']}: manifest rejected: {one_line(r['error'])}")
-    committed = [r for r in rows if r["committed"]]
-    total = sum(r["bytes"] for r in committed)
-    print(f"{len(committed)} committed ({fmt_bytes(total)}), {len(rows) - len(committed)} not committed")
+    print_committed_summary(rows)
     if any(r["state"] == "foreign" for r in rows):
         print("foreign: accelerate files without a manifest (not written through lightning_async_ckpt); unverifiable")
     return 0
@@ -117,9 +115,4 @@ def verify_folders(args: argparse.Namespace, folders: list[Any]) -> int:
 
 
 def _state_label(state: str) -> str:
-    return {
-        "committed": "committed",
-        "uncommitted": "uncommitted",
-        "invalid": "INVALID",
-        "foreign": "foreign",
-    }.get(state, state)
+    return "INVALID" if state == "invalid" else state  # upper case like the store listing's rejected manifests

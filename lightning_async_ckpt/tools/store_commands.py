@@ -15,7 +15,16 @@ from typing import Any
 from lightning_async_ckpt.errors import ConfigError
 from lightning_async_ckpt.tools.fmt import fmt_age, fmt_bytes, one_line, print_table
 
-__all__ = ["PROG", "UsageError", "cmd_gc", "cmd_ls", "cmd_verify", "open_store", "storage_options"]
+__all__ = [
+    "PROG",
+    "UsageError",
+    "cmd_gc",
+    "cmd_ls",
+    "cmd_verify",
+    "open_store",
+    "print_committed_summary",
+    "storage_options",
+]
 
 PROG = "lightning-async-ckpt"
 
@@ -80,10 +89,15 @@ def cmd_ls(args: argparse.Namespace) -> int:
     for r in rows:
         if r["error"]:
             print(f"step {r['step']}: manifest rejected: {one_line(r['error'])}")
+    print_committed_summary(rows)
+    return 0
+
+
+def print_committed_summary(rows: list[dict[str, Any]]) -> None:
+    """The last line of ``ls``: how many rows are committed (and their bytes), how many are not."""
     committed = [r for r in rows if r["committed"]]
     total = sum(r["bytes"] for r in committed)
     print(f"{len(committed)} committed ({fmt_bytes(total)}), {len(rows) - len(committed)} not committed")
-    return 0
 
 
 def _rank_bytes(manifest: Any) -> dict[str, int] | None:
