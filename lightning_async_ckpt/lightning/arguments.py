@@ -153,11 +153,10 @@ def check_shared_dirpath(callback: Any, trainer: Any) -> None:
     ``ModelCheckpoint`` instances can share a folder because their file names differ; here a generation is the
     step's folder, so two callbacks would collide at the first step both save (possibly the last one of the fit).
     """
-    import os
+    from lightning_async_ckpt.lightning.rerun import comparable_path
 
     def place(cb: Any) -> str:
-        path = cb.dirpath or f"{str(trainer.default_root_dir).rstrip('/')}/checkpoints"
-        return path.rstrip("/") if "://" in path else os.path.abspath(path)
+        return comparable_path(cb.dirpath or f"{str(trainer.default_root_dir).rstrip('/')}/checkpoints")
 
     mine = place(callback)
     for other in trainer.callbacks:

@@ -34,7 +34,7 @@ from lightning_async_ckpt.storage.store import CheckpointStore
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-__all__ = ["Location", "Resumed", "place_run", "resumed_generation", "run_locations", "version_uri"]
+__all__ = ["Location", "Resumed", "comparable_path", "place_run", "resumed_generation", "run_locations", "version_uri"]
 
 _VERSION_RE = re.compile(r"^v([1-9][0-9]{0,5})$")
 
@@ -176,11 +176,11 @@ def resumed_generation(locations: list[Location], resumed: str | None) -> Resume
     """
     if not resumed:
         return None
-    target = _comparable(resumed)
+    target = comparable_path(resumed)
     for loc in locations:
         found = _occupied(loc.store)
         for gen in found:
-            base = _comparable(loc.store.url(gen.step))
+            base = comparable_path(loc.store.url(gen.step))
             if gen.committed and (target == base or target.startswith(base + "/")):
                 newest = max(g.step for g in found) <= gen.step
                 return Resumed(store=loc.store, step=gen.step, run_id=gen.run_id or "", newest=newest)
@@ -196,6 +196,8 @@ def _occupied(store: CheckpointStore) -> list[Any]:
     return [g for g in store.scan(include_uncommitted=True).generations if g.committed or g.error is not None]
 
 
-def _comparable(path: str) -> str:
+def comparable_path(path: str) -> str:
+    """``path`` in a form two spellings of one place share: a URL without its trailing ``/``, a local path resolved
+    (absolute, symlinks followed)."""
     path = path.rstrip("/")
     return path if "://" in path else os.path.realpath(path)

@@ -26,6 +26,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_async_ckpt.errors import ConfigError
 from lightning_async_ckpt.lightning.arguments import Selection as Args
+from lightning_async_ckpt.lightning.rerun import comparable_path
 from lightning_async_ckpt.lightning.topk import Entry, TopK
 from lightning_async_ckpt.storage.retention import remove_best_k
 
@@ -251,17 +252,11 @@ def model_checkpoint_best_k(checkpoint: dict[str, Any], monitor: str | None, dir
     for key, state in (checkpoint.get("callbacks") or {}).items():
         if not (isinstance(key, str) and key.startswith("ModelCheckpoint{") and isinstance(state, dict)):
             continue
-        if state.get("monitor") == monitor and _same_place(str(state.get("dirpath")), str(dirpath)):
+        if state.get("monitor") == monitor and comparable_path(str(state.get("dirpath"))) == comparable_path(
+            str(dirpath)
+        ):
             found.update(state.get("best_k_models") or {})
     return found
-
-
-def _same_place(a: str, b: str) -> bool:
-    import os
-
-    if "://" in a or "://" in b:
-        return a.rstrip("/") == b.rstrip("/")
-    return os.path.realpath(a) == os.path.realpath(b)
 
 
 def after_model_checkpoints(cb: ModelCheckpoint, callbacks: list[Any]) -> list[Any]:
