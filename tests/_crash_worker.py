@@ -14,8 +14,8 @@ Modes:
 A crash scenario (JSON): ``dir`` (local folder, used through ``faulty://``), ``events`` (JSONL event log),
 ``max_steps``, ``every``, ``keep_last``, ``counts`` (where to write the filesystem's call counts on a normal
 exit) and ``kill``: ``{"hook": name, "step": s}`` (SIGKILL inside that LightningModule hook when
-``global_step == s``) or ``{"fault": {"op": ..., "path": ..., "at": k, "after": bool}}`` (SIGKILL at that
-filesystem call), or ``null``.
+``global_step == s``) or ``{"fault": {"op": ..., "path": ..., "at": k, "after": bool, "torn": bool}}`` (SIGKILL at that
+filesystem call; ``torn`` first writes the start of a manifest there, as a put torn by the kill), or ``null``.
 """
 
 from __future__ import annotations
@@ -42,6 +42,15 @@ CHILD_ALARM_S = 60
 
 def _die(*_: object) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _tear(call: FaultCall) -> None:
+    """SIGKILL halfway through a put on a filesystem without atomic puts: the first bytes of a manifest land."""
+    with open(call.path, "wb") as f:  # faulty:// wraps the local filesystem: the path is a local one
+        f.write(b'{"format": "lightning-async-ckpt", "format_vers')
+        f.flush()
+        os.fsync(f.fileno())
+    _die()
 
 
 class CrashModel(BNDropoutModel):
@@ -73,7 +82,8 @@ def run_scenario(sc: dict) -> None:
     faults = []
     if "fault" in kill:
         f = kill["fault"]
-        faults.append(Fault(op=f["op"], path=f.get("path"), at=f["at"], after=f.get("after", False), callback=_die))
+        die = _tear if f.get("torn") else _die
+        faults.append(Fault(op=f["op"], path=f.get("path"), at=f["at"], after=f.get("after", False), callback=die))
     callback = AsyncCheckpointCallback(
         dirpath=f"faulty://{sc['dir']}",
         storage_options={"target_protocol": "file", "faults": faults},

@@ -320,6 +320,23 @@ def test_a_new_run_does_not_overwrite_a_folder_with_a_rejected_manifest(run_dir)
     assert {2, 4} <= {g.step for g in store.generations()} and store.verify(4).ok
 
 
+@pytest.mark.parametrize("torn", ["empty", "truncated"])
+def test_resuming_past_a_torn_manifest_continues_the_run_in_place(run_dir, torn):
+    # A crash while a filesystem without atomic puts wrote step 6's manifest leaves a torn one (seen in the crash
+    # matrix on faulty://). It never made step 6 recoverable and the writer replaces it, so resuming from the newest
+    # committed step continues the run in dirpath: no v1 folder, and step 6 is committed there.
+    folder = run_dir / "step-00000006"
+    folder.mkdir()
+    whole = json.dumps(_valid_body(run_dir)).encode()
+    (folder / MANIFEST_NAME).write_bytes(b"" if torn == "empty" else whole[: len(whole) // 2])
+    callback = AsyncCheckpointCallback(dirpath=str(run_dir), every_n_train_steps=2)
+    _fit([callback], max_steps=8, ckpt_path=latest_checkpoint(str(run_dir)))
+    store = CheckpointStore(str(run_dir), check_writable=False)
+    assert [g.step for g in store.generations()] == [2, 4, 6, 8]
+    assert all(store.verify(s).ok for s in (6, 8))
+    assert not [p for p in run_dir.iterdir() if p.name.startswith("v")]
+
+
 # -- two runs, one dirpath (the decision is made before training: lightning/rerun.py) ---------------------------
 def test_second_run_colliding_with_committed_steps_goes_to_a_new_version(run_dir):
     callback = AsyncCheckpointCallback(dirpath=str(run_dir), every_n_train_steps=2, keep_last=1)

@@ -10,8 +10,8 @@ resumed run id are known):
   from the newest checkpoint (``ckpt_path="last"``, ``latest_checkpoint(...)``), or a second ``fit`` of the same
   callback. When Lightning did not restore the callback's state (its key holds ``dirpath`` and the intervals, so
   changed arguments or a copied folder skip it), a fit resumed from the newest generation of a location adopts
-  that generation's run id (:func:`resumed_generation`); "newest" counts every step folder holding a manifest, even one
-  this version rejects, since such a step is never written again;
+  that generation's run id (:func:`resumed_generation`); "newest" counts every step folder whose manifest is never
+  written over (committed, a newer format version, unreadable right now), not a torn one a crash left;
 * otherwise, when ``dirpath`` already holds committed generations (a fresh run, a resume from a checkpoint of
   another place, or from an older step whose newer generations exist), it writes to a **new version**,
   ``<dirpath>/v1``, ``<dirpath>/v2``, ... (``ModelCheckpoint``'s version counter names its files ``-v1``; a
@@ -158,7 +158,7 @@ class Resumed:
         store: The location (``dirpath`` or a version) holding it, read-only.
         step: Its step.
         run_id: The run that wrote it (from its manifest).
-        newest: Whether no step folder of that location holding a manifest is newer (the run continues there).
+        newest: Whether no step of that location that is never written again is newer (the run continues there).
     """
 
     store: CheckpointStore
@@ -188,12 +188,14 @@ def resumed_generation(locations: list[Location], resumed: str | None) -> Resume
 
 
 def _occupied(store: CheckpointStore) -> list[Any]:
-    """The generations holding a manifest (committed, or one this version rejects or cannot read right now).
+    """The generations whose step is never written again (``GenerationInfo.holds_step``: committed, a newer format
+    version, or a manifest unreadable right now).
 
-    A step whose folder holds any manifest is never written again, so a run may only continue where none is newer
-    than its start; a leftover without a manifest (a crashed save) does not count: writing that step again is safe.
+    A run may only continue where none is newer than its start. A leftover without a manifest, or with a torn one (a
+    crash while a filesystem without atomic puts wrote it), was never recoverable and does not count: the writer of
+    that step replaces it (``CheckpointStore.begin_write``), so the run continues in place.
     """
-    return [g for g in store.scan(include_uncommitted=True).generations if g.committed or g.error is not None]
+    return [g for g in store.scan(include_uncommitted=True).generations if g.holds_step]
 
 
 def comparable_path(path: str) -> str:

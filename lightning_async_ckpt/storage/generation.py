@@ -75,6 +75,13 @@ class GenerationInfo:
         return self.manifest.run_id if self.manifest else None
 
     @property
+    def holds_step(self) -> bool:
+        """Whether its manifest keeps the step from ever being written again: committed, from a newer format
+        version, or unreadable right now. A rejected manifest (torn by a crash on a filesystem without atomic
+        puts, or hostile) never made the step recoverable: the next writer of that step replaces it."""
+        return self.committed or self.newer_format or self.unreadable
+
+    @property
     def checkpoint_format(self) -> str | None:
         """``"torch_dcp"`` or ``"torch_save"`` when committed (see ``Manifest.checkpoint_format``), else ``None``."""
         return self.manifest.checkpoint_format if self.manifest else None

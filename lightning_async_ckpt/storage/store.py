@@ -212,7 +212,7 @@ class CheckpointStore:
         info = self._read_generation(step)
         if info.unreadable:
             raise StorageError(f"cannot tell whether step {step} is committed: {info.error}")
-        if info.committed or info.newer_format:
+        if info.holds_step:
             return True
         if info.error:
             _log.warning("generation %s has a corrupt manifest and was never recoverable (%s)", info.path, info.error)
