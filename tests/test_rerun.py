@@ -146,3 +146,31 @@ def test_a_newer_step_with_a_manifest_this_version_rejects_is_never_continued_in
     assert trainer.global_step == 8
     assert json.loads((planted / "manifest.json").read_text())["format_version"] == 99
     assert _steps_and_runs(f"{root}/v1")[0] == [6, 8]
+
+
+@pytest.mark.parametrize("keep_last", [None, 2])
+def test_last_after_a_branch_continues_the_branch_and_leaves_the_first_history_alone(tmp_path, keep_last):
+    # Fit to 6; resume the older step 4 (branches into v1: steps 6, 8); then "last" restores v1's step 8. Both
+    # branches carry the same run id (it travels in the checkpoint): the fit must continue where it resumed from, v1,
+    # never in dirpath, whose steps 4 and 6 the branch promised to leave alone (keep_last used to delete them).
+    root = str(tmp_path / "ckpt")
+    _fit(AsyncCheckpointCallback(dirpath=root, every_n_train_steps=2, keep_last=keep_last), max_steps=6)
+    older = CheckpointStore(root, check_writable=False).object_url(4, "checkpoint.ckpt")
+    with pytest.warns(UserWarning, match="writes to .*v1"):
+        _fit(
+            AsyncCheckpointCallback(dirpath=root, every_n_train_steps=2, keep_last=keep_last),
+            max_steps=8,
+            ckpt_path=older,
+        )
+    before = _steps_and_runs(root)[0]
+    seen: list[int] = []
+    _fit(
+        AsyncCheckpointCallback(dirpath=root, every_n_train_steps=2, keep_last=keep_last),
+        max_steps=12,
+        ckpt_path="last",
+        seen=seen,
+    )
+    assert seen[0] == 8
+    assert _steps_and_runs(root)[0] == before  # the first history: untouched
+    assert _steps_and_runs(f"{root}/v1")[0] == ([10, 12] if keep_last else [6, 8, 10, 12])
+    assert not (tmp_path / "ckpt" / "v2").exists()

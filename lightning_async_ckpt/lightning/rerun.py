@@ -5,8 +5,10 @@ first step both saved) and must be decided before any training step. The rule, a
 :func:`place_run` when training starts (after Lightning restored the checkpoint, so the resumed step and the
 resumed run id are known):
 
-* the fit **continues a run** where that run's generations are (``dirpath`` itself or one of its versions) when the
-  callback's run id wrote generations there and none of them is newer than the step training starts from: a resume
+* the fit **continues a run** in the location it resumed from (``dirpath`` itself or one of its versions; without a
+  resume, the one the callback writes to) when the callback's run id wrote generations there and none of them is
+  newer than the step training starts from (a branch shares its run id with the history it branched from, so no
+  other location is ever continued): a resume
   from the newest checkpoint (``ckpt_path="last"``, ``latest_checkpoint(...)``), or a second ``fit`` of the same
   callback. When Lightning did not restore the callback's state (its key holds ``dirpath`` and the intervals, so
   changed arguments or a copied folder skip it), a fit resumed from the newest generation of a location adopts
@@ -76,8 +78,15 @@ def run_locations(dirpath: str, storage_options: dict[str, Any] | None = None) -
     return locations
 
 
-def choose_version(locations: list[Location], run_id: str | None, start_step: int) -> tuple[int, str]:
-    """The version a fit of run ``run_id`` starting at ``start_step`` writes to, and why (for the message)."""
+def choose_version(
+    locations: list[Location], run_id: str | None, start_step: int, *, prefer: int | None = None
+) -> tuple[int, str]:
+    """The version a fit of run ``run_id`` starting at ``start_step`` writes to, and why (for the message).
+
+    ``prefer``: the only location the fit may continue (the one it resumed from, or the one its callback writes to):
+    a branch shares its run id with the history it branched from, so "holds that run" alone does not say where the
+    fit continues.
+    """
     taken = []
     for loc in locations:
         found = _occupied(loc.store)
@@ -85,6 +94,8 @@ def choose_version(locations: list[Location], run_id: str | None, start_step: in
         if not gens:
             continue
         taken.append(loc.version)
+        if prefer is not None and loc.version != prefer:
+            continue
         newest = max(g.step for g in found)
         if run_id is not None and any(g.run_id == run_id for g in gens) and newest <= start_step:
             return loc.version, "continues its run"
@@ -121,7 +132,13 @@ def place_run(callback: Any, trainer: pl.Trainer) -> None:
                 # run id (Lightning restores it only for the same callback state key: same dirpath and
                 # intervals): it is still that run continuing.
                 callback.run_id = store.run_id = resumed.run_id
-            version, why = choose_version(locations, callback.run_id, trainer.global_step)
+            # Continue where the resumed checkpoint is, else where this callback writes (a second fit).
+            where = resumed.store if resumed is not None else None
+            prefer = next((loc.version for loc in locations if loc.store is where), None)
+            if prefer is None:
+                own = comparable_path(store.uri)
+                prefer = next((loc.version for loc in locations if comparable_path(loc.store.uri) == own), None)
+            version, why = choose_version(locations, callback.run_id, trainer.global_step, prefer=prefer)
             target = version_uri(dirpath, version)
             if target != store.uri and version > 0 and not getattr(callback, "_enable_version_counter", True):
                 raise GenerationExistsError(
