@@ -8,6 +8,8 @@ would resume one epoch ahead or from the averaged weights. It is taken at the la
 from __future__ import annotations
 
 import lightning.pytorch as pl
+import pytest
+import torch
 from lightning.pytorch.callbacks import EMAWeightAveraging, ModelCheckpoint
 
 from lightning_async_ckpt import AsyncCheckpointCallback, CheckpointStore
@@ -94,3 +96,30 @@ def test_an_end_not_known_at_the_batch_end_is_checkpointed_at_on_train_end(tmp_p
     store = CheckpointStore(str(tmp_path), check_writable=False)
     assert [g.step for g in store.generations()] == [3, 5]
     assert load_checkpoint(store.object_url(5, "checkpoint.ckpt"))["global_step"] == 5
+
+
+class _Validated(BNDropoutModel):
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", torch.nn.functional.cross_entropy(self.net(x), y))
+
+
+@pytest.mark.parametrize("val_check_interval", [1.0, 0.5])
+def test_without_monitor_the_final_step_saved_at_the_epoch_end_is_model_checkpoints_epoch_end_file(
+    tmp_path, val_check_interval
+):
+    # Defaults (every_n_epochs=1) save at every epoch end, after validation: ModelCheckpoint writes the last step's
+    # file there. The final checkpoint used to be cut at the last batch end instead (same step and name, but before
+    # validation and the epoch-end bookkeeping: a resume from it skipped the next on_train_epoch_start).
+    sync = ModelCheckpoint(dirpath=tmp_path / "sync", save_top_k=-1, filename="{step}")
+    ours = AsyncCheckpointCallback(dirpath=str(tmp_path / "async"), save_last=True)
+    pl.seed_everything(5)
+    trainer = pl.Trainer(
+        callbacks=[sync, ours], max_epochs=2, val_check_interval=val_check_interval, **trainer_kwargs()
+    )
+    trainer.fit(_Validated(), make_loader(n=96), make_loader(n=32, seed=1))
+    store = CheckpointStore(str(tmp_path / "async"), check_writable=False)
+    assert store.generations()[-1].step == 24
+    theirs = without_model_checkpoint_state(load_checkpoint(str(tmp_path / "sync" / "step=24.ckpt")))
+    mine = without_model_checkpoint_state(load_checkpoint(store.object_url(24, "checkpoint.ckpt")))
+    assert_same(theirs, mine, "final step 24")

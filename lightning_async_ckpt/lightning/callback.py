@@ -80,8 +80,9 @@ class AsyncCheckpointCallback(CallbackArguments):
         every_n_epochs: Take a cut at the end of every N-th training epoch. Default 1 when neither interval is set.
         save_on_train_end: Take a final cut when training ends (if that step was not saved already): at the last
             batch end when the end is known there (``max_steps``, last batch of ``max_epochs``), so it equals
-            ``ModelCheckpoint``'s checkpoint of that step; otherwise (early stopping, ``max_time``) in
-            ``on_train_end``, after the other callbacks' ``on_train_end``.
+            ``ModelCheckpoint(every_n_train_steps=...)``'s checkpoint of that step, or at that epoch's end when
+            this callback's own schedule saves the step there (then it is ``ModelCheckpoint``'s epoch-end file);
+            otherwise (early stopping, ``max_time``) in ``on_train_end``, after the other callbacks' ``on_train_end``.
         keep_last: Committed generations to keep; ``None`` keeps all.
         admission: When a cut arrives while ``max_outstanding`` saves are in flight: ``wait``, ``skip``,
             ``coalesce`` or ``abort``.
@@ -238,7 +239,7 @@ class AsyncCheckpointCallback(CallbackArguments):
         # The end of training is known here when max_steps is reached or this is the last batch of the last epoch:
         # the final checkpoint is taken now, before epoch-end bookkeeping and other callbacks' on_train_end (an EMA
         # callback copies its averaged weights into the model there), so it resumes like an uninterrupted run.
-        # With a monitor, it waits for ModelCheckpoint's ranked save at this epoch's end (fresh metrics, ranked).
+        # When the schedule saves this step at the epoch's end (after validation), the final cut is that save.
         final = self.save_on_train_end and is_last_batch(trainer, batch_idx)
         final = final and not self.triggers.final_waits_for_epoch_end(trainer)
         if due or retake or final:

@@ -62,12 +62,11 @@ class Triggers:
         self.final_waits = False
 
     def final_waits_for_epoch_end(self, trainer: pl.Trainer) -> bool:
-        """At the last batch of training, with a monitor: whether ``ModelCheckpoint`` saves this step at the epoch's
-        end (``on_train_epoch_end``, or ``on_validation_end`` after the validation run that follows). The final
-        checkpoint is then taken there, ranked with the metrics of that moment (recorded in ``final_waits``)."""
-        if self.monitor is None:
-            waits = False
-        elif self.on_epoch_end_saves(trainer):
+        """At the last batch of training: whether ``ModelCheckpoint`` saves this step at the epoch's end
+        (``on_train_epoch_end``, or ``on_validation_end`` after the validation run that follows). The final
+        checkpoint is then that save, taken there (after validation and the epoch-end bookkeeping, the file
+        ``ModelCheckpoint`` writes), ranked with the metrics of that moment (recorded in ``final_waits``)."""
+        if self.on_epoch_end_saves(trainer):
             waits = self.epoch_due(trainer)
         else:
             waits = _validation_follows(trainer) and (self.deferred or self.epoch_due(trainer))
