@@ -141,10 +141,22 @@ def load_checkpoint(path: str, storage_options: dict | None = None) -> dict:
         return torch.load(f, map_location="cpu", weights_only=False)
 
 
+_RECORDS_ITS_FILE = ("best_model_path", "best_model_score", "best_k_models", "kth_best_model_path", "kth_value")
+_RECORDS_ITS_FILE += ("current_score", "last_model_path")
+
+
 def without_model_checkpoint_state(ckpt: dict) -> dict:
-    """Drop ModelCheckpoint's own callback entry, which records the file it is writing and so differs by design."""
+    """Drop ModelCheckpoint's own callback entry and the same entries of AsyncCheckpointCallback's (rng states and
+    run id stay): each records the file it is writing, so they differ by design between two callbacks' files."""
     ckpt = dict(ckpt)
-    ckpt["callbacks"] = {k: v for k, v in ckpt["callbacks"].items() if not k.startswith("ModelCheckpoint")}
+    callbacks = {}
+    for key, state in ckpt["callbacks"].items():
+        if key.startswith("ModelCheckpoint"):
+            continue
+        if key.startswith("AsyncCheckpointCallback") and isinstance(state, dict):
+            state = {k: v for k, v in state.items() if k not in _RECORDS_ITS_FILE}
+        callbacks[key] = state
+    ckpt["callbacks"] = callbacks
     return ckpt
 
 

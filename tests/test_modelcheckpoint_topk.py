@@ -192,3 +192,61 @@ def test_filename_without_monitor_reuses_the_replaced_name_like_model_checkpoint
     assert os.listdir(tmp_path / "sync") == ["epepoch=00.ckpt"]
     assert {v["filename"] for v in committed(tmp_path / "async").values()} == {"epepoch=00.ckpt"}
     assert set(committed(tmp_path / "async")) == {3, 6}
+
+
+class TableScore(BNDropoutModel):
+    """Logs ``score`` from a table by the step the batch ends at: NaN and ties included."""
+
+    SCORES = {2: 0.5, 4: float("nan"), 6: 0.3, 8: 0.5, 10: 0.3, 12: float("nan"), 14: 0.2, 16: 0.5}
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.log("score", self.SCORES.get(self.global_step + 1, 1.0))
+        return loss
+
+
+def _mc_state(ckpt: dict, prefix: str) -> dict:
+    """A checkpoint's entries of the checkpoint callback whose state key starts with ``prefix``, by step."""
+    state = next(v for k, v in ckpt["callbacks"].items() if k.startswith(prefix))
+
+    def step(path):
+        found = re.search(r"step[=-]0*(\d+)", str(path))
+        return int(found.group(1)) if found else None
+
+    def score(value):
+        return None if value is None else repr(float(value))  # repr: nan and inf compare
+
+    return {
+        "best_model_path": step(state["best_model_path"]),
+        "best_model_score": score(state["best_model_score"]),
+        "best_k_models": {step(p): score(s) for p, s in state["best_k_models"].items()},
+        "kth_best_model_path": step(state["kth_best_model_path"]),
+        "kth_value": score(state["kth_value"]),
+        "current_score": score(state["current_score"]),
+    }
+
+
+@pytest.mark.parametrize(("monitor", "mode"), [("score", "min"), ("score", "max"), (None, "min")])
+def test_scores_ties_and_the_state_in_each_file_are_model_checkpoints(tmp_path, monitor, mode):
+    # ModelCheckpoint records a NaN score as +inf (min) / -inf (max), names the oldest of tied worst scores its k-th
+    # best, and writes its state into each file as it is once that file is saved (the file is its own best when it
+    # enters, the one it displaces is gone). The same run, both callbacks: every attribute and every file's state.
+    args = dict(monitor=monitor, mode=mode, save_top_k=-1, every_n_train_steps=2)
+    sync = ModelCheckpoint(dirpath=tmp_path / "sync", filename="{step}", **args)
+    ours = AsyncCheckpointCallback(dirpath=str(tmp_path / "async"), save_on_train_end=False, **args)
+    pl.seed_everything(3)
+    trainer = pl.Trainer(callbacks=[sync, ours], max_steps=16, limit_val_batches=0, **trainer_kwargs())
+    trainer.fit(TableScore(), make_loader(n=128))
+    store = CheckpointStore(str(tmp_path / "async"), check_writable=False)
+    steps = [g.step for g in store.generations()]
+    assert steps == [2, 4, 6, 8, 10, 12, 14, 16]
+    for step in steps:
+        theirs = torch.load(tmp_path / "sync" / f"step={step}.ckpt", weights_only=False)
+        mine = torch.load(store.object_url(step, "checkpoint.ckpt"), weights_only=False)
+        assert _mc_state(mine, "AsyncCheckpointCallback") == _mc_state(theirs, "ModelCheckpoint"), step
+        own = next(v for k, v in mine["callbacks"].items() if k.startswith("AsyncCheckpointCallback"))
+        assert store.object_url(step, "checkpoint.ckpt") in (
+            own["best_k_models"] if monitor else [own["best_model_path"]]
+        )
+    live = {"callbacks": {"ModelCheckpoint": sync.state_dict(), "AsyncCheckpointCallback": ours.state_dict()}}
+    assert _mc_state(live, "AsyncCheckpointCallback") == _mc_state(live, "ModelCheckpoint")

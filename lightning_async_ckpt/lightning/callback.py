@@ -318,7 +318,12 @@ class AsyncCheckpointCallback(CallbackArguments):
         self.requested_step = step
         decision, error, handle = "admit", None, None
         try:
-            checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=self.save_weights_only)
+            entry.planned = self._planned_path(step, entry)
+            self.selection.cutting = entry  # its own state is ModelCheckpoint's once it is saved (selection_state)
+            try:
+                checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=self.save_weights_only)
+            finally:
+                self.selection.cutting = None
             if self.checkpointer is not None:
                 handle = self.checkpointer.save(
                     step,
@@ -361,6 +366,15 @@ class AsyncCheckpointCallback(CallbackArguments):
         except ManifestError:
             return {}
         return {"object_keys": {CHECKPOINT_NAME: key}}
+
+    def _planned_path(self, step: int, entry: Any) -> str:
+        """The loadable path of ``step``'s checkpoint once committed (``_path_of`` of its manifest)."""
+        if self.store is None:
+            return ""
+        if not isinstance(self.checkpointer, AsyncCheckpointer):
+            return self.store.url(step)  # sharded: the folder the strategy loads
+        key = self._object_keys(entry).get("object_keys", {}).get(CHECKPOINT_NAME, CHECKPOINT_NAME)
+        return self.store.url(step, key)
 
     def _raise_collectively(self, trainer: pl.Trainer, local: BaseException | None = None) -> None:
         # A background error from an earlier save is raised here, at a collective point, on every rank.

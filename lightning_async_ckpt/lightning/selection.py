@@ -27,7 +27,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning_async_ckpt.errors import ConfigError
 from lightning_async_ckpt.lightning.arguments import Selection as Args
 from lightning_async_ckpt.lightning.rerun import comparable_path
-from lightning_async_ckpt.lightning.topk import Entry, TopK
+from lightning_async_ckpt.lightning.topk import Entry, TopK, kth_best, model_checkpoint_score
 from lightning_async_ckpt.storage.retention import remove_best_k
 
 if TYPE_CHECKING:
@@ -64,6 +64,7 @@ class Selection:
         self.weights_only = weights_only
         self.topk = TopK(args.top_k, args.mode)
         self._pending: deque[tuple[Entry, Any]] = deque()
+        self.cutting: Entry | None = None  # the cut being dumped: the state written into it is its prospective view
 
     # -- at the cut ------------------------------------------------------------------------------------------
     def prepare(
@@ -91,6 +92,7 @@ class Selection:
                 rank_zero_warn(message)
             else:
                 score = float(value.item() if isinstance(value, torch.Tensor) else value)
+                score = model_checkpoint_score(score, self.args.mode)
         epoch, step = int(candidates["epoch"]), int(candidates["step"])
         entry = Entry(step=trainer.global_step, score=score, filename=self._name(dict(candidates)), epoch=epoch)
         if monitor is None or not ranked:
@@ -172,20 +174,36 @@ class Selection:
 
     def publish(self) -> None:
         """Set ``ModelCheckpoint``'s attributes on the callback from the committed view."""
-        cb, newest = self.cb, self.topk.newest(1)
-        cb.last_model_path = newest[0].path if newest and self.args.save_last else ""
-        if self.args.monitor is None:
-            cb.best_model_path = newest[0].path if newest else ""
-            return
-        best = self.topk.best()
-        cb.best_k_models = {e.path: _tensor(e.score) for e in best}
-        cb.best_model_path = best[0].path if best else ""
-        cb.best_model_score = _tensor(best[0].score) if best else None
-        if best and (self.args.top_k < 0 or len(best) == self.args.top_k):
-            cb.kth_best_model_path, cb.kth_value = best[-1].path, _tensor(best[-1].score)
+        newest = self.topk.newest(1)
         ranked = [e for e in self.topk.entries.values() if e.committed and e.score is not None]
-        if ranked:
-            cb.current_score = _tensor(max(ranked, key=lambda e: e.step).score)
+        current = max(ranked, key=lambda e: e.step) if ranked else None
+        for name, value in self._view(self.topk.best(), newest[0] if newest else None, current).items():
+            setattr(self.cb, name, value)
+
+    def prospective(self, entry: Entry) -> dict[str, Any]:
+        """``ModelCheckpoint``'s attributes as they are once ``entry`` (and every save requested before it) commits:
+        what ``ModelCheckpoint`` writes into a file's own state (it is its own best when it enters the top k)."""
+        ranked = [e for e in self.topk.entries.values() if e.score is not None and e.step != entry.step]
+        current = entry if entry.score is not None else max(ranked, key=lambda e: e.step, default=None)
+        view = self._view(self.topk.prospective(entry), entry, current)
+        return {name: view.get(name, getattr(self.cb, name)) for name in _ATTRS}
+
+    def _view(self, best: list[Entry], newest: Entry | None, current: Entry | None) -> dict[str, Any]:
+        """``ModelCheckpoint``'s attributes for a top k ``best`` (best first), the newest generation and the newest
+        ranked one; the k-th best only once the top k is full, like ``ModelCheckpoint``."""
+        view: dict[str, Any] = {"last_model_path": newest.location if newest and self.args.save_last else ""}
+        if self.args.monitor is None:
+            view["best_model_path"] = newest.location if newest else ""
+            return view
+        view["best_k_models"] = {e.location: _tensor(e.score) for e in best}
+        view["best_model_path"] = best[0].location if best else ""
+        view["best_model_score"] = _tensor(best[0].score) if best else None
+        if best and (self.args.top_k < 0 or len(best) == self.args.top_k):
+            kth = kth_best(best)
+            view["kth_best_model_path"], view["kth_value"] = kth.location, _tensor(kth.score)
+        if current is not None:
+            view["current_score"] = _tensor(current.score)
+        return view
 
     # -- across ranks and restarts ---------------------------------------------------------------------------
     def summary(self) -> dict[str, Any]:
@@ -210,7 +228,9 @@ class Selection:
             step = int(match.group(1)) if match else -(i + 1)
             if step in self.topk.entries:
                 step = -(i + 1)
-            value = float(score.item() if isinstance(score, torch.Tensor) else score)
+            value = model_checkpoint_score(
+                float(score.item() if isinstance(score, torch.Tensor) else score), self.args.mode
+            )
             self.topk.requested(Entry(step, value, str(path).rsplit("/", 1)[-1], 0, foreign=True))
             self.topk.committed(step, str(path))
         self.publish()
@@ -232,6 +252,7 @@ class Selection:
             body = info.manifest.extra.get(EXTRA_KEY) or {}
             ranked = body.get("ranked") and body.get("monitor") == self.args.monitor and self.args.monitor
             score = body.get("score") if ranked else None
+            score = None if score is None else model_checkpoint_score(float(score), self.args.mode)
             entry = Entry(info.step, score, str(body.get("filename", "")), int(body.get("epoch", 0)), foreign=foreign)
             self.topk.requested(entry)
             self.topk.committed(info.step, path_of(info.manifest))
@@ -277,14 +298,19 @@ def selection_state(cb: ModelCheckpoint) -> dict[str, Any]:
     """``ModelCheckpoint.state_dict``'s entries, for the callback's state in each checkpoint."""
     names = ("monitor", "best_model_score", "best_model_path", "current_score", "dirpath", "best_k_models")
     names += ("kth_best_model_path", "kth_value", "last_model_path")
-    return {name: getattr(cb, name) for name in names}
+    state = {name: getattr(cb, name) for name in names}
+    selection = getattr(cb, "selection", None)
+    if isinstance(selection, Selection) and selection.cutting is not None:
+        # Written into the checkpoint being cut: as ModelCheckpoint writes it, once that checkpoint is saved.
+        state.update(selection.prospective(selection.cutting))
+    return state
 
 
 def load_selection_state(cb: ModelCheckpoint, state: dict[str, Any]) -> None:
     """``ModelCheckpoint.load_state_dict``: the attributes, when the checkpoint was written to the same ``dirpath``.
 
     A callback that already follows commits keeps its own view (Lightning restores callbacks at
-    ``validate(ckpt_path="best")`` too, and a checkpoint's copy was cut before its own commit); a resumed fit
+    ``validate(ckpt_path="best")`` too, and a checkpoint's copy is the view of when it was saved); a resumed fit
     rebuilds the view from the committed manifests (:meth:`Selection.restore`).
     """
     selection = getattr(cb, "selection", None)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-__all__ = ["Entry", "TopK"]
+__all__ = ["Entry", "TopK", "kth_best", "model_checkpoint_score"]
 
 
 @dataclass
@@ -30,6 +30,7 @@ class Entry:
         epoch: The epoch at the cut.
         path: The loadable checkpoint path, once committed.
         foreign: Restored from another location (the run this fit branched from): ranked, never removed.
+        planned: The path it will have once committed (set at the cut, for the state written into it).
     """
 
     step: int
@@ -38,11 +39,29 @@ class Entry:
     epoch: int = 0
     path: str = ""
     foreign: bool = False
+    planned: str = ""
 
     @property
     def committed(self) -> bool:
         """Whether the generation's manifest was written."""
         return bool(self.path)
+
+    @property
+    def location(self) -> str:
+        """Its path once committed, else the path it is planned at."""
+        return self.path or self.planned
+
+
+def model_checkpoint_score(score: float, mode: str) -> float:
+    """``ModelCheckpoint``'s record of a monitored value: NaN becomes the worst value, +inf (min) or -inf (max)."""
+    return (math.inf if mode == "min" else -math.inf) if math.isnan(score) else score
+
+
+def kth_best(best: list[Entry]) -> Entry:
+    """``ModelCheckpoint``'s k-th best of ``best`` (best first): the worst score, the oldest of a tie (its
+    ``max``/``min`` over ``best_k_models`` returns the first inserted)."""
+    worst = best[-1].score
+    return min((e for e in best if e.score == worst or e is best[-1]), key=lambda e: e.step)
 
 
 class TopK:
@@ -63,6 +82,13 @@ class TopK:
     def _top(self, committed_only: bool) -> list[Entry]:
         ranked = [e for e in self.entries.values() if e.score is not None and (e.committed or not committed_only)]
         ranked.sort(key=self._key)
+        return ranked if self.k < 0 else ranked[: self.k]
+
+    def prospective(self, entry: Entry) -> list[Entry]:
+        """The top k, best first, once every requested save and ``entry`` commit (``ModelCheckpoint``'s view when
+        it writes ``entry``'s file)."""
+        ranked = [e for e in self.entries.values() if e.score is not None and e.step != entry.step]
+        ranked = sorted([*ranked, *([entry] if entry.score is not None else [])], key=self._key)
         return ranked if self.k < 0 else ranked[: self.k]
 
     def enters(self, score: float | None) -> bool:
