@@ -163,3 +163,19 @@ def test_nothing_to_load_returns_none_with_a_warning(tmp_path: Path, caplog: pyt
     with caplog.at_level(logging.WARNING, logger=LOG):
         assert load_state(make_run().acc, str(tmp_path / "empty-store")) is None
     assert any("nothing was loaded" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("layout", ["checkpoint_N", "store"])
+def test_a_uri_one_level_above_the_checkpoints_is_an_error_naming_the_subfolder(tmp_path: Path, layout: str) -> None:
+    # The project_dir given to ProjectConfiguration instead of <project_dir>/checkpoints (or a store's parent): a
+    # silent None would restart training from scratch.
+    project = tmp_path / "project"
+    if layout == "checkpoint_N":
+        _committed_folder(project / "checkpoints" / "checkpoint_0")
+    else:
+        from lightning_async_ckpt import AsyncCheckpointer, CheckpointStore
+
+        with AsyncCheckpointer(CheckpointStore(str(project / "checkpoints"))) as ckpt:
+            ckpt.save(3, {"w": torch.ones(2)}).result(timeout=60)
+    with pytest.raises(CheckpointError, match=r"checkpoints"):
+        load_state(make_run(seed=3).acc, str(project))

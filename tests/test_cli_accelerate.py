@@ -120,3 +120,9 @@ def test_gc_refuses_accelerate_folders_and_deletes_nothing(checkpoints: Path, ca
     rc, _, err = _run(capsys, "gc", str(checkpoints), "--keep-last", "1")
     assert rc == 2 and "total_limit" in err
     assert sorted(p.name for p in checkpoints.iterdir()) == before
+
+
+def test_ls_of_the_project_dir_names_the_checkpoints_subfolder(checkpoints: Path, capsys) -> None:
+    # <project_dir> given instead of <project_dir>/checkpoints: a usage error naming it, never "no generations", 0.
+    rc, _, err = _run(capsys, "ls", str(checkpoints.parent))
+    assert rc == 2 and "checkpoints" in err

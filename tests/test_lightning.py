@@ -7,7 +7,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from lightning_async_ckpt import AsyncCheckpointCallback, CheckpointStore, latest_checkpoint
+from lightning_async_ckpt import AsyncCheckpointCallback, AsyncCheckpointer, CheckpointStore, latest_checkpoint
 from lightning_async_ckpt.core.capture import Fence
 from lightning_async_ckpt.errors import ConfigError
 from tests._lightning_models import (
@@ -403,3 +403,13 @@ def test_a_refused_final_checkpoint_is_retaken_before_training_ends(tmp_path):
     saved = torch.load(store.open(3, "checkpoint.ckpt"), map_location="cpu", weights_only=False)
     assert torch.equal(saved["state_dict"]["net.0.weight"], model.net[0].weight.detach())
     assert any("demoted" in r["rule"] for r in store.manifest(3).plan["rows"])
+
+
+def test_latest_checkpoint_of_a_parent_folder_is_an_error_naming_the_subfolder(tmp_path):
+    # The folder above dirpath (say, the experiment folder): None would start training from scratch.
+    store = CheckpointStore(str(tmp_path / "exp" / "ckpt"))
+    with AsyncCheckpointer(store) as ckpt:
+        ckpt.save(2, {"w": torch.ones(2)}).result(timeout=60)
+    with pytest.raises(ConfigError, match=r"dirpath.*ckpt"):
+        latest_checkpoint(str(tmp_path / "exp"))
+    assert latest_checkpoint(str(tmp_path / "missing")) is None  # listed and empty: a first run

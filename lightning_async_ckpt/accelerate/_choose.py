@@ -21,6 +21,7 @@ from typing import Any
 
 from lightning_async_ckpt.accelerate._layout import INCOMPLETE_MARKER
 from lightning_async_ckpt.errors import CheckpointError, ManifestError
+from lightning_async_ckpt.storage.generation import subfolders_holding_checkpoints
 from lightning_async_ckpt.storage.io import read_verified
 from lightning_async_ckpt.storage.manifest import MANIFEST_NAME, Manifest
 from lightning_async_ckpt.storage.store import CheckpointStore
@@ -74,6 +75,12 @@ def choose(fs: Any, root: str, uri: str, options: dict[str, Any], step: int | No
                 raise CheckpointError(
                     f"no intact committed generation under {uri}: steps {damaged} are committed but damaged (see "
                     "the warnings); nothing was loaded. Check them with `lightning-async-ckpt verify`, or pass step="
+                )
+            nested = [] if store.generations(include_uncommitted=True) else subfolders_holding_checkpoints(fs, root)
+            if nested:
+                raise CheckpointError(
+                    f"no checkpoint directly under {uri}, but these subfolders hold some: {', '.join(nested[:5])}; "
+                    f"pass the one the run saved to (e.g. uri={uri.rstrip('/')}/{nested[0]}); nothing was loaded"
                 )
             return None
         return Choice(url=store.url(info.step), step=info.step)

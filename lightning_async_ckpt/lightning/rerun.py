@@ -36,9 +36,18 @@ from lightning_async_ckpt.storage.store import CheckpointStore
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-__all__ = ["Location", "Resumed", "comparable_path", "place_run", "resumed_generation", "run_locations", "version_uri"]
+__all__ = [
+    "VERSION_RE",
+    "Location",
+    "Resumed",
+    "comparable_path",
+    "place_run",
+    "resumed_generation",
+    "run_locations",
+    "version_uri",
+]
 
-_VERSION_RE = re.compile(r"^v([1-9][0-9]{0,5})$")
+VERSION_RE = re.compile(r"^v([1-9][0-9]{0,5})$")
 
 
 @dataclass(frozen=True)
@@ -68,7 +77,7 @@ def run_locations(dirpath: str, storage_options: dict[str, Any] | None = None) -
         entries = []
     versions = []
     for entry in entries:
-        match = _VERSION_RE.match(entry["name"].rstrip("/").rsplit("/", 1)[-1])
+        match = VERSION_RE.match(entry["name"].rstrip("/").rsplit("/", 1)[-1])
         if match and entry.get("type") in ("directory", None):
             versions.append(int(match.group(1)))
     locations = [Location(0, root)]

@@ -20,10 +20,10 @@ import uuid
 import warnings
 from typing import Any
 
-from lightning_async_ckpt.errors import ManifestError
-from lightning_async_ckpt.lightning.rerun import run_locations, version_uri
+from lightning_async_ckpt.errors import ConfigError, ManifestError
+from lightning_async_ckpt.lightning.rerun import VERSION_RE, run_locations, version_uri
 from lightning_async_ckpt.lightning.sharded import is_lightning_dcp_generation
-from lightning_async_ckpt.storage.generation import parse_generation_name
+from lightning_async_ckpt.storage.generation import parse_generation_name, subfolders_holding_checkpoints
 from lightning_async_ckpt.storage.store import CheckpointStore
 
 __all__ = ["StoreReader", "find_last", "install_reader", "latest_checkpoint", "remove_reader", "resumed_from"]
@@ -67,6 +67,8 @@ def latest_checkpoint(dirpath: str, storage_options: dict[str, Any] | None = Non
             if info.manifest is None or not _loadable(info.manifest, CHECKPOINT_NAME):
                 continue
             candidates.append((info.manifest.committed_at, loc.version, info.step, loc.store))
+    if not candidates:
+        _refuse_a_parent_folder(dirpath, storage_options)
     for _, _, step, store in sorted(candidates, key=lambda c: c[:3], reverse=True):
         result = store.verify(step)
         if not result.ok:
@@ -286,3 +288,18 @@ def remove_reader(callback: Any) -> None:
     reader = getattr(callback, _READER_ATTR, None)
     if reader is not None:
         reader.remove()
+
+
+def _refuse_a_parent_folder(dirpath: str, storage_options: dict[str, Any] | None) -> None:
+    """``dirpath`` holds no generation: raise when its subfolders (not its versions) do, since ``None`` would
+    start training from scratch when the path was given one level too high."""
+    store = CheckpointStore(dirpath, storage_options, check_writable=False)
+    try:
+        nested = subfolders_holding_checkpoints(store.fs, store.root, exclude=VERSION_RE)
+    except FileNotFoundError:
+        return
+    if nested:
+        raise ConfigError(
+            f"dirpath {dirpath!r} holds no checkpoint, but these subfolders do: {', '.join(nested[:5])}; pass the "
+            f"one the run wrote to (e.g. {dirpath.rstrip('/')}/{nested[0]})"
+        )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import re
 from dataclasses import dataclass, field
+from typing import Any
 
 from lightning_async_ckpt.storage.manifest import Manifest
 
@@ -16,6 +17,7 @@ __all__ = [
     "VerifyResult",
     "generation_name",
     "parse_generation_name",
+    "subfolders_holding_checkpoints",
 ]
 
 _GEN_RE = re.compile(r"^step-([0-9]{8,})$")
@@ -33,6 +35,19 @@ def parse_generation_name(name: str) -> int | None:
     if not match or generation_name(int(match.group(1))) != name:
         return None
     return int(match.group(1))
+
+
+def subfolders_holding_checkpoints(fs: Any, root: str, *, exclude: re.Pattern[str] | None = None) -> list[str]:
+    """Names of ``root``'s subfolders that hold checkpoints themselves: ``step-*`` generations, or accelerate's
+    ``checkpoint_N`` folders with a manifest. Asked when ``root`` holds none, to tell a path given one level too
+    high (a project or experiment folder) from an empty location; ``exclude`` drops names (version folders)."""
+    names = set()
+    for pattern, depth in ((f"{root}/*/step-*", 2), (f"{root}/*/checkpoint_*/manifest.json", 3)):
+        for path in fs.glob(pattern):
+            name = path.rstrip("/").split("/")[-depth]
+            if exclude is None or not exclude.match(name):
+                names.add(name)
+    return sorted(names)
 
 
 class GenerationState(enum.Enum):

@@ -13,6 +13,7 @@ import time
 from typing import Any
 
 from lightning_async_ckpt.errors import ConfigError
+from lightning_async_ckpt.storage.generation import subfolders_holding_checkpoints
 from lightning_async_ckpt.tools.fmt import fmt_age, fmt_bytes, one_line, print_table
 
 __all__ = [
@@ -240,7 +241,7 @@ def _check_store_path(store: Any, uri: str) -> None:
         raise UsageError(f"no such store: {uri} does not exist (check the path, or the bucket and prefix)")
     if not store.fs.isdir(store.root):
         raise UsageError(f"{uri} is a file, not a store folder (pass the folder that holds step-* generations)")
-    nested = sorted({p.rstrip("/").rsplit("/", 2)[-2] for p in store.fs.glob(f"{store.root}/*/step-*")})
+    nested = subfolders_holding_checkpoints(store.fs, store.root)
     if nested:
         raise UsageError(f"no generations directly at {uri}; these subfolders hold some: {', '.join(nested[:5])}")
 
