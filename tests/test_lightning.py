@@ -413,3 +413,12 @@ def test_latest_checkpoint_of_a_parent_folder_is_an_error_naming_the_subfolder(t
     with pytest.raises(ConfigError, match=r"dirpath.*ckpt"):
         latest_checkpoint(str(tmp_path / "exp"))
     assert latest_checkpoint(str(tmp_path / "missing")) is None  # listed and empty: a first run
+
+
+def test_committed_step_after_a_resume_with_nothing_left_to_train_is_the_resumed_step(tmp_path):
+    # The README's script run a second time: it resumes at max_steps and trains nothing; committed_step is the
+    # newest recoverable checkpoint (the one resumed), not None.
+    _fit(tmp_path, [AsyncCheckpointCallback(dirpath=str(tmp_path), every_n_train_steps=2)], max_steps=4, accumulate=1)
+    again = AsyncCheckpointCallback(dirpath=str(tmp_path), every_n_train_steps=2)
+    _fit(tmp_path, [again], max_steps=4, accumulate=1, ckpt_path=latest_checkpoint(str(tmp_path)))
+    assert again.committed_step == 4

@@ -36,7 +36,7 @@ from lightning_async_ckpt.lightning.progress import (
     log_stopped,
     preallocate,
 )
-from lightning_async_ckpt.lightning.rerun import place_run
+from lightning_async_ckpt.lightning.rerun import place_run, seed_committed_step
 from lightning_async_ckpt.lightning.resume import find_last, install_reader, latest_checkpoint, remove_reader
 from lightning_async_ckpt.lightning.rng import collect_portable_rng, restore_rng
 from lightning_async_ckpt.lightning.selection import (
@@ -437,6 +437,7 @@ class AsyncCheckpointCallback(CallbackArguments):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
         self._model_checkpoint_best = model_checkpoint_best_k(checkpoint, self.monitor, self.dirpath)
+        seed_committed_step(self, trainer.ckpt_path)  # the generation resumed is recoverable progress already
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

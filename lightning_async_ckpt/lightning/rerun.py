@@ -213,6 +213,18 @@ def resumed_generation(locations: list[Location], resumed: str | None) -> Resume
     return None
 
 
+def seed_committed_step(callback: Any, ckpt_path: str | None) -> None:
+    """When a fit restores a committed generation of ``dirpath`` (or of a version), its step is the newest
+    recoverable progress until this fit commits another: ``committed_step`` says so (also when the fit has nothing
+    left to train). Called while Lightning restores the checkpoint; the writing rank only."""
+    checkpointer = callback.checkpointer
+    if callback.store is None or checkpointer is None or checkpointer.committed_step is not None or not ckpt_path:
+        return
+    found = resumed_generation(run_locations(callback.dirpath, callback.storage_options), str(ckpt_path))
+    if found is not None:
+        checkpointer.committed_step = callback.committed_step = found.step
+
+
 def _occupied(store: CheckpointStore) -> list[Any]:
     """The generations whose step is never written again (``GenerationInfo.holds_step``: committed, a newer format
     version, or a manifest unreadable right now).
