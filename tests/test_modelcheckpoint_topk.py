@@ -250,3 +250,22 @@ def test_scores_ties_and_the_state_in_each_file_are_model_checkpoints(tmp_path, 
         )
     live = {"callbacks": {"ModelCheckpoint": sync.state_dict(), "AsyncCheckpointCallback": ours.state_dict()}}
     assert _mc_state(live, "AsyncCheckpointCallback") == _mc_state(live, "ModelCheckpoint")
+
+
+@pytest.mark.parametrize("top_k", [-1, 3])
+def test_a_repeated_name_without_the_version_counter_replaces_that_entry_like_model_checkpoint(tmp_path, top_k):
+    # enable_version_counter=False and a name that repeats: ModelCheckpoint overwrites the file and its best_k_models
+    # entry (the newest score under that name). The generation it replaces is removed once the new one commits.
+    args = dict(monitor="score", save_top_k=top_k, filename="fixed", enable_version_counter=False)
+    sync = ModelCheckpoint(dirpath=tmp_path / "sync", every_n_train_steps=2, **args)
+    ours = AsyncCheckpointCallback(
+        dirpath=str(tmp_path / "async"), every_n_train_steps=2, save_on_train_end=False, **args
+    )
+    pl.seed_everything(3)
+    trainer = pl.Trainer(callbacks=[sync, ours], max_steps=16, limit_val_batches=0, **trainer_kwargs())
+    trainer.fit(TableScore(), make_loader(n=128))
+    live = {"callbacks": {"ModelCheckpoint": sync.state_dict(), "AsyncCheckpointCallback": ours.state_dict()}}
+    assert _mc_state(live, "AsyncCheckpointCallback")["best_k_models"] == {16: repr(0.5)}
+    assert repr(float(sync.best_model_score)) == repr(float(ours.best_model_score))
+    assert os.listdir(tmp_path / "sync") == ["fixed.ckpt"]
+    assert list(committed(tmp_path / "async")) == [16]

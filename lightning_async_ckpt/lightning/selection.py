@@ -100,6 +100,9 @@ class Selection:
         enters = self.topk.enters(score) if trainer.is_global_zero else False
         if trainer.world_size > 1:
             enters = bool(trainer.strategy.broadcast(enters, src=0))
+        if enters and not self.cb._enable_version_counter:
+            replaced = self.topk.same_name(entry.filename)
+            entry.supersedes = replaced.step if replaced is not None else None
         if not enters:
             entry.score = None
             if self.cb.verbose and score is not None:

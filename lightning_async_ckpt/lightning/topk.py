@@ -31,6 +31,8 @@ class Entry:
         path: The loadable checkpoint path, once committed.
         foreign: Restored from another location (the run this fit branched from): ranked, never removed.
         planned: The path it will have once committed (set at the cut, for the state written into it).
+        supersedes: The step of the ranked entry of the same name it replaces (``enable_version_counter=False``:
+            ``ModelCheckpoint`` overwrites that file and its ``best_k_models`` entry).
     """
 
     step: int
@@ -40,6 +42,7 @@ class Entry:
     path: str = ""
     foreign: bool = False
     planned: str = ""
+    supersedes: int | None = None
 
     @property
     def committed(self) -> bool:
@@ -79,15 +82,26 @@ class TopK:
             score = math.inf if self.mode == "min" else -math.inf
         return (score if self.mode == "min" else -score, entry.step)
 
+    def _superseded(self, committed_only: bool, extra: Entry | None = None) -> set[int]:
+        """Steps replaced by a live entry of the same name (in the committed view: once the replacement committed)."""
+        live = [*self.entries.values(), *([extra] if extra is not None else [])]
+        return {e.supersedes for e in live if e.supersedes is not None and (e.committed or not committed_only)}
+
     def _top(self, committed_only: bool) -> list[Entry]:
-        ranked = [e for e in self.entries.values() if e.score is not None and (e.committed or not committed_only)]
+        gone = self._superseded(committed_only)
+        ranked = [
+            e
+            for e in self.entries.values()
+            if e.score is not None and (e.committed or not committed_only) and e.step not in gone
+        ]
         ranked.sort(key=self._key)
         return ranked if self.k < 0 else ranked[: self.k]
 
     def prospective(self, entry: Entry) -> list[Entry]:
         """The top k, best first, once every requested save and ``entry`` commit (``ModelCheckpoint``'s view when
         it writes ``entry``'s file)."""
-        ranked = [e for e in self.entries.values() if e.score is not None and e.step != entry.step]
+        gone = self._superseded(False, entry)
+        ranked = [e for e in self.entries.values() if e.score is not None and e.step not in (entry.step, *gone)]
         ranked = sorted([*ranked, *([entry] if entry.score is not None else [])], key=self._key)
         return ranked if self.k < 0 else ranked[: self.k]
 
@@ -136,6 +150,12 @@ class TopK:
         """Committed steps neither in the committed top k nor among the ``keep_newest`` newest (oldest first)."""
         keep = {e.step for e in self.best()} | {e.step for e in self.newest(max(1, keep_newest))}
         return sorted(e.step for e in self.entries.values() if e.committed and e.step not in keep)
+
+    def same_name(self, filename: str) -> Entry | None:
+        """The newest ranked live entry named ``filename`` (what a save of that name replaces without a version
+        counter)."""
+        same = [e for e in self.entries.values() if e.filename == filename and e.score is not None]
+        return max(same, key=lambda e: e.step, default=None)
 
     def name_in_use(self, filename: str, *, but: Entry | None = None) -> bool:
         """Whether a live entry other than ``but`` carries ``filename`` (for ``enable_version_counter``)."""
