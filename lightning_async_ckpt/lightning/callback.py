@@ -24,11 +24,12 @@ from typing_extensions import override
 
 from lightning_async_ckpt.core.capture import Fence
 from lightning_async_ckpt.core.engine import AsyncCheckpointer
-from lightning_async_ckpt.errors import GenerationExistsError, ManifestError
+from lightning_async_ckpt.errors import GenerationExistsError
 from lightning_async_ckpt.lightning.arguments import check_shared_dirpath, check_strategy
 from lightning_async_ckpt.lightning.base import CallbackArguments
 from lightning_async_ckpt.lightning.collective import agree_on
 from lightning_async_ckpt.lightning.hooks import is_last_batch, lightning_proof
+from lightning_async_ckpt.lightning.naming import CHECKPOINT_NAME, checkpoint_key, loadable_path, planned_path
 from lightning_async_ckpt.lightning.progress import (
     estimate_checkpoint_bytes,
     log_commit,
@@ -45,15 +46,13 @@ from lightning_async_ckpt.lightning.selection import (
     model_checkpoint_best_k,
     selection_state,
 )
-from lightning_async_ckpt.lightning.sharded import is_lightning_dcp_generation, setup_sharded
+from lightning_async_ckpt.lightning.sharded import setup_sharded
 from lightning_async_ckpt.lightning.triggers import monitor_candidates
-from lightning_async_ckpt.storage.manifest import validate_object_name
 from lightning_async_ckpt.storage.store import CheckpointStore
 
 __all__ = ["CHECKPOINT_NAME", "AsyncCheckpointCallback", "latest_checkpoint"]
 
 _log = logging.getLogger("lightning_async_ckpt")
-CHECKPOINT_NAME = "checkpoint.ckpt"
 
 
 class AsyncCheckpointCallback(CallbackArguments):
@@ -352,29 +351,15 @@ class AsyncCheckpointCallback(CallbackArguments):
         self._schedule.recorded(step, decision, handle, deferred=self.defer)
 
     def _object_keys(self, entry: Any) -> dict[str, Any]:
-        """The checkpoint file is named like ``ModelCheckpoint``'s (``epoch=2-step=24.ckpt``) inside the step's
-        folder, so tools that key on file names (MLflow's model upload) tell generations apart; a rendered name that
-        is not a plain file name (a ``/`` in the template) keeps :data:`CHECKPOINT_NAME`."""
-        if not isinstance(self.checkpointer, AsyncCheckpointer):
-            return {}
-        key = str(entry.filename)
-        if not key.endswith(self.FILE_EXTENSION):
-            key += self.FILE_EXTENSION
-        try:
-            if "/" in validate_object_name(key) or key.startswith(("w-", ".")):
-                return {}
-        except ManifestError:
-            return {}
-        return {"object_keys": {CHECKPOINT_NAME: key}}
+        # The file is named by the rendered template inside the step's folder (lightning/naming.py).
+        key = checkpoint_key(entry.filename, self.FILE_EXTENSION)
+        return (
+            {"object_keys": {CHECKPOINT_NAME: key}} if key and isinstance(self.checkpointer, AsyncCheckpointer) else {}
+        )
 
     def _planned_path(self, step: int, entry: Any) -> str:
-        """The loadable path of ``step``'s checkpoint once committed (``_path_of`` of its manifest)."""
-        if self.store is None:
-            return ""
-        if not isinstance(self.checkpointer, AsyncCheckpointer):
-            return self.store.url(step)  # sharded: the folder the strategy loads
-        key = self._object_keys(entry).get("object_keys", {}).get(CHECKPOINT_NAME, CHECKPOINT_NAME)
-        return self.store.url(step, key)
+        sharded = not isinstance(self.checkpointer, AsyncCheckpointer)
+        return planned_path(self.store, step, checkpoint_key(entry.filename, self.FILE_EXTENSION), sharded=sharded)
 
     def _raise_collectively(self, trainer: pl.Trainer, local: BaseException | None = None) -> None:
         # A background error from an earlier save is raised here, at a collective point, on every rank.
@@ -412,9 +397,7 @@ class AsyncCheckpointCallback(CallbackArguments):
     def _path_of(self, manifest: Any, store: CheckpointStore | None = None) -> str:
         store = store or self.store
         assert store is not None
-        if is_lightning_dcp_generation(manifest):  # sharded: the folder the strategy loads (lightning/sharded.py)
-            return store.url(manifest.step)
-        return store.url(manifest.step, manifest.object(CHECKPOINT_NAME).key)
+        return loadable_path(manifest, store)
 
     def _sync_progress(self) -> None:
         if self.checkpointer is not None:
