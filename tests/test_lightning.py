@@ -410,9 +410,23 @@ def test_latest_checkpoint_of_a_parent_folder_is_an_error_naming_the_subfolder(t
     store = CheckpointStore(str(tmp_path / "exp" / "ckpt"))
     with AsyncCheckpointer(store) as ckpt:
         ckpt.save(2, {"w": torch.ones(2)}).result(timeout=60)
-    with pytest.raises(ConfigError, match=r"dirpath.*ckpt"):
-        latest_checkpoint(str(tmp_path / "exp"))
+    with pytest.warns(UserWarning, match=r"subfolders hold some: ckpt"):
+        assert latest_checkpoint(str(tmp_path / "exp")) is None
     assert latest_checkpoint(str(tmp_path / "missing")) is None  # listed and empty: a first run
+
+
+def test_last_with_a_callback_folder_nested_in_another_callbacks_resumes(tmp_path):
+    # ckpts (epoch ends, nothing committed yet) and ckpts/best (every 2 steps): "last" resumes from ckpts/best.
+    def callbacks():
+        return [
+            AsyncCheckpointCallback(dirpath=str(tmp_path / "ckpts"), save_on_train_end=False),
+            AsyncCheckpointCallback(dirpath=str(tmp_path / "ckpts" / "best"), every_n_train_steps=2),
+        ]
+
+    _fit(tmp_path, callbacks(), max_steps=4, accumulate=1)
+    trainer, _ = _fit(tmp_path, callbacks(), max_steps=6, accumulate=1, ckpt_path="last")
+    assert trainer.global_step == 6
+    assert [g.step for g in CheckpointStore(str(tmp_path / "ckpts" / "best")).generations()] == [2, 4, 6]
 
 
 def test_committed_step_after_a_resume_with_nothing_left_to_train_is_the_resumed_step(tmp_path):

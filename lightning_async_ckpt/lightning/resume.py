@@ -20,7 +20,7 @@ import uuid
 import warnings
 from typing import Any
 
-from lightning_async_ckpt.errors import ConfigError, ManifestError
+from lightning_async_ckpt.errors import ManifestError
 from lightning_async_ckpt.lightning.rerun import VERSION_RE, run_locations, version_uri
 from lightning_async_ckpt.lightning.sharded import is_lightning_dcp_generation
 from lightning_async_ckpt.storage.generation import parse_generation_name, subfolders_holding_checkpoints
@@ -53,12 +53,20 @@ def latest_checkpoint(dirpath: str, storage_options: dict[str, Any] | None = Non
 
     Returns:
         The URL of the checkpoint object, or ``None`` when ``dirpath`` was listed and holds no intact
-        checkpoint (a local folder that does not exist yet is empty).
+        checkpoint (a local folder that does not exist yet is empty); a warning names its subfolders when they
+        hold checkpoints (a path given one level too high).
 
     Raises:
         StoreUnavailableError: ``dirpath`` cannot be listed (missing bucket, unreachable endpoint, no
             permission): a typo never silently restarts training from scratch.
     """
+    path = _newest_verified(dirpath, storage_options)
+    if path is None:
+        _warn_if_a_parent_folder(dirpath, storage_options)
+    return path
+
+
+def _newest_verified(dirpath: str, storage_options: dict[str, Any] | None) -> str | None:
     from lightning_async_ckpt.lightning.callback import CHECKPOINT_NAME
 
     candidates = []
@@ -67,8 +75,6 @@ def latest_checkpoint(dirpath: str, storage_options: dict[str, Any] | None = Non
             if info.manifest is None or not _loadable(info.manifest, CHECKPOINT_NAME):
                 continue
             candidates.append((info.manifest.committed_at, loc.version, info.step, loc.store))
-    if not candidates:
-        _refuse_a_parent_folder(dirpath, storage_options)
     for _, _, step, store in sorted(candidates, key=lambda c: c[:3], reverse=True):
         result = store.verify(step)
         if not result.ok:
@@ -254,7 +260,8 @@ def find_last(callback: Any, trainer: Any) -> set[str]:
     means it was listed and holds no committed generation.
     """
     dirpath = _dirpath(callback, trainer)
-    path = latest_checkpoint(dirpath, callback.storage_options)
+    # The callback's own dirpath, not a guess at one: a nested callback's folder below it is not a mistake.
+    path = _newest_verified(dirpath, callback.storage_options)
     reader = _reader(callback, dirpath)
     # A ModelCheckpoint that wrote to this dirpath before this callback replaced it: its `last*.ckpt` is what "last"
     # resumed from then, so it stays a candidate; the most recently written one wins, as in Lightning's lookup.
@@ -290,16 +297,19 @@ def remove_reader(callback: Any) -> None:
         reader.remove()
 
 
-def _refuse_a_parent_folder(dirpath: str, storage_options: dict[str, Any] | None) -> None:
-    """``dirpath`` holds no generation: raise when its subfolders (not its versions) do, since ``None`` would
-    start training from scratch when the path was given one level too high."""
+def _warn_if_a_parent_folder(dirpath: str, storage_options: dict[str, Any] | None) -> None:
+    """``dirpath`` holds no generation: warn when its subfolders (not its versions) do, since ``None`` starts
+    training from scratch when the path was given one level too high (a nested callback's folder is legitimate)."""
     store = CheckpointStore(dirpath, storage_options, check_writable=False)
     try:
         nested = subfolders_holding_checkpoints(store.fs, store.root, exclude=VERSION_RE)
     except FileNotFoundError:
         return
     if nested:
-        raise ConfigError(
-            f"dirpath {dirpath!r} holds no checkpoint, but these subfolders do: {', '.join(nested[:5])}; pass the "
-            f"one the run wrote to (e.g. {dirpath.rstrip('/')}/{nested[0]})"
+        message = (
+            f"latest_checkpoint({dirpath!r}) found no checkpoint there, but these subfolders hold some: "
+            f"{', '.join(nested[:5])}; returning None (a fresh start). If the run wrote to one of them, pass it "
+            f"(e.g. {dirpath.rstrip('/')}/{nested[0]})"
         )
+        _log.warning("%s", message)
+        warnings.warn(message, stacklevel=3)
