@@ -104,9 +104,20 @@ class _Validated(BNDropoutModel):
         self.log("val_loss", torch.nn.functional.cross_entropy(self.net(x), y))
 
 
-@pytest.mark.parametrize("val_check_interval", [1.0, 0.5])
+@pytest.mark.parametrize(
+    ("schedule", "final"),
+    [
+        ({"max_epochs": 2}, 24),
+        ({"max_epochs": 2, "val_check_interval": 0.5}, 24),
+        # Validation has not run before the last batch here (num_val_batches is still unknown there).
+        ({"max_epochs": 2, "check_val_every_n_epoch": 2}, 24),
+        # max_steps lands on a mid-epoch validation point: ModelCheckpoint saves after that validation.
+        ({"max_steps": 18, "val_check_interval": 0.5}, 18),
+    ],
+    ids=["epoch-end", "half-epoch", "val-every-2-epochs", "max-steps-at-validation"],
+)
 def test_without_monitor_the_final_step_saved_at_the_epoch_end_is_model_checkpoints_epoch_end_file(
-    tmp_path, val_check_interval
+    tmp_path, schedule, final
 ):
     # Defaults (every_n_epochs=1) save at every epoch end, after validation: ModelCheckpoint writes the last step's
     # file there. The final checkpoint used to be cut at the last batch end instead (same step and name, but before
@@ -114,12 +125,10 @@ def test_without_monitor_the_final_step_saved_at_the_epoch_end_is_model_checkpoi
     sync = ModelCheckpoint(dirpath=tmp_path / "sync", save_top_k=-1, filename="{step}")
     ours = AsyncCheckpointCallback(dirpath=str(tmp_path / "async"), save_last=True)
     pl.seed_everything(5)
-    trainer = pl.Trainer(
-        callbacks=[sync, ours], max_epochs=2, val_check_interval=val_check_interval, **trainer_kwargs()
-    )
+    trainer = pl.Trainer(callbacks=[sync, ours], **schedule, **trainer_kwargs())
     trainer.fit(_Validated(), make_loader(n=96), make_loader(n=32, seed=1))
     store = CheckpointStore(str(tmp_path / "async"), check_writable=False)
-    assert store.generations()[-1].step == 24
-    theirs = without_model_checkpoint_state(load_checkpoint(str(tmp_path / "sync" / "step=24.ckpt")))
-    mine = without_model_checkpoint_state(load_checkpoint(store.object_url(24, "checkpoint.ckpt")))
-    assert_same(theirs, mine, "final step 24")
+    assert store.generations()[-1].step == final
+    theirs = without_model_checkpoint_state(load_checkpoint(str(tmp_path / "sync" / f"step={final}.ckpt")))
+    mine = without_model_checkpoint_state(load_checkpoint(store.object_url(final, "checkpoint.ckpt")))
+    assert_same(theirs, mine, f"final step {final}")

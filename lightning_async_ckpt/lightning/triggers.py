@@ -69,7 +69,7 @@ class Triggers:
         if self.on_epoch_end_saves(trainer):
             waits = self.epoch_due(trainer)
         else:
-            waits = _validation_follows(trainer) and (self.deferred or self.epoch_due(trainer))
+            waits = validation_runs_next(trainer) and (self.deferred or self.epoch_due(trainer))
         self.final_waits = waits
         return waits
 
@@ -126,6 +126,28 @@ class Triggers:
     def train_epoch_end(self, trainer: pl.Trainer) -> bool:
         """Whether to save in ``on_train_epoch_end``."""
         return self.on_epoch_end_saves(trainer) and self.epoch_due(trainer)
+
+
+def validation_runs_next(trainer: pl.Trainer) -> bool:
+    """Whether Lightning's loop runs validation right after this batch (``_TrainingEpochLoop._should_check_val_fx``
+    for a batch whose end is known: the epoch's last batch, or a ``val_check_interval`` point, also before the
+    validation loop ever ran); ``False`` when a time-based interval decides (unknown here)."""
+    if not getattr(trainer, "enable_validation", False):
+        return False
+    every = trainer.check_val_every_n_epoch
+    if every is not None and (trainer.current_epoch + 1) % every != 0:
+        return False
+    num_val = trainer.num_val_batches
+    if isinstance(num_val, list) and num_val and not sum(num_val):  # known to be empty
+        return False
+    if getattr(trainer, "_val_check_time_interval", None) is not None:
+        return False
+    loop = trainer.fit_loop.epoch_loop
+    val_check_batch = trainer.val_check_batch
+    if val_check_batch is None or val_check_batch == float("inf"):
+        return bool(loop.batch_progress.is_last_batch)
+    current = loop.total_batch_idx if every is None else loop.batch_idx
+    return (current + 1) % val_check_batch == 0
 
 
 def _validation_follows(trainer: pl.Trainer) -> bool:
