@@ -174,3 +174,30 @@ def test_last_after_a_branch_continues_the_branch_and_leaves_the_first_history_a
     assert _steps_and_runs(root)[0] == before  # the first history: untouched
     assert _steps_and_runs(f"{root}/v1")[0] == ([10, 12] if keep_last else [6, 8, 10, 12])
     assert not (tmp_path / "ckpt" / "v2").exists()
+
+
+class _Scored(BNDropoutModel):
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.log("score", float(self.global_step + 1))  # mode min: the earliest save is the best
+        return loss
+
+
+@pytest.mark.parametrize("monitor", ["score", None])
+def test_a_second_fit_of_the_same_callback_from_scratch_keeps_its_own_newest(tmp_path, monitor):
+    # The same callback object fits again from step 0 (no ckpt_path): it writes to v1 (dirpath holds later steps)
+    # and must keep its own newest generation there (its "last"); the first fit's entries used to count as newer
+    # and retention deleted the second fit's checkpoints, its final one included.
+    root = str(tmp_path / "ckpt")
+    args = dict(save_top_k=1, save_last=True, every_n_train_steps=2)
+    ours = AsyncCheckpointCallback(dirpath=root, monitor=monitor, **args)
+    pl.seed_everything(7)
+    pl.Trainer(max_steps=10, callbacks=[ours], **trainer_kwargs()).fit(_Scored(), make_loader())
+    before = _steps_and_runs(root)[0]
+    with pytest.warns(UserWarning, match="writes to .*v1"):
+        pl.Trainer(max_steps=4, callbacks=[ours], **trainer_kwargs()).fit(_Scored(), make_loader())
+    assert _steps_and_runs(root)[0] == before
+    assert 4 in _steps_and_runs(f"{root}/v1")[0]
+    assert ours.last_model_path.startswith(f"{root}/v1/step-00000004/")
+    if monitor is None:
+        assert ours.best_model_path == ours.last_model_path  # ModelCheckpoint: the newest save of this fit

@@ -165,6 +165,7 @@ def place_run(callback: Any, trainer: pl.Trainer) -> None:
                         "To continue the earlier run instead, pass trainer.fit(..., ckpt_path='last')"
                     )
                 callback.checkpointer.close()
+                callback.selection.topk.moved()  # a previous fit's generations stay where they are
                 callback.store = CheckpointStore(target, callback.storage_options, run_id=callback.run_id)
                 callback.checkpointer = AsyncCheckpointer(callback.store, callback.options)
                 callback.checkpointer.declare_fences({Fence.BATCH_START, Fence.OPTIMIZER_STEP})

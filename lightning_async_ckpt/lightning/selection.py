@@ -179,7 +179,7 @@ class Selection:
         """Set ``ModelCheckpoint``'s attributes on the callback from the committed view."""
         newest = self.topk.newest(1)
         ranked = [e for e in self.topk.entries.values() if e.committed and e.score is not None]
-        current = max(ranked, key=lambda e: e.step) if ranked else None
+        current = max(ranked, key=lambda e: (not e.foreign, e.step)) if ranked else None  # this location's first
         for name, value in self._view(self.topk.best(), newest[0] if newest else None, current).items():
             setattr(self.cb, name, value)
 
@@ -187,7 +187,7 @@ class Selection:
         """``ModelCheckpoint``'s attributes as they are once ``entry`` (and every save requested before it) commits:
         what ``ModelCheckpoint`` writes into a file's own state (it is its own best when it enters the top k)."""
         ranked = [e for e in self.topk.entries.values() if e.score is not None and e.step != entry.step]
-        current = entry if entry.score is not None else max(ranked, key=lambda e: e.step, default=None)
+        current = entry if entry.score is not None else max(ranked, key=lambda e: (not e.foreign, e.step), default=None)
         view = self._view(self.topk.prospective(entry), entry, current)
         return {name: view.get(name, getattr(self.cb, name)) for name in _ATTRS}
 

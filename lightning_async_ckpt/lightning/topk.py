@@ -143,8 +143,19 @@ class TopK:
         return self._top(committed_only=True)
 
     def newest(self, n: int) -> list[Entry]:
-        """The ``n`` newest committed entries."""
-        return sorted((e for e in self.entries.values() if e.committed), key=lambda e: e.step)[-n:] if n > 0 else []
+        """The ``n`` newest committed entries of this location (of the foreign ones while it has none)."""
+        if n <= 0:
+            return []
+        committed = [e for e in self.entries.values() if e.committed]
+        own = [e for e in committed if not e.foreign]
+        return sorted(own or committed, key=lambda e: e.step)[-n:]
+
+    def moved(self) -> None:
+        """The fit writes to another location than these entries' (a second fit into a new version): they stay
+        ranked, like ``ModelCheckpoint``'s remembered ``best_k_models``, but are never removed nor this location's
+        newest."""
+        for entry in self.entries.values():
+            entry.foreign = True
 
     def to_remove(self, keep_newest: int) -> list[int]:
         """Committed steps neither in the committed top k nor among the ``keep_newest`` newest (oldest first)."""
