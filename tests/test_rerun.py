@@ -201,3 +201,28 @@ def test_a_second_fit_of_the_same_callback_from_scratch_keeps_its_own_newest(tmp
     assert ours.last_model_path.startswith(f"{root}/v1/step-00000004/")
     if monitor is None:
         assert ours.best_model_path == ours.last_model_path  # ModelCheckpoint: the newest save of this fit
+
+
+def test_continuing_a_branch_keeps_the_best_of_the_history_it_branched_from(tmp_path):
+    # dirpath's step 2 is the best (the earliest score); a resume of step 2 branches into v1, where it stays best;
+    # "last" then continues v1: step 2 must still be best (ModelCheckpoint's restored best_k_models keep it).
+    root = str(tmp_path / "ckpt")
+
+    def callback():
+        return AsyncCheckpointCallback(dirpath=root, monitor="score", save_top_k=1, every_n_train_steps=2)
+
+    def fit(max_steps, ckpt_path=None):
+        cb = callback()
+        pl.seed_everything(7)
+        pl.Trainer(max_steps=max_steps, callbacks=[cb], **trainer_kwargs()).fit(
+            _Scored(), make_loader(), ckpt_path=ckpt_path
+        )
+        return cb
+
+    first = fit(6)
+    best = first.best_model_path
+    assert "/step-00000002/" in best
+    with pytest.warns(UserWarning, match="writes to .*v1"):
+        assert fit(8, ckpt_path=best).best_model_path == best
+    assert fit(10, ckpt_path="last").best_model_path == best
+    assert _steps_and_runs(f"{root}/v1")[0][-1] == 10

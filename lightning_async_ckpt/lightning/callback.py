@@ -160,7 +160,10 @@ class AsyncCheckpointCallback(CallbackArguments):
                     resumed.store, resumed.run_id, resumed.step, lambda m: self._path_of(m, resumed.store), foreign=True
                 )
             else:
-                self.selection.restore(self.store, self.run_id, trainer.global_step, self._path_of)
+                remembered = dict(self.best_k_models or {})  # from the checkpoint's state, when Lightning restored it
+                self.selection.restore(
+                    self.store, self.run_id, trainer.global_step, self._path_of, remembered=remembered
+                )
         error = None
         if self.checkpointer is not None:
             # The budget is checked before the first step: optimizer state does not exist yet, so it is estimated.

@@ -239,13 +239,22 @@ class Selection:
         self.publish()
 
     def restore(
-        self, store: CheckpointStore, run_id: str | None, up_to: int, path_of: Any, *, foreign: bool = False
+        self,
+        store: CheckpointStore,
+        run_id: str | None,
+        up_to: int,
+        path_of: Any,
+        *,
+        foreign: bool = False,
+        remembered: dict[str, Any] | None = None,
     ) -> None:
         """Rebuild the committed view from the manifests of ``run_id`` up to step ``up_to`` (a resumed run).
 
         ``foreign``: ``store`` is not where this fit writes (it resumed an older step and branched into a new
         version): those generations rank like ``ModelCheckpoint``'s restored ``best_k_models``, but best-k
         retention only forgets them, never removes them (they belong to the branch they were written in).
+        ``remembered``: the ``best_k_models`` restored from the checkpoint's callback state; those outside
+        ``store`` (the history a branch came from) still exist and rank the same way.
         """
         self.topk.entries.clear()
         self._pending.clear()
@@ -260,6 +269,9 @@ class Selection:
             self.topk.requested(entry)
             self.topk.committed(info.step, path_of(info.manifest))
         self._retain(None)
+        own = comparable_path(store.uri) + "/step-"
+        outside = {p: v for p, v in (remembered or {}).items() if not comparable_path(str(p)).startswith(own)}
+        self.adopt(outside, store.fs.exists)
         self.publish()
 
 
