@@ -99,6 +99,15 @@ def test_an_end_not_known_at_the_batch_end_is_checkpointed_at_on_train_end(tmp_p
 
 
 class _Validated(BNDropoutModel):
+    def __init__(self, stop_at: int | None = None) -> None:
+        super().__init__()
+        self.stop_at = stop_at
+
+    def training_step(self, batch, batch_idx):
+        if self.global_step + 1 == self.stop_at:
+            self.trainer.should_stop = True  # e.g. a target reached: Lightning validates once more before stopping
+        return super().training_step(batch, batch_idx)
+
     def validation_step(self, batch, batch_idx):
         x, y = batch
         self.log("val_loss", torch.nn.functional.cross_entropy(self.net(x), y))
@@ -113,8 +122,10 @@ class _Validated(BNDropoutModel):
         ({"max_epochs": 2, "check_val_every_n_epoch": 2}, 24),
         # max_steps lands on a mid-epoch validation point: ModelCheckpoint saves after that validation.
         ({"max_steps": 18, "val_check_interval": 0.5}, 18),
+        # should_stop set in the last batch: Lightning runs validation after it, whatever the interval.
+        ({"max_steps": 15, "val_check_interval": 0.5, "stop_at": 15}, 15),
     ],
-    ids=["epoch-end", "half-epoch", "val-every-2-epochs", "max-steps-at-validation"],
+    ids=["epoch-end", "half-epoch", "val-every-2-epochs", "max-steps-at-validation", "should-stop-at-the-end"],
 )
 def test_without_monitor_the_final_step_saved_at_the_epoch_end_is_model_checkpoints_epoch_end_file(
     tmp_path, schedule, final
@@ -125,8 +136,10 @@ def test_without_monitor_the_final_step_saved_at_the_epoch_end_is_model_checkpoi
     sync = ModelCheckpoint(dirpath=tmp_path / "sync", save_top_k=-1, filename="{step}")
     ours = AsyncCheckpointCallback(dirpath=str(tmp_path / "async"), save_last=True)
     pl.seed_everything(5)
+    schedule = dict(schedule)
+    model = _Validated(stop_at=schedule.pop("stop_at", None))
     trainer = pl.Trainer(callbacks=[sync, ours], **schedule, **trainer_kwargs())
-    trainer.fit(_Validated(), make_loader(n=96), make_loader(n=32, seed=1))
+    trainer.fit(model, make_loader(n=96), make_loader(n=32, seed=1))
     store = CheckpointStore(str(tmp_path / "async"), check_writable=False)
     assert store.generations()[-1].step == final
     theirs = without_model_checkpoint_state(load_checkpoint(str(tmp_path / "sync" / f"step={final}.ckpt")))

@@ -140,6 +140,8 @@ def validation_runs_next(trainer: pl.Trainer) -> bool:
     num_val = trainer.num_val_batches
     if isinstance(num_val, list) and num_val and not sum(num_val):  # known to be empty
         return False
+    if trainer.should_stop and getattr(trainer.fit_loop, "_can_stop_early", True):
+        return True  # a stop requested by this batch's code: Lightning validates before stopping
     if getattr(trainer, "_val_check_time_interval", None) is not None:
         return False
     loop = trainer.fit_loop.epoch_loop
