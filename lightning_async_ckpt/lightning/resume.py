@@ -21,6 +21,7 @@ import warnings
 from typing import Any
 
 from lightning_async_ckpt.errors import ManifestError
+from lightning_async_ckpt.lightning.naming import CHECKPOINT_NAME, loadable_path
 from lightning_async_ckpt.lightning.rerun import VERSION_RE, run_locations, version_uri
 from lightning_async_ckpt.lightning.sharded import is_lightning_dcp_generation
 from lightning_async_ckpt.storage.generation import parse_generation_name, subfolders_holding_checkpoints
@@ -67,8 +68,6 @@ def latest_checkpoint(dirpath: str, storage_options: dict[str, Any] | None = Non
 
 
 def _newest_verified(dirpath: str, storage_options: dict[str, Any] | None) -> str | None:
-    from lightning_async_ckpt.lightning.callback import CHECKPOINT_NAME
-
     candidates = []
     for loc in run_locations(dirpath, storage_options):
         for info in loc.store.generations():
@@ -82,11 +81,7 @@ def _newest_verified(dirpath: str, storage_options: dict[str, Any] | None) -> st
             _log.warning("%s", message)
             warnings.warn(message, stacklevel=2)
             continue
-        return (
-            store.url(step)
-            if is_lightning_dcp_generation(store.manifest(step))
-            else store.object_url(step, CHECKPOINT_NAME)
-        )
+        return loadable_path(store.manifest(step), store)
     return None
 
 

@@ -87,11 +87,13 @@ class TopK:
         live = [*self.entries.values(), *([extra] if extra is not None else [])]
         return {e.supersedes for e in live if e.supersedes is not None and (e.committed or not committed_only)}
 
-    def _top(self, committed_only: bool) -> list[Entry]:
-        gone = self._superseded(committed_only)
+    def _top(self, committed_only: bool, extra: Entry | None = None) -> list[Entry]:
+        """The top k, best first, of the committed or requested entries (plus ``extra``, not yet requested)."""
+        gone = self._superseded(committed_only, extra)
+        pool = [e for e in self.entries.values() if extra is None or e.step != extra.step]
         ranked = [
             e
-            for e in self.entries.values()
+            for e in (*pool, *([extra] if extra is not None else []))
             if e.score is not None and (e.committed or not committed_only) and e.step not in gone
         ]
         ranked.sort(key=self._key)
@@ -100,10 +102,7 @@ class TopK:
     def prospective(self, entry: Entry) -> list[Entry]:
         """The top k, best first, once every requested save and ``entry`` commit (``ModelCheckpoint``'s view when
         it writes ``entry``'s file)."""
-        gone = self._superseded(False, entry)
-        ranked = [e for e in self.entries.values() if e.score is not None and e.step not in (entry.step, *gone)]
-        ranked = sorted([*ranked, *([entry] if entry.score is not None else [])], key=self._key)
-        return ranked if self.k < 0 else ranked[: self.k]
+        return self._top(committed_only=False, extra=entry)
 
     def enters(self, score: float | None) -> bool:
         """Whether a cut scoring ``score`` enters the requested top k (``ModelCheckpoint.check_monitor_top_k``)."""
