@@ -44,6 +44,7 @@ from lightning_async_ckpt.lightning.selection import (
     after_model_checkpoints,
     load_selection_state,
     model_checkpoint_best_k,
+    rebuild_best_k,
     selection_state,
 )
 from lightning_async_ckpt.lightning.sharded import setup_sharded
@@ -149,21 +150,7 @@ class AsyncCheckpointCallback(CallbackArguments):
         self._schedule.start(trainer.global_step)
         self.triggers.start()
         if self.store is not None and trainer.ckpt_path is not None:
-            # Resumed: best-k from the manifests of the run resumed (a generation counts once committed), where
-            # they are: a fit that branched into a new version ranks them too, but never removes them.
-            resumed = getattr(self, "resumed_location", None)
-            if resumed is None and self._model_checkpoint_best:
-                # Resumed from a ModelCheckpoint's file (its last.ckpt): rank the best k it had saved.
-                self.selection.adopt(self._model_checkpoint_best, self.store.fs.exists)
-            elif resumed is not None and resumed.store.uri != self.store.uri:
-                self.selection.restore(
-                    resumed.store, resumed.run_id, resumed.step, lambda m: self._path_of(m, resumed.store), foreign=True
-                )
-            else:
-                remembered = dict(self.best_k_models or {})  # from the checkpoint's state, when Lightning restored it
-                self.selection.restore(
-                    self.store, self.run_id, trainer.global_step, self._path_of, remembered=remembered
-                )
+            rebuild_best_k(self, trainer.global_step)  # resumed: best-k from the committed manifests (selection.py)
         error = None
         if self.checkpointer is not None:
             # The budget is checked before the first step: optimizer state does not exist yet, so it is estimated.

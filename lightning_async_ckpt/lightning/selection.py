@@ -45,6 +45,8 @@ __all__ = [
     "Selection",
     "after_model_checkpoints",
     "load_selection_state",
+    "model_checkpoint_best_k",
+    "rebuild_best_k",
     "selection_state",
 ]
 
@@ -273,6 +275,26 @@ class Selection:
         outside = {p: v for p, v in (remembered or {}).items() if not comparable_path(str(p)).startswith(own)}
         self.adopt(outside, store.fs.exists)
         self.publish()
+
+
+def rebuild_best_k(cb: Any, start_step: int) -> None:
+    """A resumed fit's best-k, on the writing rank: from the manifests of the run resumed (a generation counts once
+    committed), where they are; a fit that branched into a new version ranks them too, but never removes them.
+
+    Args:
+        cb: The ``AsyncCheckpointCallback`` (its ``resumed_location`` was set by ``rerun.place_run``).
+        start_step: The step training starts from.
+    """
+    resumed = getattr(cb, "resumed_location", None)
+    if resumed is None and cb._model_checkpoint_best:
+        # Resumed from a ModelCheckpoint's file (its last.ckpt): rank the best k it had saved.
+        cb.selection.adopt(cb._model_checkpoint_best, cb.store.fs.exists)
+    elif resumed is not None and resumed.store.uri != cb.store.uri:
+        path_of = lambda m: cb._path_of(m, resumed.store)  # noqa: E731
+        cb.selection.restore(resumed.store, resumed.run_id, resumed.step, path_of, foreign=True)
+    else:
+        remembered = dict(cb.best_k_models or {})  # from the checkpoint's state, when Lightning restored it
+        cb.selection.restore(cb.store, cb.run_id, start_step, cb._path_of, remembered=remembered)
 
 
 def model_checkpoint_best_k(checkpoint: dict[str, Any], monitor: str | None, dirpath: str | None) -> dict[str, Any]:
