@@ -162,6 +162,7 @@ CALLBACK_CASES = [
     ("enable_version_counter", "x"),
     ("save_on_exception", True),
     ("ddp_layout", "columns"),
+    ("log_metrics", "yes"),
 ]
 
 

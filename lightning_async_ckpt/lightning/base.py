@@ -33,8 +33,21 @@ class CallbackArguments(ModelCheckpoint):
     def __init__(
         self,
         dirpath: str | None = None,
+        filename: str | None = None,
+        monitor: str | None = None,
+        verbose: bool = False,
+        save_last: bool | Literal["link"] | None = None,
+        save_top_k: int | None = None,
+        save_on_exception: bool = False,
+        save_weights_only: bool = False,
+        mode: Literal["min", "max"] = "min",
+        auto_insert_metric_name: bool = True,
         every_n_train_steps: int | None = None,
+        train_time_interval: timedelta | None = None,
         every_n_epochs: int | None = None,
+        save_on_train_epoch_end: bool | None = None,
+        enable_version_counter: bool = True,
+        *,
         save_on_train_end: bool = True,
         keep_last: int | None = None,
         admission: Literal["wait", "skip", "coalesce", "abort"] = "wait",
@@ -50,19 +63,8 @@ class CallbackArguments(ModelCheckpoint):
         upload_nice: int = 0,
         event_log: str | None = None,
         restore_rng: bool = False,
-        verbose: bool = False,
-        filename: str | None = None,
-        monitor: str | None = None,
-        mode: Literal["min", "max"] = "min",
-        save_top_k: int | None = None,
-        save_last: bool | Literal["link"] | None = None,
-        save_weights_only: bool = False,
-        auto_insert_metric_name: bool = True,
-        train_time_interval: timedelta | None = None,
-        save_on_train_epoch_end: bool | None = None,
-        enable_version_counter: bool = True,
-        save_on_exception: bool = False,
         ddp_layout: Literal["single", "sliced"] = "single",
+        log_metrics: bool = True,
     ) -> None:
         args = check_selection(
             filename=filename,
@@ -92,6 +94,7 @@ class CallbackArguments(ModelCheckpoint):
                 "save_weights_only": save_weights_only,
                 "auto_insert_metric_name": auto_insert_metric_name,
                 "enable_version_counter": enable_version_counter,
+                "log_metrics": log_metrics,
             },
             storage_options=storage_options,
         )
@@ -119,6 +122,7 @@ class CallbackArguments(ModelCheckpoint):
         self.storage_options = storage_options
         self.restore_rng = restore_rng
         self.verbose = verbose
+        self.log_metrics = log_metrics  # the ckpt/* metrics to the loggers and the progress bar (progress.py)
         self.ddp_layout = check_ddp_layout(ddp_layout)  # DDP: rank 0 writes, or every rank a slice (sliced.py)
         self.store: CheckpointStore | None = None
         self.checkpointer: AsyncCheckpointer | None = None

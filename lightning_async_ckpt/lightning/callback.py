@@ -33,6 +33,7 @@ from lightning_async_ckpt.lightning.naming import CHECKPOINT_NAME, checkpoint_ke
 from lightning_async_ckpt.lightning.progress import (
     estimate_checkpoint_bytes,
     log_commit,
+    log_final,
     log_progress,
     log_stopped,
     preallocate,
@@ -68,7 +69,8 @@ class AsyncCheckpointCallback(CallbackArguments):
 
     Logged through the Trainer's loggers: ``ckpt/requested_step``, ``ckpt/committed_step`` (also in the progress
     bar), ``ckpt/blocked_s``, ``ckpt/staging_s``, ``ckpt/cut_to_committed_s``, ``ckpt/bytes``, ``ckpt/backlog``,
-    ``ckpt/skipped``. Only ``committed_step`` is recoverable progress.
+    ``ckpt/skipped``. Only ``committed_step`` is recoverable progress; after the final drain its last value goes to every
+    logger and the progress-bar metrics (``log_metrics=False`` logs none of them; ``docs/configuration.md``).
 
     It subclasses ``ModelCheckpoint`` for one reason: Lightning resolves ``trainer.fit(ckpt_path="last")`` only through
     ``ModelCheckpoint`` instances, and this callback answers that lookup with the newest *committed* checkpoint. Every
@@ -100,6 +102,7 @@ class AsyncCheckpointCallback(CallbackArguments):
         event_log: Path or URL of a JSONL event log (for ``lightning-async-ckpt timeline`` / ``plan``).
         restore_rng: Restore the RNG states captured at the cut when resuming (Lightning itself does not).
         verbose: Log every committed generation at INFO level, and ``ModelCheckpoint``'s top-k lines.
+        log_metrics: Log the ``ckpt/*`` metrics through the Trainer's loggers and progress bar.
         ddp_layout: Under DDP: ``"single"`` (rank 0 writes ``checkpoint.ckpt``) or ``"sliced"`` (every rank writes
             a slice in torch DCP format; see ``docs/sharded.md``). Sharded strategies always write every rank's shards.
         filename, monitor, mode, save_top_k, save_last, save_weights_only, auto_insert_metric_name,
@@ -374,6 +377,7 @@ class AsyncCheckpointCallback(CallbackArguments):
             progress = (self.committed_step, self.selection.summary())
             self.committed_step, summary = agree_on(trainer, error, "draining checkpoint saves", progress)
             self.selection.apply(summary)
+            log_final(trainer, self.committed_step, to_loggers=self.log_metrics)  # the last word (progress.py)
         except Exception:
             if raise_errors:
                 raise
@@ -396,7 +400,9 @@ class AsyncCheckpointCallback(CallbackArguments):
     def _log_progress(self, pl_module: pl.LightningModule) -> None:
         if self.checkpointer is not None:
             self.committed_step = self.checkpointer.committed_step
-            self._logged = log_progress(pl_module, self.checkpointer, self.requested_step, self.skipped, self._logged)
+            if self.log_metrics:
+                ck, logged = self.checkpointer, self._logged
+                self._logged = log_progress(pl_module, ck, self.requested_step, self.skipped, logged)
 
     # -- checkpoint state --------------------------------------------------------------------------------
     @override

@@ -12,7 +12,15 @@ from torchmetrics import Metric
 
 from lightning_async_ckpt.core.engine import AsyncCheckpointer
 
-__all__ = ["estimate_checkpoint_bytes", "log_commit", "log_progress", "log_stopped", "preallocate", "training_started"]
+__all__ = [
+    "estimate_checkpoint_bytes",
+    "log_commit",
+    "log_final",
+    "log_progress",
+    "log_stopped",
+    "preallocate",
+    "training_started",
+]
 
 _log = logging.getLogger("lightning_async_ckpt")
 # Optimizer state multiple of the parameters, for the budget check before the first step.
@@ -62,6 +70,22 @@ def log_progress(
             metric_attribute="_lightning_async_ckpt_committed_step",
         )
     return state
+
+
+def log_final(trainer: pl.Trainer, committed_step: int | None, *, to_loggers: bool) -> None:
+    """After the final drain: an INFO line naming the final committed step, and that step as the last word.
+
+    ``self.log`` is refused in ``on_train_end``/``teardown``, where the last saves commit; the final
+    ``ckpt/committed_step`` goes to every logger directly (at the step Lightning logs training metrics at) and
+    into ``trainer.progress_bar_metrics``, so neither ends on the value of the last batch (``to_loggers=False``:
+    only the INFO line, the callback's ``log_metrics=False``).
+    """
+    if trainer.is_global_zero:
+        _log.info("final committed checkpoint step %s (every save drained)", committed_step)
+    if committed_step is None or not to_loggers:
+        return
+    trainer._logger_connector.log_metrics({"ckpt/committed_step": float(committed_step)})
+    trainer.progress_bar_metrics["ckpt/committed_step"] = committed_step
 
 
 class _StepMetric(Metric):
