@@ -14,7 +14,9 @@ import pytest
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 
-from lightning_async_ckpt import AsyncCheckpointCallback
+from lightning_async_ckpt import AsyncCheckpointCallback, CheckpointStore, latest_checkpoint
+from lightning_async_ckpt.lightning.naming import loadable_path
+from lightning_async_ckpt.tools.cli import main
 from tests._lightning_models import BNDropoutModel, make_loader, trainer_kwargs
 
 
@@ -60,3 +62,93 @@ def test_model_checkpoint_arguments_keep_its_positional_order():
         AsyncCheckpointCallback(
             "d", None, None, True, None, None, False, False, "min", True, 2, None, None, None, True, 3
         )
+
+
+def _fit(callback, *, max_steps, ckpt_path=None):
+    pl.seed_everything(7)
+    trainer = pl.Trainer(max_steps=max_steps, callbacks=[callback], **trainer_kwargs())
+    trainer.fit(BNDropoutModel(), make_loader(), ckpt_path=ckpt_path)
+    return trainer
+
+
+def test_last_with_only_weights_only_generations_warns_and_starts_fresh(tmp_path):
+    dirpath = str(tmp_path / "ckpt")
+    _fit(AsyncCheckpointCallback(dirpath, every_n_train_steps=2, save_weights_only=True), max_steps=4)
+    with pytest.warns(UserWarning, match="save_weights_only=True"):
+        trainer = _fit(AsyncCheckpointCallback(dirpath, every_n_train_steps=2), max_steps=4, ckpt_path="last")
+    assert trainer.ckpt_path is None and trainer.global_step == 4  # trained from step 0, like ModelCheckpoint
+
+
+def test_a_missing_last_ckpt_in_dirpath_resumes_like_last(tmp_path):
+    dirpath = str(tmp_path / "ckpt")
+    with pytest.raises(FileNotFoundError, match=r"ckpt_path='last'.*latest_checkpoint"):
+        _fit(AsyncCheckpointCallback(dirpath, every_n_train_steps=2), max_steps=4, ckpt_path=f"{dirpath}/last.ckpt")
+    _fit(AsyncCheckpointCallback(dirpath, every_n_train_steps=2), max_steps=4)
+    cb = AsyncCheckpointCallback(dirpath, every_n_train_steps=2)
+    trainer = _fit(cb, max_steps=6, ckpt_path=f"{dirpath}/last.ckpt")  # what resubmit scripts hard-code
+    assert trainer.ckpt_path == latest_checkpoint_before(dirpath, 4)
+    assert trainer.global_step == 6 and cb.committed_step == 6
+    assert sorted(g.step for g in CheckpointStore(dirpath, check_writable=False).generations()) == [2, 4, 6]
+
+
+def latest_checkpoint_before(dirpath: str, step: int) -> str:
+    store = CheckpointStore(dirpath, check_writable=False)
+    return loadable_path(store.manifest(step), store)
+
+
+def test_after_an_s3_resume_ckpt_path_is_the_real_url(s3_uri):
+    uri, options = s3_uri
+    _fit(AsyncCheckpointCallback(uri, every_n_train_steps=2, storage_options=options), max_steps=4)
+    for ckpt_path in ("last", f"{uri}/last.ckpt"):
+        cb = AsyncCheckpointCallback(uri, every_n_train_steps=2, storage_options=options)
+        trainer = _fit(cb, max_steps=4 if ckpt_path == "last" else 6, ckpt_path=ckpt_path)
+        assert str(trainer.ckpt_path).startswith(uri + "/step-")
+        assert trainer.ckpt_path == latest_checkpoint(uri, options) or ckpt_path != "last"
+
+
+# -- the command line on a real run's folder ------------------------------------------------------------------
+def _monitored_run(dirpath: str) -> AsyncCheckpointCallback:
+    from tests.test_modelcheckpoint_topk import fit
+
+    cb = AsyncCheckpointCallback(dirpath, monitor="val_loss", mode="min", save_top_k=-1)
+    fit([cb], max_epochs=4)
+    return cb
+
+
+def test_gc_keeps_the_best_generation_unless_asked_and_then_warns(tmp_path, capsys):
+    dirpath = str(tmp_path / "ckpt")
+    cb = _monitored_run(dirpath)
+    steps = [g.step for g in CheckpointStore(dirpath, check_writable=False).generations()]
+    best = int(cb.best_model_path.split("step-")[1].split("/")[0])
+    assert best != steps[-1], "the test needs a best generation older than the newest"
+    assert main(["gc", dirpath, "--keep-last", "1"]) == 0
+    out, err = capsys.readouterr()
+    assert f"kept the best 1 by val_loss (--keep-best 1): steps [{best}]" in out and "warning" not in err
+    left = [g.step for g in CheckpointStore(dirpath, check_writable=False).generations()]
+    assert left == sorted({best, steps[-1]})
+    assert main(["gc", dirpath, "--keep-last", "1", "--keep-best", "0"]) == 0
+    out, err = capsys.readouterr()
+    assert f"removed step {best}" in out and "best_model_path" in err
+
+
+def test_verify_names_the_file_on_disk_and_ls_lists_version_folders(tmp_path, capsys):
+    dirpath = str(tmp_path / "ckpt")
+    _fit(AsyncCheckpointCallback(dirpath, every_n_train_steps=2), max_steps=4)
+    _fit(AsyncCheckpointCallback(dirpath, every_n_train_steps=2), max_steps=4)  # a re-run: writes to v1/
+    store = CheckpointStore(dirpath, check_writable=False)
+    on_disk = loadable_path(store.manifest(4), store)
+    assert main(["verify", dirpath]) == 0
+    out, _ = capsys.readouterr()
+    assert "step 4: OK (1 objects" in out and on_disk in out
+    with open(on_disk, "r+b") as f:
+        f.seek(100)
+        byte = f.read(1)
+        f.seek(100)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    assert main(["verify", dirpath]) == 1
+    out, _ = capsys.readouterr()
+    assert f"  {on_disk}: checksum" in out and "checkpoint.ckpt" not in out
+    assert latest_checkpoint(dirpath).startswith(f"{dirpath}/v1/")
+    assert main(["ls", dirpath]) == 0
+    out, _ = capsys.readouterr()
+    assert f"{dirpath}/v1/step-00000004" in out and "v1/" in out.splitlines()[-1]

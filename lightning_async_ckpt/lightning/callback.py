@@ -39,7 +39,13 @@ from lightning_async_ckpt.lightning.progress import (
     preallocate,
 )
 from lightning_async_ckpt.lightning.rerun import place_run, seed_committed_step
-from lightning_async_ckpt.lightning.resume import find_last, install_reader, latest_checkpoint, remove_reader
+from lightning_async_ckpt.lightning.resume import (
+    find_last,
+    install_reader,
+    latest_checkpoint,
+    name_loaded_checkpoint,
+    remove_reader,
+)
 from lightning_async_ckpt.lightning.rng import collect_portable_rng, restore_rng
 from lightning_async_ckpt.lightning.selection import (
     after_model_checkpoints,
@@ -416,6 +422,7 @@ class AsyncCheckpointCallback(CallbackArguments):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
         self._model_checkpoint_best = model_checkpoint_best_k(checkpoint, self.monitor, self.dirpath)
+        name_loaded_checkpoint(self, trainer)  # the real URL, not the "last" marker (resume.py)
         seed_committed_step(self, trainer.ckpt_path)  # the generation resumed is recoverable progress already
 
     @override

@@ -26,11 +26,11 @@ versions and pick the most recently committed checkpoint, like ``ModelCheckpoint
 from __future__ import annotations
 
 import os
-import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from lightning_async_ckpt.errors import GenerationExistsError
+from lightning_async_ckpt.storage.generation import VERSION_RE, version_folders
 from lightning_async_ckpt.storage.store import CheckpointStore
 
 if TYPE_CHECKING:
@@ -46,8 +46,6 @@ __all__ = [
     "run_locations",
     "version_uri",
 ]
-
-VERSION_RE = re.compile(r"^v([1-9][0-9]{0,5})$")
 
 
 @dataclass(frozen=True)
@@ -71,17 +69,8 @@ def run_locations(dirpath: str, storage_options: dict[str, Any] | None = None) -
     """
     root = CheckpointStore(dirpath, storage_options, check_writable=False)
     root.scan(include_uncommitted=False)  # raises when the location cannot be listed
-    try:
-        entries = root.fs.ls(root.root, detail=True)
-    except FileNotFoundError:
-        entries = []
-    versions = []
-    for entry in entries:
-        match = VERSION_RE.match(entry["name"].rstrip("/").rsplit("/", 1)[-1])
-        if match and entry.get("type") in ("directory", None):
-            versions.append(int(match.group(1)))
     locations = [Location(0, root)]
-    for version in sorted(versions):
+    for version in version_folders(root.fs, root.root):
         store = CheckpointStore(version_uri(dirpath, version), storage_options, check_writable=False)
         locations.append(Location(version, store))
     return locations

@@ -10,7 +10,14 @@ that gap with a :class:`StoreReader`:
 * ``trainer.fit(ckpt_path="last")``: Lightning checks that the candidate exists and compares modification times
   with its own filesystem before any hook runs. For a remote ``dirpath`` the callback therefore answers with a
   small in-memory marker (``memory://lightning_async_ckpt-resume/...``, naming the real object's path) that the
-  reader then loads from the store; local stores answer with the real path.
+  reader then loads from the store; local stores answer with the real path. Generations written with
+  ``save_weights_only=True`` are no candidates (nothing to resume training from): when only they exist, "last"
+  warns naming ``save_weights_only`` and training starts fresh, as ``ModelCheckpoint`` does without a last file.
+* ``trainer.fit(ckpt_path=f"{dirpath}/last.ckpt")`` (a resubmit script's hard-coded path): no such file is ever
+  written; while it does not exist the reader loads what ``"last"`` picks, or raises ``FileNotFoundError`` naming
+  ``ckpt_path="last"`` and ``latest_checkpoint(dirpath)`` when there is nothing to resume.
+
+Once loaded, ``trainer.ckpt_path`` names the checkpoint read (the store URL, never the marker).
 """
 
 from __future__ import annotations
@@ -18,21 +25,32 @@ from __future__ import annotations
 import logging
 import uuid
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 from lightning_async_ckpt.errors import ManifestError
 from lightning_async_ckpt.lightning.naming import CHECKPOINT_NAME, loadable_path
-from lightning_async_ckpt.lightning.rerun import VERSION_RE, run_locations, version_uri
+from lightning_async_ckpt.lightning.rerun import VERSION_RE, comparable_path, run_locations, version_uri
 from lightning_async_ckpt.lightning.sharded import is_lightning_dcp_generation
 from lightning_async_ckpt.storage.generation import parse_generation_name, subfolders_holding_checkpoints
 from lightning_async_ckpt.storage.store import CheckpointStore
 
-__all__ = ["StoreReader", "find_last", "install_reader", "latest_checkpoint", "remove_reader", "resumed_from"]
+__all__ = [
+    "StoreReader",
+    "find_last",
+    "install_reader",
+    "latest_checkpoint",
+    "name_loaded_checkpoint",
+    "remove_reader",
+    "resumed_from",
+]
 
 _log = logging.getLogger("lightning_async_ckpt")
 _ALIAS_ROOT = "memory://lightning_async_ckpt-resume"
 _READER_ATTR = "_lightning_async_ckpt_reader"
 _LAST_PREFIX = "last"  # ModelCheckpoint.CHECKPOINT_NAME_LAST
+_LAST_FILE = "last.ckpt"  # the path resubmit scripts hard-code
+_EXTRA_KEY = "model_checkpoint"  # selection.EXTRA_KEY: what the callback records about a generation
 
 
 def latest_checkpoint(dirpath: str, storage_options: dict[str, Any] | None = None) -> str | None:
@@ -67,11 +85,13 @@ def latest_checkpoint(dirpath: str, storage_options: dict[str, Any] | None = Non
     return path
 
 
-def _newest_verified(dirpath: str, storage_options: dict[str, Any] | None) -> str | None:
+def _newest_verified(dirpath: str, storage_options: dict[str, Any] | None, *, resumable: bool = False) -> str | None:
     candidates = []
     for loc in run_locations(dirpath, storage_options):
         for info in loc.store.generations():
             if info.manifest is None or not _loadable(info.manifest, CHECKPOINT_NAME):
+                continue
+            if resumable and _weights_only(info.manifest):
                 continue
             candidates.append((info.manifest.committed_at, loc.version, info.step, loc.store))
     for _, _, step, store in sorted(candidates, key=lambda c: c[:3], reverse=True):
@@ -92,6 +112,11 @@ def _loadable(manifest: Any, name: str) -> bool:
     holds DCP's files and ``meta.pt``; those strategies load the generation folder (see ``lightning/sharded.py``).
     """
     return name in {o.name for o in manifest.objects} or is_lightning_dcp_generation(manifest)
+
+
+def _weights_only(manifest: Any) -> bool:
+    """Whether the callback wrote the generation with ``save_weights_only=True`` (no state to resume training)."""
+    return bool((manifest.extra.get(_EXTRA_KEY) or {}).get("weights_only"))
 
 
 def _keep_storage(storage: Any, location: Any) -> Any:
@@ -138,16 +163,26 @@ class StoreReader:
             return self._aliases[text]
         return text if text.startswith(self.root_url + "/") else None
 
-    def install(self, checkpoint_io: Any) -> None:
-        """Route ``checkpoint_io.load_checkpoint`` of paths inside ``dirpath`` through the store."""
+    def install(self, checkpoint_io: Any, newest: Callable[[], str | None] | None = None) -> None:
+        """Route ``checkpoint_io.load_checkpoint`` of paths inside a remote ``dirpath`` through the store.
+
+        Args:
+            checkpoint_io: The strategy's checkpoint IO.
+            newest: What ``ckpt_path="last"`` resumes from (a real path or URL), asked when Lightning loads a
+                ``<dirpath>/last.ckpt`` that does not exist; ``None``: such a path is loaded as it is.
+        """
         self._uninstall()
         self.loaded = None
         original = checkpoint_io.load_checkpoint
 
         def load_checkpoint(path: Any, *args: Any, **kwargs: Any) -> Any:
-            url = self.resolve(path)
+            stand_in = self.stand_in_for_last(path, newest)
+            path = path if stand_in is None else stand_in
+            url = self.resolve(path) if self.remote else None
             if url is None:
-                return original(path, *args, **kwargs)
+                checkpoint = original(path, *args, **kwargs)
+                self.loaded = None if stand_in is None else stand_in
+                return checkpoint
             map_location = kwargs.get("map_location", args[0] if args else _keep_storage)
             weights_only = kwargs.get("weights_only", args[1] if len(args) > 1 else None)
             try:
@@ -159,6 +194,31 @@ class StoreReader:
 
         checkpoint_io.load_checkpoint = load_checkpoint
         self._io = (checkpoint_io, load_checkpoint)
+
+    def stand_in_for_last(self, path: Any, newest: Callable[[], str | None] | None) -> str | None:
+        """For a ``<dirpath>/last.ckpt`` that does not exist: the checkpoint ``ckpt_path="last"`` resumes from.
+
+        Returns ``None`` for any other path (and for a ``last.ckpt`` that exists: a ``ModelCheckpoint``'s file).
+
+        Raises:
+            FileNotFoundError: Nothing to resume from: the message names ``ckpt_path="last"`` and
+                ``latest_checkpoint(dirpath)``.
+        """
+        parent, _, base = str(path).rstrip("/").rpartition("/")
+        if newest is None or base != _LAST_FILE or comparable_path(parent) != comparable_path(self.dirpath):
+            return None
+        if self._root.fs.exists(str(path)):
+            return None
+        found = newest()
+        if found is None:
+            raise FileNotFoundError(
+                f"{path} does not exist: AsyncCheckpointCallback writes no last.ckpt file (a checkpoint is the "
+                f"folder of its step, recoverable once its manifest is committed) and {self.dirpath!r} holds no "
+                "checkpoint to resume training from. Pass trainer.fit(..., ckpt_path='last') (a fresh start while "
+                f"there is none) or ckpt_path=latest_checkpoint({self.dirpath!r})"
+            )
+        _log.info("%s does not exist (no last.ckpt is written): loading %s, what ckpt_path='last' picks", path, found)
+        return found
 
     def remove(self) -> None:
         """Undo :meth:`install` and drop the in-memory markers."""
@@ -252,29 +312,64 @@ def find_last(callback: Any, trainer: Any) -> set[str]:
     """Lightning's ``ckpt_path="last"`` lookup for ``callback``: the newest committed checkpoint only.
 
     A store that cannot be listed raises (a typo must never restart training from scratch); "no checkpoint"
-    means it was listed and holds no committed generation.
+    means it was listed and holds no committed generation it can resume training from.
     """
+    newest = _newest_for_last(callback, trainer)
+    if newest is None:
+        return set()
+    reader = _reader(callback, _dirpath(callback, trainer))
+    return {reader.alias(newest) if reader.remote else newest}
+
+
+def _newest_for_last(callback: Any, trainer: Any) -> str | None:
     dirpath = _dirpath(callback, trainer)
     # The callback's own dirpath, not a guess at one: a nested callback's folder below it is not a mistake.
-    path = _newest_verified(dirpath, callback.storage_options)
+    path = _newest_verified(dirpath, callback.storage_options, resumable=True)
     reader = _reader(callback, dirpath)
     # A ModelCheckpoint that wrote to this dirpath before this callback replaced it: its `last*.ckpt` is what "last"
     # resumed from then, so it stays a candidate; the most recently written one wins, as in Lightning's lookup.
     legacy = reader.model_checkpoint_last_files()
     candidates = ([path] if path is not None else []) + legacy
     if not candidates:
-        return set()
+        _warn_if_weights_only(dirpath, callback.storage_options)
+        return None
     newest = max(candidates, key=reader.modified) if len(candidates) > 1 else candidates[0]
     if newest in legacy:
         _log.warning("ckpt_path='last' resumes from %s, written by ModelCheckpoint (no manifest verifies it)", newest)
-    return {reader.alias(newest) if reader.remote else newest}
+    return newest
+
+
+def _warn_if_weights_only(dirpath: str, storage_options: dict[str, Any] | None) -> None:
+    steps = [
+        info.step
+        for loc in run_locations(dirpath, storage_options)
+        for info in loc.store.generations()
+        if info.manifest is not None and _weights_only(info.manifest)
+    ]
+    if steps:
+        message = (
+            f"ckpt_path='last': the committed checkpoints in {dirpath!r} (newest step {max(steps)}) were written "
+            "with save_weights_only=True and hold no optimizer or loop state to resume training from; like "
+            "ModelCheckpoint without a last checkpoint, training starts fresh. Pass save_weights_only=False to "
+            f"resume later; load these weights with load_from_checkpoint(latest_checkpoint({dirpath!r}))"
+        )
+        _log.warning("%s", message)
+        warnings.warn(message, stacklevel=3)
 
 
 def install_reader(callback: Any, trainer: Any) -> None:
-    """From ``setup``: load checkpoints inside the callback's ``dirpath`` through its store (remote stores)."""
+    """From ``setup``: load checkpoints inside the callback's ``dirpath`` through its store (remote stores), and a
+    missing ``<dirpath>/last.ckpt`` as ``ckpt_path="last"`` (any store)."""
     reader = _reader(callback, _dirpath(callback, trainer))
-    if reader.remote:
-        reader.install(trainer.strategy.checkpoint_io)
+    reader.install(trainer.strategy.checkpoint_io, newest=lambda: _newest_for_last(callback, trainer))
+
+
+def name_loaded_checkpoint(callback: Any, trainer: Any) -> None:
+    """From ``on_load_checkpoint``: ``trainer.ckpt_path`` names the checkpoint read (the store URL behind a
+    ``"last"`` marker, or what a missing ``<dirpath>/last.ckpt`` stood for), as Lightning's own log line then does."""
+    reader = getattr(callback, _READER_ATTR, None)
+    if reader is not None and reader.loaded is not None and str(trainer.ckpt_path) != reader.loaded:
+        trainer._checkpoint_connector._ckpt_path = reader.loaded
 
 
 def resumed_from(callback: Any, trainer: Any) -> str | None:

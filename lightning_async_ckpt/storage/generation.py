@@ -11,6 +11,7 @@ from lightning_async_ckpt.storage.manifest import Manifest
 
 __all__ = [
     "GenerationInfo",
+    "VERSION_RE",
     "GenerationState",
     "Listing",
     "Skipped",
@@ -18,6 +19,7 @@ __all__ = [
     "generation_name",
     "parse_generation_name",
     "subfolders_holding_checkpoints",
+    "version_folders",
 ]
 
 _GEN_RE = re.compile(r"^step-([0-9]{8,})$")
@@ -35,6 +37,24 @@ def parse_generation_name(name: str) -> int | None:
     if not match or generation_name(int(match.group(1))) != name:
         return None
     return int(match.group(1))
+
+
+#: A version folder of a ``dirpath`` (``v1``, ``v2``, ...), where a re-run of a script writes (``lightning/rerun.py``).
+VERSION_RE = re.compile(r"^v([1-9][0-9]{0,5})$")
+
+
+def version_folders(fs: Any, root: str) -> list[int]:
+    """The numbers of ``root``'s version folders (``v1`` is 1), ascending; none when ``root`` does not exist."""
+    try:
+        entries = fs.ls(root, detail=True)
+    except FileNotFoundError:
+        return []
+    versions = []
+    for entry in entries:
+        match = VERSION_RE.match(entry["name"].rstrip("/").rsplit("/", 1)[-1])
+        if match and entry.get("type") in ("directory", None):
+            versions.append(int(match.group(1)))
+    return sorted(versions)
 
 
 def subfolders_holding_checkpoints(fs: Any, root: str, *, exclude: re.Pattern[str] | None = None) -> list[str]:

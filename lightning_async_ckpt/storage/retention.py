@@ -181,11 +181,13 @@ def execute(
     dry_run: bool = False,
     verify: bool | None = False,
     min_leftover_age_s: float = 0.0,
+    protect: frozenset[int] = frozenset(),
 ) -> RetentionReport:
     """Look at ``store``, plan retention and carry it out (removals: manifest first, then data).
 
     ``verify``: ``True`` checks the checksums of the generations counted as kept, ``None`` only of those up to
-    ``CHEAP_VERIFY_BYTES``, ``False`` sizes only.
+    ``CHEAP_VERIFY_BYTES``, ``False`` sizes only. ``protect``: steps never removed, beside the newest ``keep_last``
+    (``gc``'s best-k generations).
     """
     gens = store.generations(include_uncommitted=True)
     candidates = []
@@ -207,7 +209,7 @@ def execute(
         keep_last=keep_last,
         run_id=store.run_id,
         all_runs=all_runs,
-        writing=store.writing(),
+        writing=store.writing() | protect,
         min_leftover_age_s=min_leftover_age_s,
     )
     report = RetentionReport(plan=plan, dry_run=dry_run)

@@ -455,6 +455,7 @@ class CheckpointStore:
         dry_run: bool = False,
         verify: bool | None = None,
         min_leftover_age_s: float = 0.0,
+        protect: frozenset[int] = frozenset(),
     ) -> retention.RetentionReport:
         """Apply retention and report ``removed``, ``failed`` and ``refused`` (rules: :mod:`.retention`).
 
@@ -466,13 +467,20 @@ class CheckpointStore:
                 ``None`` (default) those up to 64 MiB, ``False`` none (sizes only, what ``gc`` does after a commit:
                 the new generation's checksums were computed as it was written).
             min_leftover_age_s: With ``all_runs``, leave other runs' uncommitted leftovers younger than this.
+            protect: Steps kept whatever their age (``gc --keep-best``: the best-k generations by score).
         """
         if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1:
             raise ConfigError(
                 f"keep_last must be an int >= 1 (the newest committed generation is kept), got {keep_last!r}"
             )
         return retention.execute(
-            self, keep_last, all_runs=all_runs, dry_run=dry_run, verify=verify, min_leftover_age_s=min_leftover_age_s
+            self,
+            keep_last,
+            all_runs=all_runs,
+            dry_run=dry_run,
+            verify=verify,
+            min_leftover_age_s=min_leftover_age_s,
+            protect=protect,
         )
 
     def gc(

@@ -165,9 +165,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print results as JSON")
     p.set_defaults(func=cmd_verify)
 
-    p = sub.add_parser("gc", help="delete old generations, keeping the newest K committed ones")
+    p = sub.add_parser("gc", help="delete old generations, keeping the newest K committed ones and the best ones")
     store_args(p)
     p.add_argument("--keep-last", type=int, required=True, metavar="K", help="committed generations to keep (>= 1)")
+    p.add_argument(
+        "--keep-best",
+        type=int,
+        default=1,
+        metavar="K",
+        help="also keep the K best committed generations by the score their manifests record (the callback's "
+        "monitor; default 1: its best_model_path); 0 lets gc remove them (with a warning)",
+    )
     p.add_argument("--dry-run", action="store_true", help="only print what would be removed")
     who = p.add_mutually_exclusive_group()
     who.add_argument(

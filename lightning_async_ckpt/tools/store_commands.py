@@ -13,7 +13,7 @@ import time
 from typing import Any
 
 from lightning_async_ckpt.errors import ConfigError
-from lightning_async_ckpt.storage.generation import subfolders_holding_checkpoints
+from lightning_async_ckpt.storage.generation import subfolders_holding_checkpoints, version_folders
 from lightning_async_ckpt.tools.fmt import fmt_age, fmt_bytes, one_line, print_table
 
 __all__ = [
@@ -35,7 +35,8 @@ class UsageError(Exception):
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    """``ls``: list generations (committed or not) with step, size, age and run; or accelerate's folders."""
+    """``ls``: list generations (committed or not) with step, size, age and run, also those of the version folders
+    (``v1/``, ...) that ``latest_checkpoint(dirpath)`` and ``ckpt_path="last"`` pick from; or accelerate's folders."""
     folders = _accelerate_folders(args)
     if folders is not None:
         from lightning_async_ckpt.tools.folder_commands import ls_folders
@@ -43,13 +44,19 @@ def cmd_ls(args: argparse.Namespace) -> int:
         return ls_folders(args, folders)
     store = open_store(args)
     listing = store.scan(include_uncommitted=True)
-    gens = listing.generations
     _print_skipped(listing.skipped, to_stderr=args.json)
+    versions = version_folders(store.fs, store.root)
+    located = [(0, g) for g in listing.generations]
+    for version in versions:
+        inner = open_store(args, uri=f"{args.uri.rstrip('/')}/v{version}").scan(include_uncommitted=True)
+        _print_skipped(inner.skipped, to_stderr=args.json)
+        located += [(version, g) for g in inner.generations]
     now = time.time()
     rows = []
-    for g in gens:
+    for version, g in located:
         rows.append(
             {
+                "version": version,
                 "step": g.step,
                 "committed": g.committed,
                 "bytes": g.manifest.total_bytes if g.manifest else None,
@@ -91,6 +98,12 @@ def cmd_ls(args: argparse.Namespace) -> int:
         if r["error"]:
             print(f"step {r['step']}: manifest rejected: {one_line(r['error'])}")
     print_committed_summary(rows)
+    if versions:
+        names = ", ".join(f"v{v}/" for v in versions)
+        print(
+            f"version folders {names} hold re-runs of the script; latest_checkpoint(dirpath) and "
+            "ckpt_path='last' pick the most recently committed checkpoint of dirpath and all of them"
+        )
     return 0
 
 
@@ -165,11 +178,12 @@ def cmd_verify(args: argparse.Namespace) -> int:
             if r.ok and g.manifest is not None:
                 ranks = _rank_bytes(g.manifest)
                 by = f", {len(ranks)} ranks" if ranks else ""
-                print(f"step {r.step}: OK ({len(g.manifest.objects)} objects, {fmt_bytes(g.manifest.total_bytes)}{by})")
+                size = f"{len(g.manifest.objects)} objects, {fmt_bytes(g.manifest.total_bytes)}{by}"
+                print(f"step {r.step}: OK ({size}) {_on_disk(store, g)}")
             else:
-                print(f"step {r.step}: FAILED")
+                print(f"step {r.step}: FAILED ({_on_disk(store, g)})")
                 for problem in r.problems:
-                    print(f"  {one_line(problem)}")
+                    print(f"  {one_line(_problem_on_disk(store, g, problem))}")
         if skipped:
             print(f"skipped uncommitted (no manifest; in progress or a crashed write): steps {skipped}")
         print(f"{len(results) - len(failed)} ok, {len(failed)} failed")
@@ -180,9 +194,12 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
-    """``gc``: delete old generations, keeping the newest ``--keep-last`` committed ones."""
+    """``gc``: delete old generations, keeping the newest ``--keep-last`` committed ones and the ``--keep-best``
+    best ones by the score their manifests record (the callback's ``best_model_path`` and its top k)."""
     if args.keep_last < 1:
         raise ConfigError(f"--keep-last must be >= 1 (the newest committed generation is kept), got {args.keep_last}")
+    if args.keep_best < 0:
+        raise ConfigError(f"--keep-best must be >= 0 (0 lets gc remove the best generations), got {args.keep_best}")
     if _accelerate_folders(args) is not None:
         raise UsageError(
             f"{args.uri} holds accelerate checkpoint folders, not step-* generations: accelerate owns their "
@@ -200,8 +217,9 @@ def cmd_gc(args: argparse.Namespace) -> int:
         print(f"no generations at {args.uri}; nothing to do", file=sys.stderr)
     elif args.run_id is not None and args.run_id not in runs:
         print(f"note: no committed generation of run {args.run_id!r} here (runs: {runs})", file=sys.stderr)
+    best, monitor = _best_k(gens, args.keep_best)
     # Without --run-id the CLI is not a run: it acts for the whole folder (one run, or --all-runs).
-    report = store.retain(args.keep_last, all_runs=args.run_id is None, dry_run=args.dry_run)
+    report = store.retain(args.keep_last, all_runs=args.run_id is None, dry_run=args.dry_run, protect=frozenset(best))
     by_step = {g.step: g for g in gens}
     reasons = {r.step: r.reason for r in report.plan.remove}
     verb = "would remove" if args.dry_run else "removed"
@@ -214,12 +232,49 @@ def cmd_gc(args: argparse.Namespace) -> int:
         print(f"kept step {refusal.step}: {one_line(refusal.reason)}")
     kept = [g.step for g in gens if g.committed and g.step not in report.removed]
     print(f"{verb} {len(report.removed)} generation(s); committed steps kept: {kept}")
+    if best:
+        print(f"kept the best {len(best)} by {monitor} (--keep-best {args.keep_best}): steps {sorted(best)}")
+    top, top_monitor = _best_k(gens, 1)
+    if top and top[0] in report.removed:
+        print(
+            f"warning: {verb} step {top[0]}, the best generation by {top_monitor}: the callback's best_model_path "
+            "(and ckpt_path='best') named it; --keep-best K (default 1) keeps the best K",
+            file=sys.stderr,
+        )
     if report.failed:
         for step, error in report.failed:
             print(f"{PROG} gc: could not remove step {step}: {one_line(error)}", file=sys.stderr)
         print(f"{PROG} gc: could not remove steps {[s for s, _ in report.failed]}; run gc again", file=sys.stderr)
         return 1
     return 0
+
+
+def _on_disk(store: Any, g: Any) -> str:
+    """Where a generation is on disk: its one object's path (the checkpoint file), else its folder."""
+    objects = g.manifest.objects if g.manifest is not None else []
+    return store.url(g.step, objects[0].key) if len(objects) == 1 else store.url(g.step)
+
+
+def _problem_on_disk(store: Any, g: Any, problem: str) -> str:
+    """A verify problem naming the object's path on disk (the manifest's name, e.g. ``checkpoint.ckpt``, is a
+    label: the callback's file is named by its ``filename`` template)."""
+    for obj in g.manifest.objects if g.manifest is not None else []:
+        if obj.key != obj.name and problem.startswith(f"{obj.name}:"):
+            return store.url(g.step, obj.key) + problem[len(obj.name) :]
+    return problem
+
+
+def _best_k(gens: list[Any], k: int) -> tuple[list[int], str | None]:
+    """The ``k`` best committed generations by the score their manifests record (the callback's ``monitor``), best
+    first, and that monitor; ``([], None)`` when no manifest records a score."""
+    ranked = []
+    for g in gens:
+        body = (g.manifest.extra.get("model_checkpoint") or {}) if g.committed and g.manifest else {}
+        if body.get("ranked") and body.get("score") is not None and body.get("monitor"):
+            sign = -1.0 if body.get("mode") == "max" else 1.0
+            ranked.append((sign * float(body["score"]), g.step, body["monitor"]))
+    ranked.sort()  # ties: the older step first, as ModelCheckpoint keeps the first of equal scores
+    return [step for _, step, _ in ranked[:k]], (ranked[0][2] if ranked else None)
 
 
 def _accelerate_folders(args: argparse.Namespace) -> list[Any] | None:
@@ -246,11 +301,13 @@ def _check_store_path(store: Any, uri: str) -> None:
         raise UsageError(f"no generations directly at {uri}; these subfolders hold some: {', '.join(nested[:5])}")
 
 
-def open_store(args: argparse.Namespace, run_id: str | None = None) -> Any:
-    """The store named by ``args.uri`` and ``args.storage_option``, opened read-mostly (no writability probe)."""
+def open_store(args: argparse.Namespace, run_id: str | None = None, uri: str | None = None) -> Any:
+    """The store named by ``args.uri`` (or ``uri``) and ``args.storage_option``, opened read-mostly (no
+    writability probe)."""
     from lightning_async_ckpt.storage.store import CheckpointStore
 
-    return CheckpointStore(args.uri, storage_options(args.storage_option), run_id=run_id, check_writable=False)
+    options = storage_options(args.storage_option)
+    return CheckpointStore(uri or args.uri, options, run_id=run_id, check_writable=False)
 
 
 def storage_options(pairs: list[str]) -> dict[str, Any]:
