@@ -25,12 +25,22 @@ from tests._lightning_models import BNDropoutModel, make_loader  # noqa: E402
 
 
 class Recording(BNDropoutModel):
+    """Also rank-divergent state that DDP does not synchronize: frozen parameters updated from each rank's own batch
+    (a running statistic kept as ``requires_grad=False`` parameters), which must come from rank 0 in the sliced
+    layout as in the single-writer checkpoint (several sizes, so DCP's size balancing would hand some to rank 1)."""
+
     def __init__(self) -> None:
         super().__init__()
         self.losses: list[float] = []
+        self.seen = torch.nn.ParameterList(
+            [torch.nn.Parameter(torch.zeros(n), requires_grad=False) for n in (8, 300, 5000, 70_000)]
+        )
 
     def training_step(self, batch, batch_idx):
         loss = super().training_step(batch, batch_idx)
+        with torch.no_grad():
+            for p in self.seen:
+                p.add_(batch[0].sum())  # this rank's batch only
         self.losses.append(loss.item())
         return loss
 

@@ -26,7 +26,7 @@ PROVEN = DeferralProof(
 )
 
 
-def _job(weight: torch.Tensor, guard: bool | str = True) -> tuple[CapturePlan, StagingJob]:
+def _job(weight: torch.Tensor, guard: bool | str = "sample") -> tuple[CapturePlan, StagingJob]:
     model = torch.nn.Module()
     model.weight = torch.nn.Parameter(weight, requires_grad=False)
     model.weight.requires_grad_(True)
@@ -116,7 +116,7 @@ def test_checksum_sees_any_single_word_and_tail_byte_change():
         assert checksum(changed) != base
 
 
-@pytest.mark.parametrize(("value", "mode"), [(True, "sample"), (False, "off"), ("full", "full"), ("sample", "sample")])
+@pytest.mark.parametrize(("value", "mode"), [(True, "full"), (False, "off"), ("full", "full"), ("sample", "sample")])
 def test_guard_settings_name_a_mode(value, mode):
     assert resolve_guard_mode(value) is GuardMode(mode)
 

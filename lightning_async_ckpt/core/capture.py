@@ -273,9 +273,9 @@ def _classify_live(modules: Sequence[torch.nn.Module], optimizers: Sequence[Any]
     }
     for module in modules:
         for p in module.parameters():
-            # Only the optimizer's parameters follow the optimizer's mutation rule; a frozen or hand-updated one
-            # (an EMA teacher) is unknown and copied at the cut.
-            if id(p) in owned:
+            # Only the optimizer's parameters that require grad follow the optimizer's mutation rule; a frozen or
+            # hand-updated one (an EMA teacher, a running statistic kept as a parameter) is unknown, copied at the cut.
+            if id(p) in owned and p.requires_grad:
                 known[key(p)] = Category.PARAMETER
         for b in module.buffers():
             known[key(b)] = Category.BUFFER

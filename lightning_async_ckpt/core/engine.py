@@ -33,6 +33,7 @@ from lightning_async_ckpt.core.persist import RetryPolicy
 from lightning_async_ckpt.core.staging import BufferPool, StagingJob, resolve_budget
 from lightning_async_ckpt.core.telemetry import EventLog, Outcome, SaveRecord
 from lightning_async_ckpt.errors import CheckpointError, ConfigError
+from lightning_async_ckpt.storage import inflight
 from lightning_async_ckpt.storage.store import CheckpointStore
 
 __all__ = ["AsyncCheckpointer", "CheckpointOptions", "SaveHandle", "Serializer", "TorchSaveSerializer"]
@@ -191,6 +192,7 @@ class AsyncCheckpointer(Completion, Lifecycle, DrainOnExit):
         cut_meta = {"step": step, "requested_at": record.t_request, **(cut or {})}
         with self._lock:
             self._inflight.append(handle)
+        inflight.track(self.store, step, handle.committed)  # readers in this process wait for it (storage/inflight)
         self.stage_worker.submit(job.run)
         keys = dict(object_keys or {})
         self.upload_worker.submit(lambda: self._persist(handle, job, plan, buffers, cut_meta, extra or {}, keys))
@@ -208,8 +210,10 @@ class AsyncCheckpointer(Completion, Lifecycle, DrainOnExit):
                 has_batch_start_fence=Fence.BATCH_START in fences,
                 ignore_hooks=is_own_hook,
             )
+        # A proof without fences only says why everything is copied at the cut (e.g. the final checkpoint).
+        keep = proof is not None and (defer or not proof.fences)
         plan = CapturePlan.build(
-            state, modules=modules, optimizers=optimizers, proof=proof if defer else None, demoted=self._demoted
+            state, modules=modules, optimizers=optimizers, proof=proof if keep else None, demoted=self._demoted
         )
         self.pool.check(plan.total_bytes)
         buffers = self.pool.acquire(plan.slots)

@@ -8,11 +8,16 @@ Two independent checks, both recorded at the cut (training thread) and checked o
   ``tensor._version`` of the tensors sharing that version counter (the parameter and the detached views in the
   state dict). A changed counter is a detected write, whatever it wrote.
 * **A content fingerprint**, for writes that do not bump the counter: kernels that write through ``.data`` or raw
-  pointers (BatchNorm running statistics, fused/foreach optimizer kernels in some builds, ``.data.copy_`` as in
-  Lightning's ``WeightAveraging``). ``GuardMode.SAMPLE`` compares ``FINGERPRINT_SAMPLES`` bytes at positions drawn
-  uniformly at random (with replacement, from a private generator: training's RNG is untouched) for each cut;
-  :func:`miss_probability` is its exact miss probability. ``GuardMode.FULL`` compares a position-weighted checksum
-  of every byte: a change of one 8-byte word is always caught; it reads every deferred byte at the cut.
+  pointers (``weight.data[pad].zero_()``, BatchNorm running statistics, fused/foreach optimizer kernels in some
+  builds, ``.data.copy_`` as in Lightning's ``WeightAveraging``, numpy views). ``GuardMode.FULL`` (the default) is
+  exact: it fingerprints every deferred byte at the cut and the staged copy after it landed, so the staged copy is
+  committed only if it equals the state at the cut. Host storages are fingerprinted with CRC-32C per 8 MiB chunk
+  (hardware, GIL released, spread over a few threads at the cut): a change confined to any 32-bit window is always
+  caught, any other change of a chunk is missed with probability 2**-32. Device storages use a position-weighted
+  sum of 8-byte words computed on the device (any single changed word is always caught). ``GuardMode.SAMPLE`` is
+  the documented opt-in: it compares ``FINGERPRINT_SAMPLES`` bytes at positions drawn uniformly at random (with
+  replacement, from a private generator: training's RNG is untouched) for each cut; :func:`miss_probability` is its
+  exact miss probability (a 128-byte change of a 64 MB table is missed with probability 0.9999).
 
 The counters of a storage are read again right after its copy landed and before its fence opens ("sealed"):
 writes after the fence (the optimizer's own step) never count, and a write before the seal always does. What
@@ -21,9 +26,11 @@ each mode guarantees is stated in ``docs/concepts.md`` ("The guard").
 
 from __future__ import annotations
 
+import os
 import secrets
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from enum import Enum
 from typing import Any
 
@@ -33,14 +40,32 @@ import torch
 from lightning_async_ckpt.core.capture import Fence, StorageSlot
 from lightning_async_ckpt.errors import ConfigError
 
-__all__ = ["FINGERPRINT_SAMPLES", "CutGuard", "GuardMode", "checksum", "miss_probability", "resolve_guard_mode"]
+__all__ = [
+    "FINGERPRINT_CHUNK",
+    "FINGERPRINT_SAMPLES",
+    "CutGuard",
+    "GuardMode",
+    "checksum",
+    "fingerprint",
+    "miss_probability",
+    "resolve_guard_mode",
+]
 
 FINGERPRINT_SAMPLES = 64
+#: Bytes per CRC-32C of the exact fingerprint (a chunk is the unit compared, and of the parallel work at the cut).
+FINGERPRINT_CHUNK = 8 << 20
 _CHUNK_WORDS = 1 << 19  # 4 MiB of int64 words per checksum chunk: bounded temporaries
+# The exact fingerprint at the cut is spread over threads once the deferred bytes exceed this.
+_PARALLEL_BYTES = 32 << 20
 
 
 class GuardMode(str, Enum):
-    """How the guard checks deferred storages (version counters are checked in every mode but ``OFF``)."""
+    """How the guard checks deferred storages (version counters are checked in every mode but ``OFF``).
+
+    ``FULL`` (the default, also ``True``) is exact: no write between the cut and the staging copy is committed,
+    whether or not it bumps a version counter. ``SAMPLE`` is an opt-in that reads 64 bytes per storage at the cut
+    and misses a small write with :func:`miss_probability`. ``OFF`` trusts the deferral proof alone.
+    """
 
     OFF = "off"
     SAMPLE = "sample"
@@ -48,9 +73,9 @@ class GuardMode(str, Enum):
 
 
 def resolve_guard_mode(guard: bool | str | GuardMode) -> GuardMode:
-    """``True`` means :attr:`GuardMode.SAMPLE`, ``False`` :attr:`GuardMode.OFF`; strings name a mode."""
+    """``True`` means :attr:`GuardMode.FULL` (exact), ``False`` :attr:`GuardMode.OFF`; strings name a mode."""
     if guard is True:
-        return GuardMode.SAMPLE
+        return GuardMode.FULL
     if guard is False:
         return GuardMode.OFF
     try:
@@ -105,6 +130,40 @@ def checksum(data: torch.Tensor) -> int:
     return total & mask
 
 
+def _crc32c() -> Any:
+    try:
+        import crc32c  # hardware CRC-32C; releases the GIL on large buffers
+    except ImportError:  # pragma: no cover - a dependency of the package
+        return None
+    return crc32c
+
+
+def _host_chunks(data: torch.Tensor) -> list[tuple[int, int]]:
+    n = data.numel()
+    return [(off, min(off + FINGERPRINT_CHUNK, n)) for off in range(0, max(n, 1), FINGERPRINT_CHUNK)]
+
+
+def fingerprint(data: torch.Tensor, pool: ThreadPoolExecutor | None = None) -> tuple[int, ...]:
+    """The exact fingerprint of a ``uint8`` tensor: one value per :data:`FINGERPRINT_CHUNK` bytes.
+
+    Host tensors: CRC-32C of each chunk (the position-weighted :func:`checksum` where the ``crc32c`` package is
+    missing); other devices: one position-weighted :func:`checksum` computed on the device. Chunks are computed on
+    ``pool`` when given (CRC-32C releases the GIL).
+    """
+    if data.device.type != "cpu":
+        return (checksum(data),)
+    crc = _crc32c()
+    array = data.numpy()
+    if crc is None:
+        one: Callable[[tuple[int, int]], int] = lambda c: checksum(data[c[0] : c[1]])  # noqa: E731
+    else:
+        one = lambda c: crc.crc32c(array[c[0] : c[1]])  # noqa: E731
+    chunks = _host_chunks(data)
+    if pool is None or len(chunks) == 1:
+        return tuple(one(c) for c in chunks)
+    return tuple(pool.map(one, chunks))
+
+
 def _versions(slot: StorageSlot) -> list[int | None]:
     out: list[int | None] = []
     for t in slot.tensors:
@@ -132,7 +191,7 @@ class CutGuard:
         self._versions: dict[int, list[int | None]] = {}
         self._sealed: dict[int, list[int | None]] = {}
         self._samples: dict[int, tuple[Any, Any]] = {}
-        self._sums: dict[int, int] = {}
+        self._sums: dict[int, tuple[int, ...]] = {}
         # Version counters read on the training thread when it reached each slot's fence (see `at_fence`).
         self._at_fence: dict[int, list[int | None]] = {}
         self._fence_lock = threading.Lock()
@@ -147,12 +206,12 @@ class CutGuard:
         sizes = np.array([slot.nbytes for slot in self.slots], dtype=np.float64)
         positions = (rng.random((len(self.slots), FINGERPRINT_SAMPLES)) * sizes[:, None]).astype(np.int64)
         on_device: dict[torch.device, list[tuple[StorageSlot, np.ndarray]]] = {}
+        if self.mode == GuardMode.FULL:
+            self._record_full()
+            return
         for row, slot in enumerate(self.slots):
             self._versions[slot.index] = _versions(slot)
             data = _as_bytes(slot.storage)
-            if self.mode == GuardMode.FULL:
-                self._sums[slot.index] = checksum(data)
-                continue
             idx = np.arange(slot.nbytes) if slot.nbytes <= FINGERPRINT_SAMPLES else positions[row]
             if slot.device.type == "cpu":
                 self._samples[slot.index] = (idx, data.numpy()[idx])  # fancy indexing copies
@@ -169,6 +228,21 @@ class CutGuard:
                 positions_dev = flat[start : start + len(idx)]
                 start += len(idx)
                 self._samples[slot.index] = (idx, _as_bytes(slot.storage)[positions_dev])
+
+    def _record_full(self) -> None:
+        # Every deferred byte is read on the training thread at the cut. Host storages are cut into chunks
+        # hashed on a few short-lived threads (CRC-32C releases the GIL); device storages reduce on the device.
+        for slot in self.slots:
+            self._versions[slot.index] = _versions(slot)
+        host = sum(slot.nbytes for slot in self.slots if slot.device.type == "cpu")
+        workers = min(4, os.cpu_count() or 1)
+        if host < _PARALLEL_BYTES or workers < 2:
+            for slot in self.slots:
+                self._sums[slot.index] = fingerprint(_as_bytes(slot.storage))
+            return
+        with ThreadPoolExecutor(workers, thread_name_prefix="lightning_async_ckpt-fingerprint") as pool:
+            for slot in self.slots:
+                self._sums[slot.index] = fingerprint(_as_bytes(slot.storage), pool)
 
     def seal(self, slots: Sequence[StorageSlot]) -> None:
         """Right after ``slots`` were copied and before their fence opens: read their version counters again."""
@@ -218,7 +292,10 @@ class CutGuard:
         for slot in self.slots:
             buf = buffers[slot.index]
             if self.mode == GuardMode.FULL:
-                if checksum(buf) != self._sums[slot.index]:
+                # The staged copy is on the host; a device storage's fingerprint is the device-side checksum.
+                expected = self._sums[slot.index]
+                staged = fingerprint(buf) if slot.device.type == "cpu" else (checksum(buf),)
+                if staged != expected:
                     torn[slot.index] = (slot, "checksum")
             else:
                 idx, expected = self._samples[slot.index]

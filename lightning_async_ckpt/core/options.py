@@ -58,8 +58,9 @@ class CheckpointOptions:
         reserved_host_bytes: Host bytes other consumers need (prefetch, optimizer offload, other processes);
             subtracted from the budget.
         keep_last: Committed generations to keep (older ones are removed after each commit); ``None`` keeps all.
-        guard: Check deferred tensors and refuse torn snapshots: ``True``/``"sample"`` (version counters and a
-            sampled fingerprint), ``"full"`` (version counters and a checksum of every byte, read at the cut),
+        guard: Check deferred tensors and refuse torn snapshots: ``True``/``"full"`` (the default, exact: version
+            counters and a fingerprint of every deferred byte, read at the cut and on the staged copy), ``"sample"``
+            (opt-in: version counters and 64 sampled bytes per storage, see ``miss_probability``),
             ``False``/``"off"``. See ``docs/concepts.md`` for exactly which writes each mode catches.
         on_error: ``raise`` a failed save on the caller thread at the next call, or ``warn`` and keep going.
         retries: Extra attempts for a failed upload (transient storage errors); ENOSPC is not retried.

@@ -8,12 +8,14 @@ in its own forward (``nn.Embedding(max_norm=...)`` renormalizes the rows it look
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
 import torch
+import torch.optim.optimizer as _torch_optimizer
 
 __all__ = [
     "FENCE_ORDER",
@@ -116,9 +118,12 @@ def prove_deferral(
     """Decide how late parameters, optimizer state and buffers may be staged.
 
     Parameters and optimizer state may wait until the next optimizer update only if every optimizer is a
-    ``torch.optim.Optimizer`` that is not an offloading one, every parameter is owned by one of them,
-    optimization is automatic, no module has forward or backward hooks or parametrizations that could write
-    parameters, and the caller has a fence right before the update. Otherwise they fall back to the batch-start
+    ``torch.optim.Optimizer`` that is not an offloading one and whose ``step`` is torch's own implementation (a
+    subclass or instance overriding ``step`` may write parameters before it calls the closure), no optimizer step
+    pre-hook is registered (per optimizer or global: they run inside ``optimizer.step(closure)``, before the
+    closure and so before the fence), every parameter is owned by one of them, optimization is automatic, no
+    module has forward or backward hooks or parametrizations and no parameter has a gradient or post-accumulate-grad
+    hook that could write parameters, and the caller has a fence right before the update. Otherwise they fall back to the batch-start
     fence (or the cut). Buffers (BatchNorm running stats, ``num_batches_tracked`` and any other) mutate in the next
     forward, so they may wait at most until the batch-start fence. Parameters written by their own module's forward
     (:func:`forward_writers`) are pinned to the cut.
@@ -147,6 +152,8 @@ def prove_deferral(
             failures.append(f"optimizer {type(opt).__name__} is not a torch.optim.Optimizer")
         elif any(marker in type(opt).__name__.lower() for marker in OFFLOAD_OPTIMIZER_MARKERS):
             failures.append(f"optimizer {type(opt).__name__} offloads its state")
+    rules.append("every optimizer's step is torch.optim's own and no step pre-hook runs before the fence")
+    failures.extend(_optimizer_failures(opts, ignore_hooks))
     rules.append("every parameter that requires grad is owned by an optimizer")
     owned = {
         id(p) for opt in opts if isinstance(opt, torch.optim.Optimizer) for g in opt.param_groups for p in g["params"]
@@ -156,7 +163,7 @@ def prove_deferral(
             if p.requires_grad and id(p) not in owned:
                 failures.append(f"parameter {name} requires grad but no optimizer owns it")
                 break
-    rules.append("no forward/backward hooks or parametrizations can write parameters")
+    rules.append("no forward/backward, gradient or post-accumulate-grad hooks or parametrizations can write parameters")
     failures.extend(_hook_failures(modules, ignore_hooks))
     if not has_optimizer_step_fence:
         failures.append("no fence before the optimizer update")
@@ -169,6 +176,38 @@ def prove_deferral(
     return DeferralProof(fences=fences, rules=tuple(rules), failures=tuple(failures), pinned=pinned)
 
 
+def _ignored(hook: Any, ignore_hooks: Callable[[Any], bool] | None) -> bool:
+    # This library's own fence hooks carry a marker (core/hooks.py); they only wait.
+    return bool(getattr(hook, "_lightning_async_ckpt", False)) or bool(ignore_hooks and ignore_hooks(hook))
+
+
+def _torch_step(step: Any) -> bool:
+    func = inspect.unwrap(getattr(step, "__func__", step))
+    return getattr(func, "__module__", "").startswith("torch.optim.")
+
+
+def _optimizer_failures(opts: Sequence[Any], ignore_hooks: Callable[[Any], bool] | None) -> list[str]:
+    """Code that ``optimizer.step(closure)`` runs before the closure (hence before the fence), per optimizer."""
+    failures: list[str] = []
+    for opt in opts:
+        if not isinstance(opt, torch.optim.Optimizer):
+            continue
+        name = type(opt).__name__
+        owner = next((k for k in type(opt).__mro__ if "step" in k.__dict__), None)
+        if owner is None or owner is torch.optim.Optimizer or not _torch_step(owner.__dict__["step"]):
+            failures.append(f"optimizer {name} overrides step (unknown code may write parameters before the closure)")
+        elif "step" in vars(opt) and not _torch_step(vars(opt)["step"]):
+            failures.append(f"optimizer {name} has its step replaced on the instance")
+        hooks = [h for h in getattr(opt, "_optimizer_step_pre_hooks", {}).values() if not _ignored(h, ignore_hooks)]
+        if hooks:
+            failures.append(f"optimizer {name} has {len(hooks)} step pre-hook(s) (they run before the closure)")
+    global_hooks = getattr(_torch_optimizer, "_global_optimizer_pre_hooks", {})
+    count = sum(1 for h in global_hooks.values() if not _ignored(h, ignore_hooks))
+    if count:
+        failures.append(f"{count} global optimizer step pre-hook(s) are registered (they run before the closure)")
+    return failures
+
+
 def _hook_failures(modules: Sequence[torch.nn.Module], ignore_hooks: Callable[[Any], bool] | None) -> list[str]:
     failures: list[str] = []
     for module in modules:
@@ -179,7 +218,7 @@ def _hook_failures(modules: Sequence[torch.nn.Module], ignore_hooks: Callable[[A
                 *sub._backward_hooks.values(),
                 *getattr(sub, "_backward_pre_hooks", {}).values(),
             ]
-            hooks = [h for h in hooks if not (ignore_hooks and ignore_hooks(h))]
+            hooks = [h for h in hooks if not _ignored(h, ignore_hooks)]
             if hooks:
                 failures.append(f"module {name or type(sub).__name__} has {len(hooks)} forward/backward hook(s)")
                 break
@@ -191,6 +230,10 @@ def _hook_failures(modules: Sequence[torch.nn.Module], ignore_hooks: Callable[[A
             if getattr(p, "_post_accumulate_grad_hooks", None):
                 failures.append(f"parameter {name} has a post-accumulate-grad hook (it may update during backward)")
                 break
+            # Tensor.register_hook on a parameter: runs in backward, before the fence, and may write the weight.
+            if [h for h in (getattr(p, "_backward_hooks", None) or {}).values() if not _ignored(h, ignore_hooks)]:
+                failures.append(f"parameter {name} has a gradient hook (it runs in backward and may write it)")
+                break
     global_hooks = [
         getattr(torch.nn.modules.module, attr, {})
         for attr in (
@@ -200,7 +243,7 @@ def _hook_failures(modules: Sequence[torch.nn.Module], ignore_hooks: Callable[[A
             "_global_backward_pre_hooks",
         )
     ]
-    count = sum(1 for hooks in global_hooks for h in hooks.values() if not (ignore_hooks and ignore_hooks(h)))
+    count = sum(1 for hooks in global_hooks for h in hooks.values() if not _ignored(h, ignore_hooks))
     if count:
         failures.append(f"{count} global module hook(s) are registered")
     return failures

@@ -218,8 +218,8 @@ class StagingJob:
     Args:
         slots: The plan's storage slots.
         buffers: One host buffer per slot.
-        guard: ``True``/``"sample"``: version counters plus a sampled fingerprint; ``"full"``: version counters
-            plus a checksum of every byte; ``False``/``"off"``: no check (see :mod:`lightning_async_ckpt.core.guard`).
+        guard: ``True``/``"full"`` (exact): version counters plus a fingerprint of every byte; ``"sample"``: version
+            counters plus a sampled fingerprint; ``False``/``"off"``: no check (see :mod:`lightning_async_ckpt.core.guard`).
     """
 
     def __init__(

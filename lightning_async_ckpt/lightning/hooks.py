@@ -31,6 +31,7 @@ from lightning_async_ckpt.core.proof import DeferralProof, prove_deferral
 
 __all__ = [
     "COVERED",
+    "FINAL_PROOF",
     "READ_ONLY_CALLBACKS",
     "WINDOWS",
     "Role",
@@ -39,6 +40,7 @@ __all__ = [
     "is_read_only",
     "lightning_proof",
     "override_failures",
+    "training_ends_here",
 ]
 
 
@@ -211,6 +213,21 @@ def is_last_batch(trainer: pl.Trainer, batch_idx: int) -> bool:
     if trainer.fit_loop.epoch_loop.batch_progress.is_last_batch:
         return True
     return batch_idx + 1 >= trainer.num_training_batches
+
+
+#: The plan's rule for the checkpoint that ends training: every category is copied at the cut.
+FINAL_PROOF = DeferralProof(
+    fences={}, failures=("the checkpoint that ends training is copied at the cut: no training follows to overlap",)
+)
+
+
+def training_ends_here(trainer: pl.Trainer) -> bool:
+    """Whether no training step follows the current point: a cut here is the fit's last one (copied at the cut).
+
+    True at the last batch (``max_steps``, or the last epoch's last batch), at that epoch's end and its validation,
+    and once ``should_stop`` was set (early stopping: conservatively, a stop that ``min_steps`` delays included).
+    """
+    return bool(trainer.should_stop) or is_last_batch(trainer, trainer.fit_loop.epoch_loop.batch_idx)
 
 
 def lightning_proof(trainer: pl.Trainer, pl_module: pl.LightningModule, callback: Any) -> DeferralProof:

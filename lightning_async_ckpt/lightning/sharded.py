@@ -49,7 +49,7 @@ from lightning_async_ckpt.core.telemetry import EventLog
 from lightning_async_ckpt.errors import ConfigError
 from lightning_async_ckpt.lightning.collective import agree_on
 from lightning_async_ckpt.lightning.hooks import override_failures
-from lightning_async_ckpt.lightning.sliced import DDP_LAYOUTS, drop_buffers, install_dcp_loader, is_ddp
+from lightning_async_ckpt.lightning.sliced import DDP_LAYOUTS, install_dcp_loader, is_ddp, replicated_only
 from lightning_async_ckpt.sharded import DCP_FORMAT, ShardedCheckpointer, ShardedSaveError
 from lightning_async_ckpt.storage.manifest import Manifest
 from lightning_async_ckpt.storage.store import CheckpointStore
@@ -245,7 +245,7 @@ class ShardedCallbackCheckpointer:
         start = time.perf_counter()
         state, meta = to_strategy_layout(checkpoint, self.model_key)
         if self.replicated and self.rank != 0 and modules:
-            state[self.model_key] = drop_buffers(state[self.model_key], modules[0])
+            state[self.model_key] = replicated_only(state[self.model_key], modules[0])
         objects = None
         if self.rank == 0:
             buffer = io.BytesIO()

@@ -8,11 +8,14 @@ is written by rank 0, as under the sharded strategies.
 
 What is replicated under DDP, and what is not:
 
-- parameters and optimizer state: identical on every rank after each update (gradients are all-reduced, the
-  optimizer runs the same arithmetic everywhere), so any rank's copy may be written;
-- buffers (BatchNorm running statistics): every rank updates its own during forward and DDP copies rank 0's over
-  them at the next forward (``broadcast_buffers``): at the cut only rank 0's are the checkpoint's. Ranks other than
-  0 leave buffers out of their state, so rank 0 writes them;
+- parameters that require grad and their optimizer state: identical on every rank after each update (gradients
+  are all-reduced, the optimizer runs the same arithmetic everywhere), so any rank's copy may be written and DCP's
+  planner picks one;
+- everything else is not proven identical and is written from rank 0 only, like ``ModelCheckpoint``: buffers
+  (BatchNorm running statistics: every rank updates its own during forward and DDP copies rank 0's over them at
+  the next forward, ``broadcast_buffers``), parameters with ``requires_grad=False`` (a rank may update them from
+  its own batch), extra state (``get_extra_state``) and any other entry of the model's state dict. Ranks other
+  than 0 keep only the parameters that require grad in their model state (:func:`replicated_only`);
 - a ``ZeroRedundancyOptimizer``'s state is consolidated on rank 0 by Lightning (the other ranks hand in none).
 
 Loading: DDP's checkpoint IO reads files. :func:`install_dcp_loader` makes the strategy's checkpoint IO read such a
@@ -36,7 +39,7 @@ from lightning_async_ckpt.errors import ConfigError
 __all__ = [
     "DDP_LAYOUTS",
     "check_ddp_layout",
-    "drop_buffers",
+    "replicated_only",
     "install_dcp_loader",
     "is_ddp",
     "is_dcp_folder",
@@ -71,10 +74,14 @@ def is_ddp(strategy: Any) -> bool:
     return "DDPStrategy" in {cls.__name__ for cls in type(strategy).__mro__}
 
 
-def drop_buffers(state_dict: dict[str, Any], module: torch.nn.Module) -> dict[str, Any]:
-    """``state_dict`` without ``module``'s buffers (ranks other than 0 under DDP: rank 0's buffers are the ones)."""
-    buffers = {name for name, _ in module.named_buffers()}
-    return {key: value for key, value in state_dict.items() if key not in buffers}
+def replicated_only(state_dict: dict[str, Any], module: torch.nn.Module) -> dict[str, Any]:
+    """The entries of ``module``'s ``state_dict`` that DDP keeps identical on every rank: parameters that require grad.
+
+    Ranks other than 0 hand in only these; buffers, frozen parameters, extra state and anything else come from rank
+    0 (what ``ModelCheckpoint`` writes), never from the rank DCP's deduplication would pick.
+    """
+    synced = {name for name, p in module.named_parameters(remove_duplicate=False) if p.requires_grad}
+    return {key: value for key, value in state_dict.items() if key in synced}
 
 
 def is_dcp_folder(path: Any) -> bool:

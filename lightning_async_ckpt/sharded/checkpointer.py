@@ -66,7 +66,7 @@ class ShardedCheckpointer:
             from rank 0 of the group). Pass a store object with the same ``run_id`` on every rank otherwise.
         keep_last: After each commit, the coordinator removes this run's committed generations older than the newest
             ``keep_last`` (whole generations, manifest first; see ``CheckpointStore.gc``). ``None`` keeps all.
-        guard: The runtime guard on deferred shards (``True``/``"sample"``, ``"full"`` or ``False``/``"off"``;
+        guard: The runtime guard on deferred shards (``True``/``"full"`` exact, ``"sample"`` or ``False``/``"off"``;
             see :mod:`lightning_async_ckpt.core.guard`): a torn copy refuses the save on every rank.
         host_memory_budget: Bytes of pooled host buffers this rank may retain (``"auto"``: half the available host
             memory; ``None``: no limit).
