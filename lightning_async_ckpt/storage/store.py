@@ -29,7 +29,7 @@ from lightning_async_ckpt.errors import (
     StorageError,
     StoreUnavailableError,
 )
-from lightning_async_ckpt.storage import retention
+from lightning_async_ckpt.storage import inflight, retention
 from lightning_async_ckpt.storage.backend import backend_for, open_filesystem
 from lightning_async_ckpt.storage.generation import (
     GenerationInfo,
@@ -346,9 +346,13 @@ class CheckpointStore:
             verify: Check checksums (reads every byte of the returned generation once).
             run_id: Only consider generations of this run.
 
+        Saves this process has in flight here end first (bounded and logged, :func:`.inflight.wait_for`).
+
         Raises:
             StoreUnavailableError: The location cannot be listed (never reported as "no checkpoint").
+            CheckpointError: A save of this process was still in flight here after the bounded wait.
         """
+        inflight.wait_for(self.uri, self.storage_options, doing="latest()")
         for info in reversed(self.generations(include_uncommitted=True)):
             if not info.committed or info.manifest is None:
                 if info.error:
@@ -392,6 +396,7 @@ class CheckpointStore:
         if step is None:
             info = self.latest(verify=verify)
         else:
+            inflight.wait_for(self.uri, self.storage_options, doing=f"resume(step={step})")
             info = self._read_generation(step)
             if not info.committed:
                 raise ManifestError(f"generation step {step} at {self.url(step)} is not committed ({info.error})")
