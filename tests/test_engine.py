@@ -249,6 +249,43 @@ def test_defer_false_copies_everything_at_the_cut(make_ckpt) -> None:
     handle.result()
 
 
+def test_a_final_save_is_copied_at_the_cut_so_writes_after_the_loop_never_reach_it(make_ckpt, staging_gates) -> None:
+    # The staging thread is held until after the write: a deferred save would copy the written bytes.
+    model, opt = _model()
+    ckpt = make_ckpt()
+    ckpt.attach(model, opt)
+    _train_step(model, opt)
+    expected = copy.deepcopy(_state(model, opt))
+    staging_gates.before.clear()
+    handle = ckpt.save(1, _state(model, opt), modules=[model], optimizers=[opt], final=True)
+    assert {slot.fence for slot in handle.plan.slots} == {Fence.CUT}
+    assert "ends training" in handle.plan.describe()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.data.mul_(2.0)  # code after the loop, through .data (no version bump)
+    staging_gates.before.set()
+    handle.result()
+    saved = _load(ckpt.store, 1)
+    assert torch.equal(saved["model"]["0.weight"], expected["model"]["0.weight"])
+
+
+def test_a_data_write_before_a_deferred_copy_is_refused_never_committed(make_ckpt, staging_gates) -> None:
+    # Without final=True the last save is deferred; a .data write before its copy bumps no version counter and the
+    # default (exact) guard refuses it: the commit never holds bytes other than the cut's.
+    model, opt = _model()
+    ckpt = make_ckpt()
+    ckpt.attach(model, opt)
+    _train_step(model, opt)
+    staging_gates.before.clear()
+    handle = ckpt.save(1, _state(model, opt), modules=[model], optimizers=[opt])
+    assert _fences_by_category(handle)["parameter"] == "optimizer_step"
+    with torch.no_grad():
+        next(model.parameters()).data[0, 0] += 1.0  # one 4-byte word of one parameter
+    staging_gates.before.set()
+    with pytest.raises(TornSnapshotError, match="checksum"):
+        handle.result()
+
+
 def test_without_fences_nothing_is_deferred(make_ckpt) -> None:
     model, opt = _model()
     ckpt = make_ckpt()  # no attach(): the engine knows of no fence the caller will call

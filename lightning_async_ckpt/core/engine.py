@@ -30,6 +30,7 @@ from lightning_async_ckpt.core.hooks import FenceHooks, is_own_hook
 from lightning_async_ckpt.core.lifecycle import Lifecycle
 from lightning_async_ckpt.core.options import CheckpointOptions, Serializer, TorchSaveSerializer
 from lightning_async_ckpt.core.persist import RetryPolicy
+from lightning_async_ckpt.core.proof import FINAL_PROOF
 from lightning_async_ckpt.core.staging import BufferPool, StagingJob, resolve_budget
 from lightning_async_ckpt.core.telemetry import EventLog, Outcome, SaveRecord
 from lightning_async_ckpt.errors import CheckpointError, ConfigError
@@ -111,6 +112,7 @@ class AsyncCheckpointer(Completion, Lifecycle, DrainOnExit):
         extra: dict[str, Any] | None = None,
         admission: str | None = None,
         object_keys: dict[str, str] | None = None,
+        final: bool = False,
     ) -> SaveHandle:
         """Request a checkpoint of ``state`` at the cut ``step``.
 
@@ -132,6 +134,9 @@ class AsyncCheckpointer(Completion, Lifecycle, DrainOnExit):
                 skipped); default: the configured one.
             object_keys: File names for the serializer's objects, by object name (e.g. ``{"checkpoint.ckpt":
                 "epoch=2-step=24.ckpt"}``); the manifest records each as the object's path.
+            final: The checkpoint that ends training: copied at the cut (no deferral: nothing follows to overlap
+                with, and code after the loop cannot reach it, so the guard can never refuse it) and admitted with
+                ``"wait"`` unless ``admission`` says otherwise.
 
         Returns:
             The save's handle; for a skipped or coalesced request its futures are cancelled.
@@ -146,6 +151,8 @@ class AsyncCheckpointer(Completion, Lifecycle, DrainOnExit):
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ConfigError(f"step must be a non-negative int, got {step!r}")
         self.raise_pending()
+        if final:
+            defer, proof, admission = False, FINAL_PROOF, admission or "wait"
         t0 = time.perf_counter()
         record = SaveRecord(requested_step=step)
         decision = self.admission.decide(

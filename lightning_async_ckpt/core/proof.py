@@ -19,6 +19,7 @@ import torch.optim.optimizer as _torch_optimizer
 
 __all__ = [
     "FENCE_ORDER",
+    "FINAL_PROOF",
     "OFFLOAD_OPTIMIZER_MARKERS",
     "Category",
     "DeferralProof",
@@ -82,6 +83,12 @@ class DeferralProof:
     rules: tuple[str, ...] = ()
     failures: tuple[str, ...] = ()
     pinned: dict[tuple[torch.device, int], str] = field(default_factory=dict)
+
+
+#: The plan's rule for the checkpoint that ends training (``save(..., final=True)``): everything copied at the cut.
+FINAL_PROOF = DeferralProof(
+    fences={}, failures=("the checkpoint that ends training is copied at the cut: no training follows to overlap",)
+)
 
 
 def forward_writers(modules: Sequence[torch.nn.Module]) -> dict[tuple[torch.device, int], str]:

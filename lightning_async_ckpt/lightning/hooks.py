@@ -27,7 +27,7 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 
-from lightning_async_ckpt.core.proof import DeferralProof, prove_deferral
+from lightning_async_ckpt.core.proof import FINAL_PROOF, DeferralProof, prove_deferral
 
 __all__ = [
     "COVERED",
@@ -213,12 +213,6 @@ def is_last_batch(trainer: pl.Trainer, batch_idx: int) -> bool:
     if trainer.fit_loop.epoch_loop.batch_progress.is_last_batch:
         return True
     return batch_idx + 1 >= trainer.num_training_batches
-
-
-#: The plan's rule for the checkpoint that ends training: every category is copied at the cut.
-FINAL_PROOF = DeferralProof(
-    fences={}, failures=("the checkpoint that ends training is copied at the cut: no training follows to overlap",)
-)
 
 
 def training_ends_here(trainer: pl.Trainer) -> bool:

@@ -1,0 +1,79 @@
+"""What exactness costs at the cut on CPU: the guard's modes against copying at the cut, side by side in one run.
+
+For each size (one fp32 tensor of 16 MB to 1 GB, the deferred state of a checkpoint), on the training thread:
+
+* ``memcpy floor``: ``np.copyto`` into a preallocated buffer (one core, what any copy at the cut costs at least);
+* ``copy at cut``: the engine's copy of a copy-at-cut storage (``buf.copy_``, torch's threads);
+* ``exact (full)``: ``CutGuard.record`` in the default mode (CRC-32C of every byte, chunks spread over threads);
+* ``sample``: ``CutGuard.record`` in the opt-in sampled mode (64 bytes per storage);
+
+and on the staging thread, after the copy landed, the exact mode's check of the staged copy (``CutGuard.check``).
+Each figure is the best of ``--repeats``; the ratios put the exact fingerprint next to the copy it replaces.
+Prints; asserts nothing.
+
+Usage::
+
+    python benchmarks/bench_guard.py                  # 16, 64, 256, 1024 MB
+    python benchmarks/bench_guard.py --sizes-mb 64 256 --repeats 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import time
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from lightning_async_ckpt.core.capture import CapturePlan, Category, DeferralProof, Fence
+from lightning_async_ckpt.core.guard import CutGuard, GuardMode
+
+
+def _best(fn: Callable[[], object], repeats: int) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes-mb", type=int, nargs="+", default=[16, 64, 256, 1024])
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    print(
+        f"# {platform.node()} {os.cpu_count()} cores, torch {torch.__version__}, numpy {np.__version__}, "
+        f"torch threads {torch.get_num_threads()}"
+    )
+    header = (
+        f"{'MB':>6} {'memcpy floor':>13} {'copy at cut':>12} {'exact (full)':>13} {'sample':>9} "
+        f"{'check (bg)':>11} {'exact/copy':>11} {'exact s/GB':>11}"
+    )
+    print(header)
+    proof = DeferralProof(fences={Category.PARAMETER: Fence.OPTIMIZER_STEP}, rules=("bench",))
+    for mb in args.sizes_mb:
+        model = torch.nn.Module()
+        model.weight = torch.nn.Parameter(torch.randn((mb << 20) // 4))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        plan = CapturePlan.build({"w": model.weight.detach()}, modules=[model], optimizers=[opt], proof=proof)
+        src = model.weight.detach().view(torch.uint8).view(-1)
+        buf = torch.empty_like(src)
+        floor = _best(lambda: np.copyto(buf.numpy(), src.numpy()), args.repeats)
+        copy = _best(lambda: buf.copy_(src), args.repeats)
+        full = CutGuard(plan.slots, GuardMode.FULL)
+        exact = _best(full.record, args.repeats)
+        sample = _best(CutGuard(plan.slots, GuardMode.SAMPLE).record, args.repeats)
+        check = _best(lambda: full.check([buf]), args.repeats)
+        print(
+            f"{mb:>6} {floor * 1e3:>10.1f} ms {copy * 1e3:>9.1f} ms {exact * 1e3:>10.1f} ms {sample * 1e3:>6.2f} ms "
+            f"{check * 1e3:>8.1f} ms {exact / copy:>10.2f}x {exact / (mb / 1024):>10.3f}"
+        )
+
+
+if __name__ == "__main__":
+    main()
