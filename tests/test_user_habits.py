@@ -8,6 +8,7 @@ from __future__ import annotations
 import csv
 import inspect
 import logging
+import signal
 
 import lightning.pytorch as pl
 import pytest
@@ -152,3 +153,41 @@ def test_verify_names_the_file_on_disk_and_ls_lists_version_folders(tmp_path, ca
     assert main(["ls", dirpath]) == 0
     out, _ = capsys.readouterr()
     assert f"{dirpath}/v1/step-00000004" in out and "v1/" in out.splitlines()[-1]
+
+
+# -- plain loops and SIGTERM (what the README says they get) --------------------------------------------------
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["default", "drain"])
+def test_sigterm_in_a_plain_loop_is_what_the_readme_says(tmp_path, mode):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    worker = Path(__file__).with_name("_sigterm_plain_worker.py")
+    proc = subprocess.run([sys.executable, str(worker), str(tmp_path), mode], capture_output=True, timeout=120)
+    committed = [g.step for g in CheckpointStore(str(tmp_path), check_writable=False).generations()]
+    if mode == "default":  # SIGTERM's default action: the process ends at once, nothing drains
+        assert proc.returncode == -signal.SIGTERM and committed == [10]
+    else:  # the README's handler: SystemExit in the `with` block, whose exit drains the save in flight
+        assert proc.returncode == 128 + signal.SIGTERM and committed == [10, 20], proc.stderr.decode()[-2000:]
+
+
+def test_an_s3_checkpoint_loads_outside_a_trainer_with_storage_options_only(s3_uri, monkeypatch):
+    """docs/storage.md's recipe, with no credential or endpoint anywhere but in the options."""
+    import fsspec
+    import s3fs
+    import torch
+
+    uri, options = s3_uri
+    _fit(AsyncCheckpointCallback(uri, every_n_train_steps=2, storage_options=options), max_steps=4)
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    s3fs.S3FileSystem.clear_instance_cache()
+    path = latest_checkpoint(uri, storage_options=options)
+    with fsspec.open(path, "rb", **options) as f:
+        checkpoint = torch.load(f, map_location="cpu", weights_only=True)
+    model = BNDropoutModel()
+    model.load_state_dict(checkpoint["state_dict"])
+    assert checkpoint["global_step"] == 4 and path.endswith("/step-00000004/epoch=0-step=4.ckpt")
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in checkpoint["state_dict"].items())
