@@ -127,14 +127,16 @@ def _loader() -> DataLoader:
     return DataLoader(TensorDataset(idx, torch.randint(0, 2, (64,), generator=g)), batch_size=8, shuffle=False)
 
 
-def _fit_and_compare(tmp_path, model: PaddedTable, *, max_steps: int = 6, **fit_kwargs) -> AsyncCheckpointCallback:
+def _fit_and_compare(
+    tmp_path, model: PaddedTable, *, max_steps: int = 6, val_data=None, **fit_kwargs
+) -> AsyncCheckpointCallback:
     ours = AsyncCheckpointCallback(dirpath=str(tmp_path / "async"), every_n_train_steps=1, save_on_train_end=False)
     sync = ModelCheckpoint(dirpath=tmp_path / "sync", every_n_train_steps=1, save_top_k=-1, filename="{step}")
     hold = HoldStaging(ours)
     model.hold = hold
     pl.seed_everything(3)
     trainer = pl.Trainer(max_steps=max_steps, callbacks=[hold, sync, ours], **trainer_kwargs(**fit_kwargs))
-    trainer.fit(model, _loader())
+    trainer.fit(model, _loader(), val_data)
     store = CheckpointStore(str(tmp_path / "async"), check_writable=False)
     steps = [g.step for g in store.generations()]
     assert steps, "nothing committed"
@@ -271,3 +273,25 @@ def test_the_final_checkpoint_is_copied_at_the_cut_and_equals_model_checkpoint_d
         assert [r.outcome for r in ours.checkpointer.records] == ["committed"]
         rows = store.manifest(4).plan["rows"]
         assert all(r["fence"] == "cut" for r in rows), rows
+
+
+class _NumpyStatistic(PaddedTable):
+    """A hand-written buffer that validation updates through a numpy view (no version counter at all)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reset_pad = False
+        self.register_buffer("val_seen", torch.zeros(1 << 20))  # 4 MB
+
+    def validation_step(self, batch, batch_idx):
+        idx, y = batch
+        view = self.val_seen.numpy()
+        view[idx.numpy() % view.shape[0]] += 1.0  # a few words, through numpy
+        self._released()
+        self.log("val_loss", nn.functional.cross_entropy(self.head(self.emb(idx)), y))
+
+
+def test_a_buffer_written_through_numpy_in_validation_after_the_cut_is_refused_never_committed(tmp_path):
+    ours = _fit_and_compare(tmp_path, _NumpyStatistic(), val_data=_loader(), val_check_interval=2, limit_val_batches=1)
+    outcomes = [r.outcome for r in ours.checkpointer.records]
+    assert "torn" in outcomes, outcomes
