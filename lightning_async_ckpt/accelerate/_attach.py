@@ -73,13 +73,6 @@ def attach(
         raise ConfigError("serializer cannot be set: the Accelerate integration writes accelerate's own file layout")
     if uri is not None and (not isinstance(uri, str) or not uri.strip()):
         raise ConfigError(f"uri must be None or a non-empty path or URL string, got {uri!r}")
-    project = accelerator.project_configuration
-    limit = project.total_limit if project.automatic_checkpoint_naming else None
-    if limit is not None and limit <= opts.max_outstanding:
-        raise ConfigError(
-            f"ProjectConfiguration(total_limit={limit}) would let accelerate delete a folder that is still being "
-            f"written (max_outstanding={opts.max_outstanding}): use total_limit >= max_outstanding + 1"
-        )
     checkpointer = AccelerateCheckpointer(accelerator, uri, storage_options=storage_options, defer=defer, options=opts)
     bounded = bounded_collective(accelerator, collective_timeout_s)  # collective: every process is in attach()
     if bounded is not None:
@@ -88,27 +81,35 @@ def attach(
     return checkpointer
 
 
-def save_state(accelerator: Any, uri: str, step: int | None = None, **options: Any) -> SaveHandle:
-    """Asynchronously save everything ``accelerator.save_state`` would, as one committed generation under ``uri``.
+def save_state(accelerator: Any, uri: str | None = None, step: int | None = None, **options: Any) -> SaveHandle:
+    """Asynchronously save everything ``accelerator.save_state`` would, as one committed generation.
 
-    Uses the checkpointer attached for ``uri`` (attaching one with ``options`` on first use). Collective: every
-    process must call it. Close with ``attach(accelerator).close()``.
+    Uses the attached checkpointer (attaching one with ``options`` on first use). Collective: every process must
+    call it. Close with ``attach(accelerator).close()``. accelerate's save-state pre-hooks run as
+    ``accelerator.save_state`` runs them, and what they write is saved with the generation.
 
     Args:
         accelerator: The ``Accelerator``.
-        uri: Local folder or fsspec URL; the generation is ``<uri>/step-XXXXXXXX/``.
-        step: Generation step; default: optimizer updates seen by the checkpointer.
+        uri: Local folder or fsspec URL; the generation is ``<uri>/step-XXXXXXXX/``. ``None`` (with
+            ``ProjectConfiguration(automatic_checkpoint_naming=True)``): accelerate's own naming, the folder
+            ``<project_dir>/checkpoints/checkpoint_<iteration>``, with accelerate's iteration and ``total_limit``
+            (see :meth:`AccelerateCheckpointer.save_state`).
+        step: The manifest's step; default: optimizer updates seen by the checkpointer.
         **options: Options for :func:`attach` on first use.
 
     Returns:
         The save's :class:`~lightning_async_ckpt.core.engine.SaveHandle`.
+
+    Raises:
+        ConfigError: Another ``uri`` or new ``options`` while a checkpointer is attached, or ``uri=None`` without
+            automatic checkpoint naming.
     """
     existing = getattr(accelerator, _ATTR, None)
     if existing is None or existing.closed:
         existing = attach(accelerator, uri, **options)
-    elif existing.uri != uri or options:
+    elif (uri is not None and existing.uri != uri) or options:
         raise ConfigError(
             f"a checkpointer with uri={existing.uri!r} is attached; pass uri and options to attach() once, "
             "then call save_state(accelerator, that uri)"
         )
-    return existing.save_state(step)
+    return existing.save_state(step, automatic=uri is None)

@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
-import concurrent.futures
-import json
 import os
+import threading
 import weakref
 from collections import deque
 from typing import Any
 
 from lightning_async_ckpt.accelerate._collective import collective_for
+from lightning_async_ckpt.accelerate._fences import deferral_proof, install_fences
 from lightning_async_ckpt.accelerate._folder import _FolderSave, _FolderStore, _release_unsettled
+from lightning_async_ckpt.accelerate._folder_saves import FolderSaves
 from lightning_async_ckpt.accelerate._layout import (
     _ATTR,
     INCOMPLETE_MARKER,
@@ -20,23 +21,25 @@ from lightning_async_ckpt.accelerate._layout import (
     _layout_state,
     _LayoutSerializer,
     _log,
+    _model_weights,
     _rng_state,
 )
 from lightning_async_ckpt.accelerate._mirrors import MirrorBook
-from lightning_async_ckpt.core.capture import DeferralProof, Fence, prove_deferral
+from lightning_async_ckpt.accelerate._numbering import automatic_root
+from lightning_async_ckpt.accelerate._prehooks import remove_when_done, run_save_pre_hooks
+from lightning_async_ckpt.core.capture import DeferralProof, Fence
 from lightning_async_ckpt.core.collective import RankFailedError, agree
 from lightning_async_ckpt.core.engine import AsyncCheckpointer, CheckpointOptions, SaveHandle
 from lightning_async_ckpt.core.handle import DrainOnExit
 from lightning_async_ckpt.core.telemetry import SaveRecord
 from lightning_async_ckpt.core.workers import register_at_exit
 from lightning_async_ckpt.errors import CheckpointError, ConfigError
-from lightning_async_ckpt.storage.io import fsync_dir
 from lightning_async_ckpt.storage.manifest import MANIFEST_NAME, Manifest
 from lightning_async_ckpt.storage.store import CheckpointStore
 
 
 # -- the checkpointer --------------------------------------------------------------------------------------
-class AccelerateCheckpointer(DrainOnExit):
+class AccelerateCheckpointer(FolderSaves, DrainOnExit):
     """Asynchronous checkpoints for one ``Accelerator``; create it with :func:`attach` on every process.
 
     Thread-safety: every method and hook runs on the training thread. In multi-process runs, ``save_state``,
@@ -80,6 +83,7 @@ class AccelerateCheckpointer(DrainOnExit):
         self._fences: dict[int, Any] = {}
         self._counted: Any = None
         self._closed = False
+        self._retention_lock = threading.Lock()
         self.run_id = self._collective(payload=CheckpointStore.new_run_id(), doing="attach")[0]
         self._hooks = [
             accelerator.register_save_state_pre_hook(self._on_save_state),
@@ -101,42 +105,73 @@ class AccelerateCheckpointer(DrainOnExit):
         """Newest step committed by the fully asynchronous path on this process (main process only)."""
         return self._engine.committed_step if self._engine is not None else None
 
-    def save_state(self, step: int | None = None) -> SaveHandle:
-        """Capture everything ``accelerator.save_state`` would save and write it as generation ``step`` of ``uri``.
+    def save_state(self, step: int | None = None, *, automatic: bool | None = None) -> SaveHandle:
+        """Capture everything ``accelerator.save_state`` would save and write it as one generation, asynchronously.
 
         Collective: every process must call it. Weights and optimizer state are staged in the background behind
         the optimizer-step fence when proven; buffers, RNG, schedulers, scaler, sampler/dataloader and custom state
-        are copied at the cut. Only the main process writes: the other processes' RNG states are gathered to it
-        at the cut, so the manifest is written once, after every file of every rank.
+        are copied at the cut. accelerate's save-state pre-hooks run first, as ``accelerator.save_state`` runs them
+        (see :mod:`~lightning_async_ckpt.accelerate._prehooks`); what they write is part of the generation. Only
+        the main process writes: the other processes' RNG states are gathered to it at the cut, so the manifest is
+        written once, after every file of every rank.
+
+        Where: generation ``step`` of the store at :attr:`uri` (``<uri>/step-XXXXXXXX/``); or, with ``automatic``
+        (the default when there is no :attr:`uri`) and ``ProjectConfiguration(automatic_checkpoint_naming=True)``,
+        accelerate's own ``<project_dir>/checkpoints/checkpoint_<iteration>``: the iteration then advances as
+        accelerate's does (never onto an existing folder), and ``total_limit`` removes the oldest folders, never one
+        still being written nor the newest committed one.
 
         Args:
-            step: Generation step; default :attr:`step`.
+            step: The manifest's step; default :attr:`step`.
+            automatic: Write accelerate's automatically named folder instead of a generation of :attr:`uri`.
 
         Returns:
             The save's handle. On other processes ``staged`` resolves at the cut and ``uploaded``/``committed`` at
             the next collective call (``save_state``, ``close``, a save via ``accelerator.save_state``).
+
+        Raises:
+            ConfigError: No :attr:`uri` and no automatic checkpoint naming, or a bad ``step``.
         """
         self._check_open()
-        if self.uri is None:
-            raise ConfigError("this checkpointer has no uri: attach(accelerator, uri=...) to use save_state")
+        auto = self.uri is None if automatic is None else automatic
+        if auto and automatic_root(self.accelerator) is None:
+            raise ConfigError(
+                "save_state without a uri writes accelerate's automatically named checkpoint_N folders: pass "
+                "Accelerator(project_config=ProjectConfiguration(project_dir=..., automatic_checkpoint_naming=True)), "
+                "or attach(accelerator, uri=...) and save to that uri"
+            )
         step = self.step if step is None else step
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ConfigError(f"step must be a non-negative int, got {step!r}")
         self._install_fences()
-        rngs = self._settle_collectively(payload=_rng_state(self.accelerator))
+        acc = self.accelerator
+        rngs = self._settle_collectively(payload=_rng_state(acc))
         handle: SaveHandle | None = None
         error: BaseException | None = None
-        if self._main:
-            try:
-                state = _layout_state(self.accelerator, rngs)
-                handle = self._save(self._get_engine(), step, state, extra={"layout": "accelerate"})
+        index: int | None = None
+        hook_files: str | None = None
+        try:
+            weights = _model_weights(acc)
+            files, hook_files = run_save_pre_hooks(acc, weights, self._is_own, keep=self._main)
+            if self._main:
+                state = {**files, **_layout_state(acc, rngs, weights)}
+                if auto:
+                    index, handle = self._save_automatic(step, state)
+                else:
+                    handle = self._save(self._get_engine(), step, state, extra={"layout": "accelerate"})
                 if self._multi:  # only other processes need its outcome
                     self._book.track(handle)
-            except Exception as exc:  # noqa: BLE001 - raised on every process by the collective below
-                error = exc
-        decision = self._collective(
-            error, payload=handle.decision if handle is not None else None, doing=f"save_state(step={step})"
+        except Exception as exc:  # noqa: BLE001 - raised on every process by the collective below
+            error = exc
+        finally:
+            remove_when_done(hook_files, handle)
+        decision, index = self._collective(
+            error,
+            payload=(handle.decision, index) if handle is not None else (None, None),
+            doing=f"save_state(step={step})",
         )[0]
+        if index is not None:
+            acc.project_configuration.iteration = index + 1  # as accelerate's save_state does, on every process
         if handle is None:
             # This process wrote nothing: its handle mirrors the main process's save (resolved at collectives).
             handle = SaveHandle(step=step, record=SaveRecord(requested_step=step), decision=decision)
@@ -198,6 +233,15 @@ class AccelerateCheckpointer(DrainOnExit):
                 "are saved by accelerate before the hook runs, or a pre-hook registered earlier took over weight "
                 "saving. lightning_async_ckpt supports single-device and DDP models: do not attach() here."
             )
+        project = self.accelerator.project_configuration
+        limit = project.total_limit if project.automatic_checkpoint_naming else None
+        if limit is not None and limit <= self.options.max_outstanding:
+            raise ConfigError(
+                f"ProjectConfiguration(total_limit={limit}) would let accelerator.save_state delete a folder that is "
+                f"still being written (max_outstanding={self.options.max_outstanding}): use total_limit >= "
+                "max_outstanding + 1, or save with lightning_async_ckpt.accelerate.save_state(accelerator), whose "
+                "total_limit never deletes a folder in flight"
+            )
         taken = list(weights)
         weights.clear()  # we take over weight saving; accelerate writes the rest synchronously after this hook
         self._install_fences()
@@ -206,7 +250,11 @@ class AccelerateCheckpointer(DrainOnExit):
         self._pending_settle = True
         if self._folder_writer:
             try:
-                self._save_folder(os.path.abspath(os.fspath(output_dir)), taken)
+                state = {
+                    _indexed("model", i, ".safetensors"): ("safetensors", _clean(sd)) for i, sd in enumerate(taken)
+                }
+                expected = _expected_sync_files(self.accelerator)
+                self._save_folder(os.path.abspath(os.fspath(output_dir)), state, self.step, expected)
             except Exception as exc:  # noqa: BLE001 - raised on every process by the collective below
                 error = exc
         self._collective(error, doing=f"save_state({output_dir!r})")
@@ -224,6 +272,10 @@ class AccelerateCheckpointer(DrainOnExit):
                 "may be missing or partial; load an older checkpoint"
             )
 
+    def _on_load_weights(self, *_: Any) -> None:
+        # model.load_state_dict(...) is about to overwrite weights a save may still be staging: stage them first.
+        self.wait()
+
     def _on_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if optimizer is self._counted:
             self.step += 1
@@ -232,49 +284,6 @@ class AccelerateCheckpointer(DrainOnExit):
         self.wait()
 
     # -- internals -----------------------------------------------------------------------------------------
-    def _quiesce(self, under: str | None) -> None:
-        """Collective, before a load: confirm pending folders, finish staging, and let every hook-path save into
-        ``under`` (a folder, or any folder below it) end, so loading sees it committed or failed."""
-        self._settle_collectively()
-        self.wait()
-        error: BaseException | None = None
-        for save in list(self._folder_store.saves.values()) if self._folder_store and under else []:
-            inside = save.folder == under or save.folder.startswith(under.rstrip(os.sep) + os.sep)
-            if inside and save.handle is not None:
-                try:
-                    save.handle.committed.result()
-                except Exception as exc:  # noqa: BLE001 - raised on every process by the collective below
-                    error = exc
-        self._collective(error, doing=f"load_state({under!r}): waiting for saves into it")
-
-    def _save_folder(self, folder: str, weights: list[dict]) -> None:
-        store, engine = self._get_folder_engine()
-        # A save still in flight into this folder (or at this step) ends before the folder is rewritten.
-        saves = list(store.saves.values())  # a snapshot: the upload thread removes saves as they end
-        concurrent.futures.wait(
-            [s.handle.committed for s in saves if s.handle and (s.folder == folder or s.step == self.step)]
-        )
-        os.makedirs(folder, exist_ok=True)
-        with open(os.path.join(folder, INCOMPLETE_MARKER), "wb") as f:
-            f.write(json.dumps({"step": self.step, "run_id": self.run_id}).encode())
-            f.flush()
-            os.fsync(f.fileno())
-        if os.path.exists(os.path.join(folder, MANIFEST_NAME)):
-            os.unlink(os.path.join(folder, MANIFEST_NAME))  # the folder is being rewritten: un-commit it first
-        fsync_dir(folder)
-        state = {_indexed("model", i, ".safetensors"): ("safetensors", _clean(sd)) for i, sd in enumerate(weights)}
-        save = _FolderSave(folder=folder, step=self.step, expected=_expected_sync_files(self.accelerator))
-        store.saves[self.step] = save
-        try:
-            save.handle = self._save(engine, self.step, state, extra={"layout": "accelerate", "output_dir": folder})
-        except BaseException:
-            store.saves.pop(self.step, None)
-            raise
-        save.handle.committed.add_done_callback(
-            lambda _: store.saves.pop(save.step) if store.saves.get(save.step) is save else None
-        )
-        self._unsettled.append(save)
-
     def _save(self, engine: AsyncCheckpointer, step: int, state: dict, extra: dict[str, Any]) -> SaveHandle:
         acc = self.accelerator
         handle = engine.save(
@@ -290,43 +299,21 @@ class AccelerateCheckpointer(DrainOnExit):
         self.handles.append(handle)
         return handle
 
+    def _is_own(self, hook: Any) -> bool:
+        return getattr(hook, "__self__", None) is self
+
     def _proof(self) -> DeferralProof:
-        failures = []
-        for model in self.accelerator._models:
-            for name, sub in model.named_modules():
-                if getattr(sub, "_hf_hook", None) is not None:
-                    failures.append(f"module {name or type(sub).__name__} has an accelerate hook that may move weights")
-                    break
-        return prove_deferral(
-            self.accelerator._models,
-            self.accelerator._optimizers,
-            has_optimizer_step_fence=True,
-            has_batch_start_fence=False,
-            extra_failures=failures,
-        )
+        return deferral_proof(self.accelerator, self._is_own)
 
     def _install_fences(self) -> None:
-        for i, opt in enumerate(self.accelerator._optimizers):
-            inner = getattr(opt, "optimizer", opt)
-            if i == 0 and self._counted is None:
-                self._counted = inner
-            if id(inner) not in self._fences:
-                self._fences[id(inner)] = inner.register_step_pre_hook(self._on_optimizer_step)
+        first = install_fences(self.accelerator, self._fences, self._on_optimizer_step, self._on_load_weights)
+        self._counted = first if self._counted is None else self._counted
 
     def _get_engine(self) -> AsyncCheckpointer:
         if self._engine is None:
             store = CheckpointStore(self.uri, self.storage_options, run_id=self.run_id)
             self._engine = self._new_engine(store, self.options)
         return self._engine
-
-    def _get_folder_engine(self) -> tuple[_FolderStore, AsyncCheckpointer]:
-        if self._folder_engine is None:
-            # Skipping would leave a folder accelerate cannot load: the hook path waits (or aborts).
-            admission = "abort" if self.options.admission == "abort" else "wait"
-            opts = CheckpointOptions(**{**self.options.__dict__, "admission": admission, "keep_last": None})
-            store = _FolderStore(self.run_id)
-            self._folder_store, self._folder_engine = store, self._new_engine(store, opts)
-        return self._folder_store, self._folder_engine  # type: ignore[return-value]
 
     def _new_engine(self, store: CheckpointStore, options: CheckpointOptions) -> AsyncCheckpointer:
         engine = AsyncCheckpointer(store, options, serializer=_LayoutSerializer())

@@ -251,6 +251,16 @@ class _FolderStore(CheckpointStore):
         os.makedirs(save.folder, exist_ok=True)
         return _FolderWriter(self, save)
 
+    def inflight_location(self, step: int) -> str | None:
+        """Where save ``step`` writes, for readers in this process to wait on (:mod:`~lightning_async_ckpt.storage.inflight`).
+
+        Only a save whose commit needs nothing more from the training thread is tracked (all of its files are
+        ours). A hook-path folder is committed only after the next call into the checkpointer confirms accelerate's
+        part, so a reader that waited for it could wait forever; ``load_state`` confirms and waits for those itself.
+        """
+        save = self.saves.get(step)
+        return save.folder if save is not None and save.settled.is_set() and not save.abandoned else None
+
     def end_write(self, step: int) -> None:
         """The writer of ``step`` committed or aborted."""
         with self._folder_lock:

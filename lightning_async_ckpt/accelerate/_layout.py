@@ -86,7 +86,8 @@ def _write_safetensors(tensors: dict[str, torch.Tensor], stream: Any, metadata: 
 
 @dataclass(frozen=True)
 class _LayoutSerializer:
-    """Writes ``{object name: (kind, payload)}``: ``safetensors`` dicts, ``torch`` (``torch.save``) or ``raw`` bytes."""
+    """Writes ``{object name: (kind, payload)}``: ``safetensors`` dicts, ``torch`` (``torch.save``), ``raw`` bytes or
+    ``file`` (the bytes of a local file, by path)."""
 
     def write(self, state: Any, writer: GenerationWriter) -> None:
         for name, (kind, payload) in state.items():
@@ -95,6 +96,10 @@ class _LayoutSerializer:
                     _write_safetensors(payload, stream, {"format": "pt"})
                 elif kind == "torch":
                     torch.save(payload, stream)
+                elif kind == "file":  # a file a save-state pre-hook wrote (see _prehooks.py)
+                    with open(payload, "rb") as f:
+                        while chunk := f.read(8 << 20):
+                            stream.write(chunk)
                 else:
                     stream.write(payload)
 
@@ -136,13 +141,23 @@ def _rng_state(acc: Any) -> dict[str, Any]:
     return states
 
 
-def _layout_state(acc: Any, rng_by_rank: list[dict[str, Any]]) -> dict[str, tuple[str, Any]]:
-    """Everything ``accelerator.save_state`` writes, as ``{file name: (kind, payload)}`` aliasing live state."""
+def _model_weights(acc: Any) -> list[dict]:
+    """The state dicts ``accelerator.save_state`` saves (and hands its save-state pre-hooks), aliasing live state."""
+    return [acc.get_state_dict(model, unwrap=False) for model in acc._models]
+
+
+def _layout_state(
+    acc: Any, rng_by_rank: list[dict[str, Any]], weights: list[dict] | None = None
+) -> dict[str, tuple[str, Any]]:
+    """Everything ``accelerator.save_state`` writes, as ``{file name: (kind, payload)}`` aliasing live state.
+
+    ``weights`` are the models' state dicts left after the save-state pre-hooks ran (default: every model's).
+    """
     from accelerate.data_loader import IterableDatasetShard, SeedableRandomSampler
 
     objects: dict[str, tuple[str, Any]] = {}
-    for i, model in enumerate(acc._models):
-        objects[_indexed("model", i, ".safetensors")] = ("safetensors", _clean(acc.get_state_dict(model, unwrap=False)))
+    for i, state_dict in enumerate(_model_weights(acc) if weights is None else weights):
+        objects[_indexed("model", i, ".safetensors")] = ("safetensors", _clean(state_dict))
     for i, opt in enumerate(acc._optimizers):
         objects[_indexed("optimizer", i, ".bin")] = ("torch", opt.state_dict())
     for i, scheduler in enumerate(acc._schedulers):

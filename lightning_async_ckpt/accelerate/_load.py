@@ -24,8 +24,10 @@ import torch
 from lightning_async_ckpt.accelerate._choose import Choice, choose
 from lightning_async_ckpt.accelerate._collective import collective_for
 from lightning_async_ckpt.accelerate._layout import _ATTR, _RNG_FILE_RE
+from lightning_async_ckpt.accelerate._numbering import continue_numbering, next_free_index
 from lightning_async_ckpt.core.collective import agree
 from lightning_async_ckpt.errors import CheckpointError
+from lightning_async_ckpt.storage import inflight
 from lightning_async_ckpt.storage.io import read_verified
 from lightning_async_ckpt.storage.manifest import MANIFEST_NAME, Manifest
 
@@ -101,13 +103,20 @@ def load_state(
         # Hook-path saves into this folder (or below it) end first, so the choice sees them committed or failed.
         checkpointer._quiesce(os.path.abspath(root) if isinstance(fs, LocalFileSystem) else None)
     choice: Choice | None = None
+    next_index: int | None = None
     error: BaseException | None = None
     if accelerator.is_main_process:
         try:
+            # Saves this process has in flight there land first (another Accelerator's too): never an older one.
+            inflight.wait_for(uri, options, timeout_s=_wait_bound(collective), doing="load_state")
             choice = choose(fs, root, uri, options, step)
+            next_index = next_free_index(accelerator)
         except Exception as exc:  # noqa: BLE001 - raised on every process by agree
             error = exc
-    choice = agree(collective, error, choice, doing=f"load_state({uri!r}): choosing the generation")[0]
+    choice, next_index = agree(
+        collective, error, (choice, next_index), doing=f"load_state({uri!r}): choosing the generation"
+    )[0]
+    continue_numbering(accelerator, next_index)
     if choice is None:
         _log.warning("load_state: no committed checkpoint under %s; nothing was loaded (a first run starts fresh)", uri)
         return None
@@ -129,6 +138,12 @@ def load_state(
         checkpointer.step = ready.manifest.step
         _continue_run(checkpointer, ready.manifest.run_id)
     return ready.manifest
+
+
+def _wait_bound(collective: Any) -> float:
+    """How long the main process may wait for its saves: below the bound of the exchange the others wait in."""
+    bound = getattr(collective, "timeout_s", None)
+    return inflight.DEFAULT_WAIT_S if bound is None else min(inflight.DEFAULT_WAIT_S, 0.8 * bound)
 
 
 def _continue_run(checkpointer: Any, run_id: str) -> None:

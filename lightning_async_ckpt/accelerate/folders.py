@@ -36,9 +36,11 @@ class AccelerateFolder:
     Attributes:
         name: The folder's name (``checkpoint_3``, or the ``output_dir``'s own name).
         url: Its location, as a URL of its filesystem (a plain path for local folders).
-        state: ``"committed"`` (a valid manifest), ``"uncommitted"`` (an asynchronous save that never finished),
-            ``"invalid"`` (a manifest that does not parse) or ``"foreign"`` (accelerate's files and no manifest:
-            not written through this library, or by a save that died before it marked the folder).
+        state: ``"committed"`` (a valid manifest, and every object it lists is there with its size),
+            ``"uncommitted"`` (an asynchronous save that never finished), ``"invalid"`` (a manifest that does not
+            parse, or objects missing or resized: e.g. a deletion that stopped halfway) or ``"foreign"``
+            (accelerate's files and no manifest: not written through this library, or by a save that died before
+            it marked the folder).
         step: The step its manifest records; ``None`` without a valid manifest.
         index: ``N`` of an automatically named ``checkpoint_N`` folder, else ``None``.
         manifest: The parsed manifest when committed.
@@ -127,6 +129,13 @@ def _read_folder(fs: Any, path: str, index: int | None) -> AccelerateFolder:
     except ManifestError as exc:
         return AccelerateFolder(
             name=name, url=url, state="invalid", index=index, error=str(exc), mtime=_mtime(fs, path)
+        )
+    try:
+        folder_manifest(fs, path)  # every object there with its size: "committed" is never a folder half deleted
+    except (ManifestError, FileNotFoundError) as exc:
+        error = f"the manifest is valid but the folder does not match it: {' '.join(str(exc).split())}"
+        return AccelerateFolder(
+            name=name, url=url, state="invalid", step=manifest.step, index=index, error=error, mtime=_mtime(fs, path)
         )
     return AccelerateFolder(
         name=name,

@@ -32,6 +32,7 @@ from lightning_async_ckpt.errors import ManifestError
 from lightning_async_ckpt.lightning.naming import CHECKPOINT_NAME, loadable_path
 from lightning_async_ckpt.lightning.rerun import VERSION_RE, comparable_path, run_locations, version_uri
 from lightning_async_ckpt.lightning.sharded import is_lightning_dcp_generation
+from lightning_async_ckpt.storage import inflight
 from lightning_async_ckpt.storage.generation import parse_generation_name, subfolders_holding_checkpoints
 from lightning_async_ckpt.storage.store import CheckpointStore
 
@@ -86,6 +87,7 @@ def latest_checkpoint(dirpath: str, storage_options: dict[str, Any] | None = Non
 
 
 def _newest_verified(dirpath: str, storage_options: dict[str, Any] | None, *, resumable: bool = False) -> str | None:
+    inflight.wait_for(dirpath, storage_options, doing="latest checkpoint of")  # this process's saves land first
     candidates = []
     for loc in run_locations(dirpath, storage_options):
         for info in loc.store.generations():
