@@ -191,3 +191,23 @@ def test_an_s3_checkpoint_loads_outside_a_trainer_with_storage_options_only(s3_u
     model.load_state_dict(checkpoint["state_dict"])
     assert checkpoint["global_step"] == 4 and path.endswith("/step-00000004/epoch=0-step=4.ckpt")
     assert all(torch.equal(model.state_dict()[k], v) for k, v in checkpoint["state_dict"].items())
+
+
+# -- one story on sharded strategies --------------------------------------------------------------------------
+def test_the_docs_tell_the_codes_story_on_sharded_strategies():
+    from pathlib import Path
+
+    from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
+
+    from lightning_async_ckpt.lightning.arguments import check_strategy
+
+    check_strategy(ModelParallelStrategy(save_distributed_checkpoint=True))  # accepted by the code ...
+    check_strategy(FSDPStrategy(state_dict_type="sharded"))
+    root = Path(__file__).resolve().parents[1]
+    pages = ["README.md", "docs/comparison.md", "docs/lightning_sharded.md", "docs/troubleshooting.md"]
+    for page in pages:  # ... and by every page, which also says what was run where
+        text = " ".join((root / page).read_text().split())
+        assert 'FSDPStrategy(state_dict_type="sharded")' in text and "ModelParallelStrategy" in text, page
+        assert "sharded strategies are refused" not in text and "does not drive it" not in text, page
+        low = text.lower()
+        assert "gpu" in low and ("not been run" in low or "not run" in low), page

@@ -15,7 +15,7 @@ that gap with a :class:`StoreReader`:
   warns naming ``save_weights_only`` and training starts fresh, as ``ModelCheckpoint`` does without a last file.
 * ``trainer.fit(ckpt_path=f"{dirpath}/last.ckpt")`` (a resubmit script's hard-coded path): no such file is ever
   written; while it does not exist the reader loads what ``"last"`` picks, or raises ``FileNotFoundError`` naming
-  ``ckpt_path="last"`` and ``latest_checkpoint(dirpath)`` when there is nothing to resume.
+  ``ckpt_path="last"`` and ``latest_checkpoint(dirpath)`` when there is nothing to resume (both in ``last.py``).
 
 Once loaded, ``trainer.ckpt_path`` names the checkpoint read (the store URL, never the marker).
 """
@@ -29,10 +29,10 @@ from collections.abc import Callable
 from typing import Any
 
 from lightning_async_ckpt.errors import ManifestError
+from lightning_async_ckpt.lightning.last import stand_in_for_last, warn_if_weights_only, weights_only
 from lightning_async_ckpt.lightning.naming import CHECKPOINT_NAME, loadable_path
-from lightning_async_ckpt.lightning.rerun import VERSION_RE, comparable_path, run_locations, version_uri
+from lightning_async_ckpt.lightning.rerun import VERSION_RE, run_locations, version_uri
 from lightning_async_ckpt.lightning.sharded import is_lightning_dcp_generation
-from lightning_async_ckpt.storage import inflight
 from lightning_async_ckpt.storage.generation import parse_generation_name, subfolders_holding_checkpoints
 from lightning_async_ckpt.storage.store import CheckpointStore
 
@@ -50,8 +50,6 @@ _log = logging.getLogger("lightning_async_ckpt")
 _ALIAS_ROOT = "memory://lightning_async_ckpt-resume"
 _READER_ATTR = "_lightning_async_ckpt_reader"
 _LAST_PREFIX = "last"  # ModelCheckpoint.CHECKPOINT_NAME_LAST
-_LAST_FILE = "last.ckpt"  # the path resubmit scripts hard-code
-_EXTRA_KEY = "model_checkpoint"  # selection.EXTRA_KEY: what the callback records about a generation
 
 
 def latest_checkpoint(dirpath: str, storage_options: dict[str, Any] | None = None) -> str | None:
@@ -87,13 +85,12 @@ def latest_checkpoint(dirpath: str, storage_options: dict[str, Any] | None = Non
 
 
 def _newest_verified(dirpath: str, storage_options: dict[str, Any] | None, *, resumable: bool = False) -> str | None:
-    inflight.wait_for(dirpath, storage_options, doing="latest checkpoint of")  # this process's saves land first
     candidates = []
     for loc in run_locations(dirpath, storage_options):
         for info in loc.store.generations():
             if info.manifest is None or not _loadable(info.manifest, CHECKPOINT_NAME):
                 continue
-            if resumable and _weights_only(info.manifest):
+            if resumable and weights_only(info.manifest):
                 continue
             candidates.append((info.manifest.committed_at, loc.version, info.step, loc.store))
     for _, _, step, store in sorted(candidates, key=lambda c: c[:3], reverse=True):
@@ -114,11 +111,6 @@ def _loadable(manifest: Any, name: str) -> bool:
     holds DCP's files and ``meta.pt``; those strategies load the generation folder (see ``lightning/sharded.py``).
     """
     return name in {o.name for o in manifest.objects} or is_lightning_dcp_generation(manifest)
-
-
-def _weights_only(manifest: Any) -> bool:
-    """Whether the callback wrote the generation with ``save_weights_only=True`` (no state to resume training)."""
-    return bool((manifest.extra.get(_EXTRA_KEY) or {}).get("weights_only"))
 
 
 def _keep_storage(storage: Any, location: Any) -> Any:
@@ -178,7 +170,7 @@ class StoreReader:
         original = checkpoint_io.load_checkpoint
 
         def load_checkpoint(path: Any, *args: Any, **kwargs: Any) -> Any:
-            stand_in = self.stand_in_for_last(path, newest)
+            stand_in = stand_in_for_last(self._root.fs, self.dirpath, path, newest)
             path = path if stand_in is None else stand_in
             url = self.resolve(path) if self.remote else None
             if url is None:
@@ -196,31 +188,6 @@ class StoreReader:
 
         checkpoint_io.load_checkpoint = load_checkpoint
         self._io = (checkpoint_io, load_checkpoint)
-
-    def stand_in_for_last(self, path: Any, newest: Callable[[], str | None] | None) -> str | None:
-        """For a ``<dirpath>/last.ckpt`` that does not exist: the checkpoint ``ckpt_path="last"`` resumes from.
-
-        Returns ``None`` for any other path (and for a ``last.ckpt`` that exists: a ``ModelCheckpoint``'s file).
-
-        Raises:
-            FileNotFoundError: Nothing to resume from: the message names ``ckpt_path="last"`` and
-                ``latest_checkpoint(dirpath)``.
-        """
-        parent, _, base = str(path).rstrip("/").rpartition("/")
-        if newest is None or base != _LAST_FILE or comparable_path(parent) != comparable_path(self.dirpath):
-            return None
-        if self._root.fs.exists(str(path)):
-            return None
-        found = newest()
-        if found is None:
-            raise FileNotFoundError(
-                f"{path} does not exist: AsyncCheckpointCallback writes no last.ckpt file (a checkpoint is the "
-                f"folder of its step, recoverable once its manifest is committed) and {self.dirpath!r} holds no "
-                "checkpoint to resume training from. Pass trainer.fit(..., ckpt_path='last') (a fresh start while "
-                f"there is none) or ckpt_path=latest_checkpoint({self.dirpath!r})"
-            )
-        _log.info("%s does not exist (no last.ckpt is written): loading %s, what ckpt_path='last' picks", path, found)
-        return found
 
     def remove(self) -> None:
         """Undo :meth:`install` and drop the in-memory markers."""
@@ -333,30 +300,12 @@ def _newest_for_last(callback: Any, trainer: Any) -> str | None:
     legacy = reader.model_checkpoint_last_files()
     candidates = ([path] if path is not None else []) + legacy
     if not candidates:
-        _warn_if_weights_only(dirpath, callback.storage_options)
+        warn_if_weights_only(dirpath, callback.storage_options)  # only weights-only generations: say so (last.py)
         return None
     newest = max(candidates, key=reader.modified) if len(candidates) > 1 else candidates[0]
     if newest in legacy:
         _log.warning("ckpt_path='last' resumes from %s, written by ModelCheckpoint (no manifest verifies it)", newest)
     return newest
-
-
-def _warn_if_weights_only(dirpath: str, storage_options: dict[str, Any] | None) -> None:
-    steps = [
-        info.step
-        for loc in run_locations(dirpath, storage_options)
-        for info in loc.store.generations()
-        if info.manifest is not None and _weights_only(info.manifest)
-    ]
-    if steps:
-        message = (
-            f"ckpt_path='last': the committed checkpoints in {dirpath!r} (newest step {max(steps)}) were written "
-            "with save_weights_only=True and hold no optimizer or loop state to resume training from; like "
-            "ModelCheckpoint without a last checkpoint, training starts fresh. Pass save_weights_only=False to "
-            f"resume later; load these weights with load_from_checkpoint(latest_checkpoint({dirpath!r}))"
-        )
-        _log.warning("%s", message)
-        warnings.warn(message, stacklevel=3)
 
 
 def install_reader(callback: Any, trainer: Any) -> None:
