@@ -22,6 +22,7 @@ from tests._dist import launch_ranks
 from tests._lightning_models import assert_same
 
 WORKER = Path(__file__).with_name("_lightning_sliced_worker.py")
+TORN_WORKER = Path(__file__).with_name("_lightning_torn_worker.py")
 
 
 def test_a_dcp_folder_loads_into_lightnings_checkpoint_dict_with_integer_parameter_ids(tmp_path):
@@ -105,3 +106,20 @@ def test_ddp_resumes_from_a_sliced_generation_like_from_the_single_writer_one(ru
         torch.load(out / "resumed-sliced.pt", weights_only=True),
         torch.load(out / "resumed-single.pt", weights_only=True),
     )
+
+
+@pytest.mark.slow
+def test_a_guard_refusal_on_the_sharded_path_is_retaken_not_raised_and_never_commits_the_write(tmp_path):
+    # Before: the sampled guard committed the written row silently, and a refusal (e.g. of a frozen parameter written
+    # in training_step) became a ShardedSaveError raised at the next batch end: the fit died on every rank.
+    procs = launch_ranks([sys.executable, str(TORN_WORKER), str(tmp_path)], timeout=400)
+    for proc in procs:
+        assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "retaken at the next batch end" in "".join(p.stderr for p in procs)
+    store = CheckpointStore(str(tmp_path / "sliced"), check_writable=False)
+    steps = [g.step for g in store.generations()]
+    assert steps and len(steps) < 5, steps  # some cut refused, its retake committed
+    for step in steps:
+        ours = load_lightning_dcp(store.url(step), weights_only=False)["state_dict"]
+        theirs = torch.load(tmp_path / "sync" / f"step={step}.ckpt", weights_only=False)["state_dict"]
+        assert_same(_by_key(ours), _by_key(theirs))

@@ -185,7 +185,7 @@ class ShardedCallbackCheckpointer:
         self.last_committed: ShardedRecord | None = None
         self.deferred_bytes = 0  # staged behind the fences, over every save of this checkpointer
         self.coalesce_due = False
-        self.retake_due = False
+        self._torn = False  # the newest save was refused by the guard on some rank: retake it
         self._handle: ShardedCallbackHandle | None = None
         self._closed = False
 
@@ -193,6 +193,15 @@ class ShardedCallbackCheckpointer:
     def closed(self) -> bool:
         """Whether :meth:`close` ran."""
         return self._closed
+
+    @property
+    def retake_due(self) -> bool:
+        """Whether the newest save was refused by the runtime guard on some rank and must be retaken (as in the
+        single-writer engine); cleared by the next save."""
+        handle = self._handle
+        if handle is not None and handle.committed.done() and getattr(handle.committed.exception(), "torn", False):
+            self._torn = True
+        return self._torn
 
     @property
     def outstanding(self) -> int:
@@ -254,6 +263,13 @@ class ShardedCallbackCheckpointer:
         blocked_by = self.deferral_blocked(modules[0]) if defer and modules else []
         if blocked_by:
             _log.debug("step %s copied at the cut: %s", step, "; ".join(blocked_by))
+        if self._handle is not None:
+            # The previous save ends first (one in flight); a guard refusal is not an error to raise here.
+            self.drain_quietly(None)
+            error = self.take_pending_error()
+            if error is not None:
+                raise error
+        self._torn = False
         inner = self.inner.save(
             step, state, modules=modules, optimizers=optimizers, defer=defer and not blocked_by, objects=objects
         )
@@ -289,6 +305,11 @@ class ShardedCallbackCheckpointer:
         try:
             self.inner.drain(0)
         except ShardedSaveError as exc:
+            if exc.torn:
+                # Refused, not failed: the torn categories are copied at the cut from now on; the callback retakes.
+                self._torn = True
+                _log.warning("%s; it is retaken at the next batch end", exc)
+                return None
             if self.on_error == "warn":
                 _log.warning("sharded checkpoint save failed: %s", exc)
                 return None

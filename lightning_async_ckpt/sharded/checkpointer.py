@@ -32,7 +32,7 @@ from lightning_async_ckpt.core.staging import BufferPool, StagingJob, resolve_bu
 from lightning_async_ckpt.errors import ConfigError
 from lightning_async_ckpt.sharded.capture import LocalCapture, capture_local
 from lightning_async_ckpt.sharded.dcp_writer import RankObjects, StoreStorageWriter
-from lightning_async_ckpt.sharded.handle import ShardedSaveError, ShardedSaveHandle, describe_failure
+from lightning_async_ckpt.sharded.handle import ShardedSaveError, ShardedSaveHandle, describe_failure, is_torn
 from lightning_async_ckpt.storage.direct import release_buffers
 from lightning_async_ckpt.storage.manifest import Manifest
 from lightning_async_ckpt.storage.store import CheckpointStore
@@ -339,6 +339,7 @@ class ShardedCheckpointer:
                 f"sharded save of step {handle.step} failed, not committed: {describe_failure(exc)}"
             )
             error.__cause__ = exc
+            error.torn = bool(job.torn_categories) or is_torn(exc)
             if not handle.uploaded.done():
                 handle.uploaded.set_exception(error)
             self._error = error

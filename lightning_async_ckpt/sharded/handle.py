@@ -9,11 +9,18 @@ from lightning_async_ckpt.core.staging import StagingJob
 from lightning_async_ckpt.errors import CheckpointError
 from lightning_async_ckpt.storage.manifest import Manifest
 
-__all__ = ["ShardedSaveError", "ShardedSaveHandle", "describe_failure"]
+__all__ = ["ShardedSaveError", "ShardedSaveHandle", "describe_failure", "is_torn"]
 
 
 class ShardedSaveError(CheckpointError):
-    """A sharded save failed on some rank; raised on every rank, with the failing ranks named."""
+    """A sharded save failed on some rank; raised on every rank, with the failing ranks named.
+
+    Attributes:
+        torn: The runtime guard refused the save on some rank (a deferred shard changed before it was staged):
+            nothing is broken, the checkpoint is retaken (the torn categories are copied at the cut from then on).
+    """
+
+    torn: bool = False
 
 
 @dataclass(eq=False)
@@ -49,6 +56,16 @@ class ShardedSaveHandle:
     def result(self, timeout: float | None = None) -> Manifest | None:
         """The committed manifest (raises the save's error)."""
         return self.committed.result(timeout)
+
+
+def is_torn(exc: BaseException) -> bool:
+    """Whether ``exc`` (or, for DCP's ``CheckpointException``, any rank's failure) is a guard refusal."""
+    from lightning_async_ckpt.errors import TornSnapshotError
+
+    failures = getattr(exc, "failures", None)
+    errors = [exc] if not isinstance(failures, dict) else list(failures.values())
+    errors = [e[0] if isinstance(e, tuple) else e for e in errors]
+    return any(isinstance(e, TornSnapshotError) or "TornSnapshotError" in repr(e) for e in errors)
 
 
 def describe_failure(exc: BaseException) -> str:
