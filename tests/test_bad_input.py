@@ -126,8 +126,8 @@ def test_checkpointer_rejects_bad_save_arguments(tmp_path):
 
 
 CALLBACK_CASES = [
-    ("dirpath", ""),
     ("dirpath", 5),
+    ("dirpath", b"ckpts"),
     ("every_n_train_steps", -2),
     ("every_n_train_steps", 2.0),
     ("every_n_train_steps", True),
@@ -160,7 +160,7 @@ CALLBACK_CASES = [
     ("train_time_interval", 5),
     ("save_on_train_epoch_end", "no"),
     ("enable_version_counter", "x"),
-    ("save_on_exception", True),
+    ("save_on_exception", "yes"),
     ("ddp_layout", "columns"),
     ("log_metrics", "yes"),
 ]

@@ -49,9 +49,7 @@ def test_every_model_checkpoint_argument_is_accepted_by_name():
 @pytest.mark.parametrize(
     ("kwargs", "names"),
     [
-        ({"save_on_exception": True}, ("save_on_exception", "ckpt_path='last'")),
         ({"save_top_k": 3}, ("save_top_k=3", "monitor", "keep_last")),
-        ({"save_top_k": 0}, ("save_top_k=0", "save_last=True")),
         ({"save_top_k": 1, "keep_last": 2}, ("save_top_k=1", "keep_last=2")),
         ({"mode": "maximum"}, ("mode", "'min' or 'max'")),
         ({"train_time_interval": 60}, ("train_time_interval", "timedelta")),

@@ -161,3 +161,56 @@ def test_confirm_accepts_writes_after_the_fence():
     with torch.no_grad():
         weight.mul_(0.5)  # the optimizer step after the fence
     job.confirm()  # no error
+
+
+def _proof_failures(model: torch.nn.Module, opt: torch.optim.Optimizer) -> tuple[str, ...]:
+    from lightning_async_ckpt.core.proof import prove_deferral
+    from lightning_async_ckpt.sharded.capture import sharded_proof
+
+    single = prove_deferral([model], [opt]).failures
+    # The sharded path (FSDP2, DDP slices) uses the same rules.
+    assert sharded_proof([model], [opt], {Fence.OPTIMIZER_STEP, Fence.BATCH_START}).failures == single
+    return single
+
+
+def test_torch_optimizers_with_an_lr_scheduler_are_proven():
+    model = torch.nn.Linear(4, 4)
+    for cls in (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW):
+        opt = cls(model.parameters(), lr=0.1)
+        torch.optim.lr_scheduler.StepLR(opt, 1)  # wraps opt.step on the instance: torch's own
+        assert _proof_failures(model, opt) == ()
+
+    class Configured(torch.optim.Adam):  # a subclass that keeps torch's step
+        pass
+
+    assert _proof_failures(model, Configured(model.parameters())) == ()
+
+
+def test_code_that_runs_inside_optimizer_step_before_the_closure_is_named():
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    from lightning_async_ckpt.core.hooks import FenceHooks
+
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    FenceHooks(lambda fence: 0.0).attach(model, opt)  # our own fences only wait: never a failure
+    assert _proof_failures(model, opt) == ()
+    handle = opt.register_step_pre_hook(lambda *a: None)
+    assert any("1 step pre-hook" in f for f in _proof_failures(model, opt))
+    handle.remove()
+    handle = register_optimizer_step_pre_hook(lambda *a: None)
+    try:
+        assert any("global optimizer step pre-hook" in f for f in _proof_failures(model, opt))
+    finally:
+        handle.remove()
+
+    class Lookahead(torch.optim.SGD):
+        def step(self, closure=None):
+            return super().step(closure)
+
+    assert any("overrides step" in f for f in _proof_failures(model, Lookahead(model.parameters(), lr=0.1)))
+    replaced = torch.optim.SGD(model.parameters(), lr=0.1)
+    replaced.step = lambda closure=None: None
+    assert any("replaced on the instance" in f for f in _proof_failures(model, replaced))
+    model.weight.register_hook(lambda grad: grad)
+    assert any("gradient hook" in f for f in _proof_failures(model, opt))

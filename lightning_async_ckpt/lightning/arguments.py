@@ -2,13 +2,64 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
+from lightning.fabric.utilities.exceptions import MisconfigurationException
+
 from lightning_async_ckpt.errors import ConfigError
 
-__all__ = ["Selection", "check_arguments", "check_selection", "check_shared_dirpath", "check_strategy"]
+__all__ = [
+    "ModelCheckpointConfigError",
+    "Selection",
+    "check_arguments",
+    "check_selection",
+    "check_shared_dirpath",
+    "check_strategy",
+    "normalize_dirpath",
+    "resolve_dirpath",
+]
+
+
+class ModelCheckpointConfigError(ConfigError, MisconfigurationException):
+    """A bad value ``ModelCheckpoint`` refuses with a ``MisconfigurationException``: raised as both that exception
+    (code catching it keeps working) and a :class:`~lightning_async_ckpt.errors.ConfigError`, with
+    ``ModelCheckpoint``'s wording followed by the fix."""
+
+
+def normalize_dirpath(dirpath: Any) -> str | None:
+    """``dirpath`` as ``ModelCheckpoint`` keeps it: a ``str``; a local path with ``~`` expanded, made absolute and
+    its links resolved (``os.path.realpath``); a URL (``s3://...``, ``file://...``) untouched; ``""`` stays ``""``
+    (names relative to the working directory, resolved at setup by :func:`resolve_dirpath`).
+
+    Raises:
+        ConfigError: ``dirpath`` is neither ``None``, a ``str`` nor an ``os.PathLike``.
+    """
+    if dirpath is None:
+        return None
+    if not isinstance(dirpath, (str, os.PathLike)):
+        raise ConfigError(
+            f"dirpath must be None, a path (str or os.PathLike such as pathlib.Path) or an fsspec URL string, "
+            f"got {type(dirpath).__name__} {dirpath!r}"
+        )
+    path = os.fspath(dirpath)
+    if not isinstance(path, str):  # a bytes path
+        raise ConfigError(f"dirpath must be a text path, not bytes: pass {os.fsdecode(path)!r}")
+    if not path or "://" in path:
+        return path
+    return os.path.realpath(os.path.expanduser(path))
+
+
+def resolve_dirpath(dirpath: str | None, default_root_dir: Any) -> str:
+    """Where the callback writes: ``dirpath``, ``<default_root_dir>/checkpoints`` for ``None``, or the working
+    directory for ``""`` (``ModelCheckpoint`` writes relative file names there)."""
+    if dirpath is None:
+        return f"{str(default_root_dir).rstrip('/')}/checkpoints"
+    if dirpath == "":
+        return os.path.realpath(os.getcwd())
+    return dirpath
 
 
 def check_arguments(
@@ -20,12 +71,15 @@ def check_arguments(
     storage_options: Any,
 ) -> None:
     """Raise :class:`ConfigError` naming the argument and what it accepts, before anything is created."""
-    if dirpath is not None and (not isinstance(dirpath, str) or not dirpath.strip()):
-        raise ConfigError(f"dirpath must be a non-empty path or URL string, got {dirpath!r}")
+    normalize_dirpath(dirpath)
     for name, value in (("every_n_train_steps", every_n_train_steps), ("every_n_epochs", every_n_epochs)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
             raise ConfigError(
                 f"{name} must be None or an int >= 0 (0 disables it, like ModelCheckpoint), got {value!r}"
+            )
+        if value is not None and value < 0:
+            raise ModelCheckpointConfigError(
+                f"Invalid value for {name}={value}. Must be >= 0 (0 disables it; None leaves it unset)"
             )
     for name, value in flags.items():
         if not isinstance(value, bool):
@@ -64,7 +118,8 @@ class Selection:
         filename: The name template (``None``: ``ModelCheckpoint``'s ``"{epoch}-{step}"``).
         monitor: The metric ranked by ``save_top_k`` (``None``: no ranking).
         mode: ``"min"`` or ``"max"``.
-        save_top_k: The value ``ModelCheckpoint`` reports (loggers read it; ``-1`` means every generation is kept).
+        save_top_k: The value ``ModelCheckpoint`` reports (loggers read it; ``-1`` means every generation is kept,
+            ``0`` that none is ranked: only ``save_last`` cuts, or none at all without it).
         top_k: With ``monitor``: how many committed generations to keep by score, ``-1`` all.
         save_last: ``None``/``False``/``True``/``"link"``.
         keep_last: The engine's count-based retention (``None``: none, or best-k retention of the callback).
@@ -103,11 +158,15 @@ def check_selection(
     if monitor is not None and (not isinstance(monitor, str) or not monitor):
         raise ConfigError(f"monitor must be None or the name of a logged metric, got {monitor!r}")
     if mode not in ("min", "max"):
-        raise ConfigError(f"mode must be 'min' or 'max', got {mode!r}")
+        raise ModelCheckpointConfigError(f"`mode` can be min, max but got {mode}: pass mode='min' or 'max'")
     if save_last not in (None, True, False, "link"):
         raise ConfigError(f"save_last must be None, True, False or 'link', got {save_last!r}")
-    if save_top_k is not None and (isinstance(save_top_k, bool) or not isinstance(save_top_k, int) or save_top_k < -1):
+    if save_top_k is not None and (isinstance(save_top_k, bool) or not isinstance(save_top_k, int)):
         raise ConfigError(f"save_top_k must be None or an int >= -1, got {save_top_k!r}")
+    if save_top_k is not None and save_top_k < -1:
+        raise ModelCheckpointConfigError(
+            f"Invalid value for save_top_k={save_top_k}. Must be >= -1 (-1 keeps every checkpoint, 0 none)"
+        )
     if train_time_interval is not None and (
         not isinstance(train_time_interval, timedelta) or train_time_interval.total_seconds() < 0
     ):
@@ -116,22 +175,14 @@ def check_selection(
         )
     if save_on_train_epoch_end not in (None, True, False):
         raise ConfigError(f"save_on_train_epoch_end must be None, True or False, got {save_on_train_epoch_end!r}")
-    if save_on_exception is not False:
-        raise ConfigError(
-            f"save_on_exception={save_on_exception!r} is not supported: a checkpoint taken while an exception unwinds "
-            "may hold a half-done step. The callback drains the saves in flight at an exception (bounded by "
-            "drain_timeout_s); resume with trainer.fit(model, ckpt_path='last')"
-        )
-    if save_top_k == 0 and not save_last:
-        raise ConfigError(
-            "save_top_k=0 without save_last writes no checkpoint at all (ModelCheckpoint saves nothing); pass "
-            "save_last=True to keep only the newest generation, or leave the callback out of the Trainer"
-        )
+    if save_on_exception not in (True, False):
+        raise ConfigError(f"save_on_exception must be True or False, got {save_on_exception!r}")
     if monitor is None:
         if save_top_k not in (None, -1, 0, 1):
-            raise ConfigError(
-                f"save_top_k={save_top_k} needs monitor=<metric name> to rank checkpoints by; without monitor pass "
-                "save_top_k=1 (keep the newest), -1 (keep all), or keep_last=N (keep the newest N)"
+            raise ModelCheckpointConfigError(
+                f"ModelCheckpoint(save_top_k={save_top_k}, monitor=None) is not a valid configuration. No quantity "
+                "for top_k to track: pass monitor=<metric name> to rank checkpoints by, or save_top_k=1 (keep the "
+                "newest), -1 (keep all), or keep_last=N (keep the newest N)"
             )
         if save_top_k is not None and keep_last is not None:
             raise ConfigError(
@@ -139,7 +190,7 @@ def check_selection(
                 "without monitor pass only one of them"
             )
         engine_keep = keep_last if save_top_k is None else (None if save_top_k == -1 else 1)
-        reported = -1 if engine_keep is None else engine_keep
+        reported = 0 if save_top_k == 0 else (-1 if engine_keep is None else engine_keep)
         return Selection(filename, None, mode, reported, 0, save_last, engine_keep, 1)
     top_k = 1 if save_top_k is None else save_top_k
     if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
@@ -156,7 +207,7 @@ def check_shared_dirpath(callback: Any, trainer: Any) -> None:
     from lightning_async_ckpt.lightning.rerun import comparable_path
 
     def place(cb: Any) -> str:
-        return comparable_path(cb.dirpath or f"{str(trainer.default_root_dir).rstrip('/')}/checkpoints")
+        return comparable_path(resolve_dirpath(cb.dirpath, trainer.default_root_dir))
 
     mine = place(callback)
     for other in trainer.callbacks:

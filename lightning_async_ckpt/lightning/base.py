@@ -8,13 +8,14 @@ set the attributes ``ModelCheckpoint`` has, so what Lightning and the loggers re
 from __future__ import annotations
 
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Literal
 
 from lightning.pytorch.callbacks import ModelCheckpoint
 from typing_extensions import override
 
 from lightning_async_ckpt.core.engine import AsyncCheckpointer, CheckpointOptions
-from lightning_async_ckpt.lightning.arguments import check_arguments, check_selection
+from lightning_async_ckpt.lightning.arguments import check_arguments, check_selection, normalize_dirpath
 from lightning_async_ckpt.lightning.schedule import CutSchedule
 from lightning_async_ckpt.lightning.selection import Selection
 from lightning_async_ckpt.lightning.sliced import check_ddp_layout
@@ -32,7 +33,7 @@ class CallbackArguments(ModelCheckpoint):
 
     def __init__(
         self,
-        dirpath: str | None = None,
+        dirpath: str | Path | None = None,
         filename: str | None = None,
         monitor: str | None = None,
         verbose: bool = False,
@@ -114,10 +115,12 @@ class CallbackArguments(ModelCheckpoint):
             upload_nice=upload_nice,
             event_log=event_log,
         )
-        self.dirpath = dirpath
+        self.dirpath = normalize_dirpath(dirpath)  # ModelCheckpoint's: `~` expanded, absolute, URLs untouched
         self.every_n_train_steps = every_n_train_steps
         self._every_n_epochs = every_n_epochs  # read through ModelCheckpoint's `every_n_epochs` property
-        self.save_on_train_end = save_on_train_end
+        # save_top_k=0 without save_last saves nothing, like ModelCheckpoint (no final checkpoint either).
+        self.save_on_train_end = save_on_train_end and not (args.save_top_k == 0 and not save_last)
+        self.save_on_exception = save_on_exception  # a file at ModelCheckpoint's path (lightning/on_exception.py)
         self.defer = defer
         self.storage_options = storage_options
         self.restore_rng = restore_rng
@@ -136,6 +139,7 @@ class CallbackArguments(ModelCheckpoint):
         self._distributed = False
         self._committed_before: set[int] = set()
         self._last_cut_step: int | None = None
+        self._model_checkpoint_step: int | None = None  # the newest step ModelCheckpoint's schedule saved
         self._preallocated = False
         self._fit_start_step = 0
         self._fit_closed = True

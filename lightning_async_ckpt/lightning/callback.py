@@ -25,11 +25,12 @@ from typing_extensions import override
 from lightning_async_ckpt.core.capture import Fence
 from lightning_async_ckpt.core.engine import AsyncCheckpointer
 from lightning_async_ckpt.errors import GenerationExistsError
-from lightning_async_ckpt.lightning.arguments import check_shared_dirpath, check_strategy
+from lightning_async_ckpt.lightning.arguments import check_shared_dirpath, check_strategy, resolve_dirpath
 from lightning_async_ckpt.lightning.base import CallbackArguments
 from lightning_async_ckpt.lightning.collective import agree_on
 from lightning_async_ckpt.lightning.hooks import is_last_batch, lightning_proof
 from lightning_async_ckpt.lightning.naming import CHECKPOINT_NAME, checkpoint_key, loadable_path, planned_path
+from lightning_async_ckpt.lightning.on_exception import capture_exception_checkpoint, write_exception_checkpoint
 from lightning_async_ckpt.lightning.progress import (
     estimate_checkpoint_bytes,
     log_commit,
@@ -130,8 +131,7 @@ class AsyncCheckpointCallback(CallbackArguments):
         check_strategy(trainer.strategy)
         self._distributed = trainer.world_size > 1
         self._fit_closed = False
-        if self.dirpath is None:
-            self.dirpath = f"{trainer.default_root_dir.rstrip('/')}/checkpoints"
+        self.dirpath = resolve_dirpath(self.dirpath, trainer.default_root_dir)  # None: the default; "": the cwd
         check_shared_dirpath(self, trainer)
         if self.run_id is None:
             # One run id across ranks and across fit() calls of this callback, so retention sees one run.
@@ -177,7 +177,9 @@ class AsyncCheckpointCallback(CallbackArguments):
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        # teardown is not called on exceptions: drain here so the in-flight save lands, within a bound.
+        # teardown is not called on exceptions: drain here so the in-flight save lands, within a bound. With
+        # save_on_exception, ModelCheckpoint's exception file is copied first and written last (on_exception.py).
+        snapshot = capture_exception_checkpoint(self, trainer)
         if self.checkpointer is not None:
             try:
                 self.checkpointer.close(timeout=self.options.drain_timeout_s)
@@ -185,6 +187,7 @@ class AsyncCheckpointCallback(CallbackArguments):
                 _log.warning("checkpoint error while handling a training exception", exc_info=True)
             self._sync_progress()
             log_stopped(trainer, exception, self.committed_step, self.requested_step)
+        write_exception_checkpoint(self, snapshot, exception)
 
     @override
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -347,6 +350,7 @@ class AsyncCheckpointCallback(CallbackArguments):
             self.skipped += 1
         else:
             self.selection.admitted(entry, handle)
+            self._model_checkpoint_step = step if ranked or not final else self._model_checkpoint_step
         self._schedule.recorded(step, decision, handle, deferred=self.defer)
 
     def _object_keys(self, entry: Any) -> dict[str, Any]:

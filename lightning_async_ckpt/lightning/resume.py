@@ -23,12 +23,15 @@ Once loaded, ``trainer.ckpt_path`` names the checkpoint read (the store URL, nev
 from __future__ import annotations
 
 import logging
+import re
 import uuid
 import warnings
 from collections.abc import Callable
+from pathlib import PurePosixPath
 from typing import Any
 
 from lightning_async_ckpt.errors import ManifestError
+from lightning_async_ckpt.lightning.arguments import resolve_dirpath
 from lightning_async_ckpt.lightning.last import stand_in_for_last, warn_if_weights_only, weights_only
 from lightning_async_ckpt.lightning.naming import CHECKPOINT_NAME, loadable_path
 from lightning_async_ckpt.lightning.rerun import VERSION_RE, run_locations, version_uri
@@ -135,6 +138,8 @@ class StoreReader:
         self._aliases: dict[str, str] = {}
         self._io: Any = None
         self.loaded: str | None = None  # the store URL of the last checkpoint loaded through this reader
+        self.last_name = _LAST_PREFIX  # ModelCheckpoint.CHECKPOINT_NAME_LAST of the callback
+        self.last_extension = ".ckpt"  # ModelCheckpoint.FILE_EXTENSION of the callback
 
     @property
     def remote(self) -> bool:
@@ -211,15 +216,18 @@ class StoreReader:
             return 0.0
 
     def model_checkpoint_last_files(self) -> list[str]:
-        """``ModelCheckpoint``'s ``last*.ckpt`` files directly in ``dirpath`` (its ``_find_last_checkpoints``)."""
+        """``ModelCheckpoint``'s last files directly in ``dirpath``, by its ``_find_last_checkpoints`` rule: the stem
+        starts with :attr:`last_name` (``CHECKPOINT_NAME_LAST``, ``last-v1`` included), the suffix is
+        :attr:`last_extension` (``FILE_EXTENSION``)."""
         try:
             names = self._root.fs.ls(self._root.root, detail=False)
         except FileNotFoundError:
             return []
+        pattern = rf"^{re.escape(self.last_name)}(-(\d+))?"
         found = []
         for name in names:
-            base = name.rstrip("/").rsplit("/", 1)[-1]
-            if base.startswith(_LAST_PREFIX) and base.endswith(".ckpt") and self._root.fs.isfile(name):
+            base = PurePosixPath(name.rstrip("/").rsplit("/", 1)[-1])
+            if base.suffix == self.last_extension and re.match(pattern, base.stem) and self._root.fs.isfile(name):
                 found.append(self._root.backend.url(name))
         return sorted(found)
 
@@ -264,7 +272,7 @@ class StoreReader:
 
 
 def _dirpath(callback: Any, trainer: Any) -> str:
-    return callback.dirpath or f"{str(trainer.default_root_dir).rstrip('/')}/checkpoints"
+    return resolve_dirpath(callback.dirpath, trainer.default_root_dir)
 
 
 def _reader(callback: Any, dirpath: str) -> StoreReader:
@@ -274,6 +282,8 @@ def _reader(callback: Any, dirpath: str) -> StoreReader:
             reader.remove()
         reader = StoreReader(dirpath, callback.storage_options)
         setattr(callback, _READER_ATTR, reader)
+    # The class attributes a user may set, like ModelCheckpoint's (read at each lookup).
+    reader.last_name, reader.last_extension = callback.CHECKPOINT_NAME_LAST, callback.FILE_EXTENSION
     return reader
 
 
@@ -287,7 +297,11 @@ def find_last(callback: Any, trainer: Any) -> set[str]:
     if newest is None:
         return set()
     reader = _reader(callback, _dirpath(callback, trainer))
-    return {reader.alias(newest) if reader.remote else newest}
+    if reader.remote:
+        return {reader.alias(newest)}
+    # Local: every candidate, like ModelCheckpoint's lookup; Lightning resumes from the most recently written one,
+    # which is `newest` (the same rule).
+    return {newest, *reader.model_checkpoint_last_files()}
 
 
 def _newest_for_last(callback: Any, trainer: Any) -> str | None:

@@ -30,6 +30,12 @@ class CutSchedule:
         self._handle: Any = None
         self._verdict_pending = False
 
+    def __eq__(self, other: object) -> bool:
+        # By value, like ModelCheckpoint's plain attributes: a pickled copy of the callback equals the original.
+        return type(other) is type(self) and vars(self) == vars(other)
+
+    __hash__ = None  # type: ignore[assignment]
+
     def start(self, step: int) -> None:
         """At the start of training (fresh or resumed at ``step``): nothing pending."""
         self.last_admitted_step = step

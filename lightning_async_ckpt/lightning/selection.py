@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import re
+import warnings
 import weakref
 from collections import deque
 from typing import TYPE_CHECKING, Any
@@ -69,6 +70,16 @@ class Selection:
         self.cutting: Entry | None = None  # the cut being dumped: the state written into it is its prospective view
 
     # -- at the cut ------------------------------------------------------------------------------------------
+
+    def __eq__(self, other: object) -> bool:
+        # By value, without the callback (it holds this selection): a pickled copy of the callback equals it.
+        if not isinstance(other, Selection):
+            return False
+        mine = (self.args, self.weights_only, self.topk, list(self._pending), self.cutting)
+        return mine == (other.args, other.weights_only, other.topk, list(other._pending), other.cutting)
+
+    __hash__ = None  # type: ignore[assignment]
+
     def prepare(
         self, trainer: pl.Trainer, candidates: dict[str, Any], *, ranked: bool, last: bool
     ) -> tuple[bool, Entry]:
@@ -98,7 +109,8 @@ class Selection:
         epoch, step = int(candidates["epoch"]), int(candidates["step"])
         entry = Entry(step=trainer.global_step, score=score, filename=self._name(dict(candidates)), epoch=epoch)
         if monitor is None or not ranked:
-            return True, entry
+            # save_top_k=0 without a monitor: only save_last cuts (none at all without it), like ModelCheckpoint.
+            return self.args.save_top_k != 0 or bool(self.args.save_last) or not ranked, entry
         enters = self.topk.enters(score) if trainer.is_global_zero else False
         if trainer.world_size > 1:
             enters = bool(trainer.strategy.broadcast(enters, src=0))
@@ -198,7 +210,8 @@ class Selection:
         ranked one; the k-th best only once the top k is full, like ``ModelCheckpoint``."""
         view: dict[str, Any] = {"last_model_path": newest.location if newest and self.args.save_last else ""}
         if self.args.monitor is None:
-            view["best_model_path"] = newest.location if newest else ""
+            # save_top_k=0 keeps no "best" (only last), like ModelCheckpoint: ckpt_path="best" fails there too.
+            view["best_model_path"] = newest.location if newest and self.args.save_top_k != 0 else ""
             return view
         view["best_k_models"] = {e.location: _tensor(e.score) for e in best}
         view["best_model_path"] = best[0].location if best else ""
@@ -324,8 +337,8 @@ def after_model_checkpoints(cb: ModelCheckpoint, callbacks: list[Any]) -> list[A
     a ``ModelCheckpoint`` the user listed beside this callback keeps that role. Nothing else moves.
     """
     others = [i for i, c in enumerate(callbacks) if isinstance(c, ModelCheckpoint) and not isinstance(c, type(cb))]
-    mine = next(i for i, c in enumerate(callbacks) if c is cb)
-    if not others or others[-1] < mine:
+    mine = next((i for i, c in enumerate(callbacks) if c is cb), None)
+    if mine is None or not others or others[-1] < mine:  # set up outside trainer.callbacks: nothing to move
         return callbacks
     rest = [c for c in callbacks if c is not cb]
     return [*rest[: others[-1]], cb, *rest[others[-1] :]]
@@ -353,12 +366,22 @@ def load_selection_state(cb: ModelCheckpoint, state: dict[str, Any]) -> None:
     selection = getattr(cb, "selection", None)
     if isinstance(selection, Selection) and selection.topk.entries:
         return
-    if "best_model_path" not in state or state.get("dirpath", cb.dirpath) != cb.dirpath:
+    if "best_model_path" not in state:
         return
-    for name in ("best_model_score", "best_model_path", "current_score", "best_k_models"):
-        setattr(cb, name, state.get(name, getattr(cb, name)))
-    for name in ("kth_best_model_path", "kth_value", "last_model_path"):
-        setattr(cb, name, state.get(name, getattr(cb, name)))
+    dirpath = state.get("dirpath", cb.dirpath)
+    if dirpath == cb.dirpath:
+        for name in ("best_model_score", "current_score", "best_k_models"):
+            setattr(cb, name, state.get(name, getattr(cb, name)))
+        for name in ("kth_best_model_path", "kth_value", "last_model_path"):
+            setattr(cb, name, state.get(name, getattr(cb, name)))
+    else:  # ModelCheckpoint.load_state_dict's rule and warning
+        warnings.warn(
+            f"The dirpath has changed from {dirpath!r} to {cb.dirpath!r}, therefore `best_model_score`, "
+            "`kth_best_model_path`, `kth_value`, `last_model_path` and `best_k_models` won't be reloaded. Only "
+            "`best_model_path` will be reloaded.",
+            stacklevel=2,
+        )
+    cb.best_model_path = state["best_model_path"]
 
 
 def _tensor(score: float | None) -> torch.Tensor | None:

@@ -75,6 +75,12 @@ class TopK:
         self.mode = mode
         self.entries: dict[int, Entry] = {}
 
+    def __eq__(self, other: object) -> bool:
+        # By value, like ModelCheckpoint's plain attributes: a pickled copy of the callback equals the original.
+        return type(other) is type(self) and vars(self) == vars(other)
+
+    __hash__ = None  # type: ignore[assignment]
+
     # -- ranking -----------------------------------------------------------------------------------------
     def _key(self, entry: Entry) -> tuple[float, int]:
         score = float(entry.score)  # type: ignore[arg-type]

@@ -55,6 +55,12 @@ class Triggers:
         self.final_waits = False
         self._last_time_checked: float | None = None
 
+    def __eq__(self, other: object) -> bool:
+        # By value, like ModelCheckpoint's plain attributes: a pickled copy of the callback equals the original.
+        return type(other) is type(self) and vars(self) == vars(other)
+
+    __hash__ = None  # type: ignore[assignment]
+
     def start(self) -> None:
         """``on_train_start``: the time interval counts from here."""
         self._last_time_checked = time.monotonic()
