@@ -210,7 +210,7 @@ def test_latest_checkpoint_and_resume_on_s3(s3_uri, tmp_path, monkeypatch):
         ({"max_outstanding": 0}, "max_outstanding"),
         ({"keep_last": 0}, "keep_last"),
         ({"host_memory_budget": -5}, "host_memory_budget"),
-        ({"dirpath": ""}, "dirpath"),
+        ({"dirpath": 5}, "dirpath"),
         ({"defer": "yes"}, "defer"),
         ({"storage_options": "x"}, "storage_options"),
         ({"on_error": "ignore"}, "on_error"),
