@@ -22,10 +22,9 @@ from typing import TYPE_CHECKING, Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
-from lightning_async_ckpt.errors import ConfigError
+from lightning_async_ckpt.lightning.arguments import ModelCheckpointConfigError
 from lightning_async_ckpt.lightning.arguments import Selection as Args
 from lightning_async_ckpt.lightning.rerun import comparable_path
 from lightning_async_ckpt.lightning.topk import Entry, TopK, kth_best, model_checkpoint_score
@@ -35,7 +34,7 @@ if TYPE_CHECKING:
     from lightning_async_ckpt.storage.store import CheckpointStore
 
 
-class MonitorMissingError(ConfigError, MisconfigurationException):
+class MonitorMissingError(ModelCheckpointConfigError):
     """The monitored metric was never logged: what ``ModelCheckpoint`` raises as a ``MisconfigurationException``
     (code catching that keeps working), and a :class:`~lightning_async_ckpt.errors.ConfigError`."""
 
