@@ -253,3 +253,15 @@ def test_a_pickled_callback_equals_the_original_like_model_checkpoint(tmp_path):
     assert vars(pickle.loads(pickle.dumps(ours))) == vars(ours)
     other = AsyncCheckpointCallback(dirpath=str(tmp_path), monitor="val_loss", save_top_k=3, every_n_train_steps=3)
     assert vars(other) != vars(ours)
+
+
+def test_an_empty_filename_is_model_checkpoints_default_name(tmp_path):
+    sync = ModelCheckpoint(dirpath=tmp_path / "sync", filename="", every_n_train_steps=4, save_top_k=-1)
+    ours = AsyncCheckpointCallback(dirpath=str(tmp_path / "async"), filename="", every_n_train_steps=4)
+    fit([sync, ours], max_steps=8)
+    assert sorted(os.listdir(tmp_path / "sync")) == ["epoch=0-step=4.ckpt", "epoch=0-step=8.ckpt"]
+    assert [os.path.basename(p) for p in (ours.best_model_path,)] == ["epoch=0-step=8.ckpt"]
+    assert {step: record["filename"] for step, record in committed(tmp_path / "async").items()} == {
+        4: "epoch=0-step=4.ckpt",
+        8: "epoch=0-step=8.ckpt",
+    }

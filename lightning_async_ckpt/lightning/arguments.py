@@ -153,8 +153,9 @@ def check_selection(
     Raises:
         ConfigError: Naming the argument and what to pass instead.
     """
-    if filename is not None and (not isinstance(filename, str) or not filename.strip()):
-        raise ConfigError(f"filename must be None or a non-empty template like '{{epoch}}-{{step}}', got {filename!r}")
+    if filename is not None and not isinstance(filename, str):
+        # "" is ModelCheckpoint's default name, like None.
+        raise ConfigError(f"filename must be None or a template string like '{{epoch}}-{{step}}', got {filename!r}")
     if monitor is not None and (not isinstance(monitor, str) or not monitor):
         raise ConfigError(f"monitor must be None or the name of a logged metric, got {monitor!r}")
     if mode not in ("min", "max"):
