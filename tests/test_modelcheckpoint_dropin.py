@@ -196,6 +196,15 @@ def test_save_on_exception_skips_a_step_already_saved_and_the_sanity_check(tmp_p
         trainer.fit(RaisesInSanityCheck(), make_loader(n=64), make_loader(n=32, seed=1))
     assert not (tmp_path / "sanity" / "exception.ckpt").exists()
 
+    # Before the first step: nothing to save, like ModelCheckpoint (its _last_global_step_saved starts at 0).
+    sync = ModelCheckpoint(dirpath=tmp_path / "sync0", filename="exception", save_on_exception=True)
+    ours = AsyncCheckpointCallback(dirpath=str(tmp_path / "ours0"), filename="exception", save_on_exception=True)
+    trainer = pl.Trainer(callbacks=[sync, ours], **trainer_kwargs(max_epochs=1))
+    with pytest.raises(RuntimeError, match="Trouble!"):
+        trainer.fit(RaisesAtStep(0), make_loader(n=64), make_loader(n=32, seed=1))
+    assert not (tmp_path / "sync0" / "exception.ckpt").exists()
+    assert not (tmp_path / "ours0" / "exception.ckpt").exists()
+
 
 # -- MisconfigurationException with ModelCheckpoint's wording ---------------------------------------------------------
 @pytest.mark.parametrize(

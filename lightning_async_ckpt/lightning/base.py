@@ -139,7 +139,8 @@ class CallbackArguments(ModelCheckpoint):
         self._distributed = False
         self._committed_before: set[int] = set()
         self._last_cut_step: int | None = None
-        self._model_checkpoint_step: int | None = None  # the newest step ModelCheckpoint's schedule saved
+        # The newest step ModelCheckpoint's schedule saved; 0 like its _last_global_step_saved (no step taken yet).
+        self._model_checkpoint_step = 0
         self._preallocated = False
         self._fit_start_step = 0
         self._fit_closed = True

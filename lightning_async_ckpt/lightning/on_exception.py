@@ -3,7 +3,7 @@
 When an exception reaches Lightning during ``fit`` (a training step, a hook, another callback), ``ModelCheckpoint``
 writes the state of that moment to ``format_checkpoint_name(metrics)`` (``<dirpath>/<rendered filename>.ckpt``,
 e.g. ``<dirpath>/exception.ckpt`` for ``filename="exception"``) unless it already saved that step, during sanity
-checks and with ``fast_dev_run``. The callback writes the same file at the same path, in three steps inside
+checks, with ``fast_dev_run`` and before the first step. The callback writes the same file at the same path, in three steps inside
 ``on_exception``:
 
 1. **copy at the cut** (:func:`capture_exception_checkpoint`): the checkpoint Lightning would save is dumped and
@@ -59,8 +59,9 @@ class ExceptionCheckpoint:
 
 def should_save(cb: Any, trainer: Any) -> bool:
     """``ModelCheckpoint._should_save_on_exception`` during ``fit``: not in a sanity check, not with
-    ``fast_dev_run``, and not when the callback's ``ModelCheckpoint`` schedule already saved this step (the final
-    checkpoint of ``save_on_train_end`` is not such a save: ``ModelCheckpoint`` writes no file there)."""
+    ``fast_dev_run``, not before the first step, and not when the callback's ``ModelCheckpoint`` schedule already
+    saved this step (the final checkpoint of ``save_on_train_end`` is not such a save: ``ModelCheckpoint`` writes no
+    file there)."""
     return (
         bool(cb.save_on_exception)
         and not bool(trainer.fast_dev_run)
