@@ -54,7 +54,9 @@ def test_committed_checkpoint_equals_model_checkpoint_at_every_step(tmp_path):
     assert plan_fences["optimizer_state"] == Fence.OPTIMIZER_STEP.value
     assert plan_fences["buffer"] == Fence.BATCH_START.value
     assert [r.requested_step for r in records] == [2, 4, 6, 8]
-    assert all(r.outcome == "committed" and r.deferred_bytes > 0 for r in records)
+    assert all(r.outcome == "committed" for r in records)
+    # Step 8 ends training: copied at the cut (nothing follows to overlap with); the others deferred.
+    assert all(r.deferred_bytes > 0 for r in records[:-1]) and records[-1].deferred_bytes == 0
 
 
 def test_resuming_from_ours_continues_like_resuming_from_model_checkpoint(tmp_path):
@@ -104,7 +106,7 @@ def test_unproven_deferral_falls_back_to_batch_start_and_stays_equivalent(tmp_pa
     sync = ModelCheckpoint(dirpath=tmp_path / "sync", every_n_train_steps=2, save_top_k=-1, filename="{step}")
     _fit(tmp_path, [ours, sync], max_steps=4, accumulate=1, model=model_cls())
     store = CheckpointStore(str(tmp_path / "async"), check_writable=False)
-    manifest = store.manifest(4)
+    manifest = store.manifest(2)  # step 4 ends training: copied at the cut
     fences = {r["category"]: r["fence"] for r in manifest.plan["rows"]}
     assert fences["parameter"] == "batch_start"
     assert manifest.plan["failures"]
@@ -286,7 +288,7 @@ class _ReadsOnly(pl.Callback):
 def test_a_callback_hook_between_the_cut_and_the_next_batch_puts_everything_at_the_cut(tmp_path):
     ours = AsyncCheckpointCallback(dirpath=str(tmp_path), every_n_train_steps=2, save_on_train_end=False)
     _fit(tmp_path, [_WritesWeightsInValidation(), ours], max_steps=4, accumulate=1)
-    manifest = CheckpointStore(str(tmp_path), check_writable=False).manifest(4)
+    manifest = CheckpointStore(str(tmp_path), check_writable=False).manifest(2)
     assert {r["fence"] for r in manifest.plan["rows"]} == {"cut"}
     assert any("on_validation_epoch_start" in f for f in manifest.plan["failures"])
 
@@ -295,7 +297,7 @@ def test_a_callback_declared_read_only_keeps_the_deferral(tmp_path):
     ours = AsyncCheckpointCallback(dirpath=str(tmp_path), every_n_train_steps=2, save_on_train_end=False)
     _fit(tmp_path, [_ReadsOnly(), ours], max_steps=4, accumulate=1)
     fences = {
-        r["category"]: r["fence"] for r in CheckpointStore(str(tmp_path), check_writable=False).manifest(4).plan["rows"]
+        r["category"]: r["fence"] for r in CheckpointStore(str(tmp_path), check_writable=False).manifest(2).plan["rows"]
     }
     assert fences["parameter"] == "optimizer_step"
 
@@ -371,10 +373,12 @@ def test_full_checksum_guard_is_selectable_from_the_callback(tmp_path):
         AsyncCheckpointCallback(dirpath=str(tmp_path), guard="everything")
 
 
-def test_a_refused_final_checkpoint_is_retaken_before_training_ends(tmp_path):
+def test_the_final_checkpoint_is_copied_at_the_cut_so_a_write_after_it_can_neither_reach_it_nor_refuse_it(tmp_path):
     # A callback that says it only reads, but writes the weights in place at the epoch end: after the final cut
-    # (the known last batch), before any fence. The final save's upload is held until that write happened, so the
-    # guard refuses it every time; the callback retakes it in on_train_end (categories copied at the cut by then).
+    # (the known last batch), before any fence. The final save's upload is held until that write happened. The final
+    # checkpoint is copied at the cut, so it holds the weights of step 3's batch end (what ModelCheckpoint writes
+    # there), is committed at once and never refused; it used to be refused and retaken in on_train_end, after the
+    # write and the epoch's end (issue 21).
     import threading
 
     from lightning_async_ckpt.testing import Fault
@@ -397,12 +401,13 @@ def test_a_refused_final_checkpoint_is_retaken_before_training_ends(tmp_path):
     )
     _, model = _fit(tmp_path, [LiesAboutReadingOnly(), ours], max_steps=3, accumulate=1, limit_train_batches=3)
     outcomes = [(r.requested_step, r.outcome) for r in ours.checkpointer.records]
-    assert outcomes == [(3, "torn"), (3, "committed")]
+    assert outcomes == [(3, "committed")]
     assert ours.committed_step == 3
     store = CheckpointStore(str(tmp_path), check_writable=False)
     saved = torch.load(store.open(3, "checkpoint.ckpt"), map_location="cpu", weights_only=False)
-    assert torch.equal(saved["state_dict"]["net.0.weight"], model.net[0].weight.detach())
-    assert any("demoted" in r["rule"] for r in store.manifest(3).plan["rows"])
+    assert torch.equal(saved["state_dict"]["net.0.weight"] * 0.5, model.net[0].weight.detach())
+    assert saved["epoch"] == 0
+    assert all("ends training" in r["rule"] or r["fence"] == "cut" for r in store.manifest(3).plan["rows"])
 
 
 def test_latest_checkpoint_of_a_parent_folder_is_an_error_naming_the_subfolder(tmp_path):
