@@ -55,6 +55,9 @@ class _BufferCache:
             keep = max(0, self._keep - len(self._free))
             self._free.extend(entries[:keep])
             extra = entries[keep:]
+        # The caller's list still holds each (buffer, view): emptied here, so the views' last references are
+        # the ones _close drops (a left view made close() raise "BufferError: cannot close exported pointers").
+        entries.clear()
         _close(extra)
 
     def clear(self) -> None:
