@@ -122,10 +122,32 @@ def test_two_processes_crash_restart_and_train_past_total_limit(tmp_path: Path) 
         assert verify_accelerate_folder(folder) == [], folder.name
 
 
+@pytest.mark.slow
+def test_two_processes_save_state_without_uri_number_folders_alike_and_keep_total_limit(tmp_path: Path) -> None:
+    results = _phase(tmp_path, "automatic")
+    assert [r["iteration"] for r in results] == [4, 4]  # the same on both processes, as accelerate's own
+    assert all(r["error"] is None for r in results), results
+    states = _states(tmp_path / "checkpoints")
+    assert states == {f"checkpoint_{i}": "committed" for i in (1, 2, 3)}, states
+
+
 def _worker(out: str, phase: str) -> None:
     acc, model, opt = _automatic(out, total_limit=TOTAL_LIMIT)
     ckpt = attach(acc)
     report: dict[str, Any] = {"rank": acc.process_index, "error": None}
+    if phase == "automatic":
+        from lightning_async_ckpt.accelerate import save_state
+
+        try:
+            for _ in range(4):
+                _step(acc, model, opt)
+                save_state(acc)  # the library's own save, accelerate's checkpoint_N naming
+            ckpt.close()
+        except Exception as exc:  # noqa: BLE001 - reported to the test
+            report["error"] = f"{type(exc).__name__}: {exc}"
+        report["iteration"] = acc.project_configuration.iteration
+        print(json.dumps(report), flush=True)
+        return
     if phase == "crash":
         for _ in range(3):
             _step(acc, model, opt)
