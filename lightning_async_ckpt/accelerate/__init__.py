@@ -9,7 +9,11 @@ Two paths, both driven by an :class:`AccelerateCheckpointer` that :func:`attach`
   ``output_dir`` is one generation: ``manifest.json`` is written in it last, once both parts are complete.
 * **Fully asynchronous path**: :func:`save_state` (or :meth:`AccelerateCheckpointer.save_state`) captures everything
   accelerate would save at the cut and writes the same layout as one generation ``<uri>/step-XXXXXXXX/`` of a
-  :class:`~lightning_async_ckpt.storage.store.CheckpointStore` (local or ``s3://``). :func:`load_state` restores the newest
+  :class:`~lightning_async_ckpt.storage.store.CheckpointStore` (local or ``s3://``), or, called without ``uri`` under
+  ``ProjectConfiguration(automatic_checkpoint_naming=True)``, as accelerate's own ``checkpoint_N`` folder (its
+  iteration and ``total_limit``). accelerate's save-state pre-hooks run as ``accelerator.save_state`` runs them, and
+  what they write is committed with the generation. A load first waits for this process's saves still in flight
+  there (:mod:`lightning_async_ckpt.storage.inflight`). :func:`load_state` restores the newest
   committed generation with ``accelerator.load_state`` (also the newest committed ``checkpoint_N`` of accelerate's
   automatic naming); it never lets accelerate unpickle a custom object that ``torch.load(weights_only=True)``
   refuses unless called with ``trust_pickled_objects=True``.
