@@ -181,6 +181,21 @@ def test_a_save_still_in_flight_after_the_bound_is_an_error_never_an_older_gener
     engine.close()
 
 
+def test_only_saves_at_inside_or_around_the_location_are_waited_for(tmp_path):
+    from lightning_async_ckpt.storage import inflight
+
+    release = threading.Event()
+    engine = AsyncCheckpointer(CheckpointStore(str(tmp_path / "runs" / "v1")))
+    engine.save(1, {"w": torch.ones(1), "held": _HeldUpload(release)})
+    assert inflight.pending(str(tmp_path / "runs"))  # around it (a dirpath and its version folders)
+    assert inflight.pending(str(tmp_path / "runs" / "v1" / "step-00000001"))  # inside it (one generation)
+    assert not inflight.pending(str(tmp_path / "runs2"))  # a sibling sharing the prefix
+    assert not inflight.pending(str(tmp_path / "runs" / "v10"))
+    release.set()
+    engine.close()
+    assert not inflight.pending(str(tmp_path / "runs"))  # forgotten once the save ended
+
+
 # -- accelerate's save-state pre-hooks -----------------------------------------------------------------------
 def test_save_state_runs_the_save_pre_hooks_like_accelerate_and_commits_what_they_write(tmp_path):
     uri = str(tmp_path / "store")

@@ -83,6 +83,9 @@ def _related(a: str, b: str) -> bool:
 
 def pending(uri: str, storage_options: dict[str, Any] | None = None) -> dict[Future, tuple[str, int]]:
     """This process's saves in flight at ``uri``, inside it or around it: ``{committed future: (location, step)}``."""
+    with _lock:
+        if not _saves:
+            return {}  # nothing in flight anywhere: no filesystem is opened
     where = _location(uri, storage_options)
     with _lock:
         return {
