@@ -96,6 +96,25 @@ def test_a_folder_with_an_object_gone_is_never_listed_as_committed(tmp_path: Pat
     assert verify_accelerate_folder(listed)  # verify reports it too
 
 
+def test_the_hook_path_steps_aside_when_total_limit_could_delete_a_folder_in_flight(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    import logging
+
+    from lightning_async_ckpt.accelerate import save_state
+
+    acc, model, opt = _automatic(str(tmp_path), total_limit=1)
+    ckpt = attach(acc)  # accepted: the library's own save_state(accelerator) honours total_limit=1 safely
+    _step(acc, model, opt)
+    save_state(acc).result()  # checkpoint_0, committed
+    with caplog.at_level(logging.WARNING, logger="lightning_async_ckpt"):
+        acc.save_state()  # accelerate deletes checkpoint_0 first (total_limit=1), then saves checkpoint_1 itself
+    assert any("total_limit=1" in r.getMessage() and "synchronously" in r.getMessage() for r in caplog.records)
+    ckpt.close()
+    assert _states(tmp_path / "checkpoints") == {"checkpoint_1": "foreign"}  # accelerate's own, complete folder
+    assert (tmp_path / "checkpoints" / "checkpoint_1" / "model.safetensors").exists()
+
+
 # -- two processes ---------------------------------------------------------------------------------------------
 def _phase(out: Path, phase: str) -> list[dict[str, Any]]:
     results = []

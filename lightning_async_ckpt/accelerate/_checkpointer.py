@@ -84,6 +84,7 @@ class AccelerateCheckpointer(FolderSaves, DrainOnExit):
         self._counted: Any = None
         self._closed = False
         self._retention_lock = threading.Lock()
+        self._warned_total_limit = False
         self.run_id = self._collective(payload=CheckpointStore.new_run_id(), doing="attach")[0]
         self._hooks = [
             accelerator.register_save_state_pre_hook(self._on_save_state),
@@ -236,12 +237,20 @@ class AccelerateCheckpointer(FolderSaves, DrainOnExit):
         project = self.accelerator.project_configuration
         limit = project.total_limit if project.automatic_checkpoint_naming else None
         if limit is not None and limit <= self.options.max_outstanding:
-            raise ConfigError(
-                f"ProjectConfiguration(total_limit={limit}) would let accelerator.save_state delete a folder that is "
-                f"still being written (max_outstanding={self.options.max_outstanding}): use total_limit >= "
-                "max_outstanding + 1, or save with lightning_async_ckpt.accelerate.save_state(accelerator), whose "
-                "total_limit never deletes a folder in flight"
-            )
+            # accelerate deletes old folders before any hook runs: an asynchronous folder could be deleted while
+            # still being written. Step aside (every process alike): accelerate saves this folder itself.
+            if not self._warned_total_limit:
+                self._warned_total_limit = True
+                _log.warning(
+                    "ProjectConfiguration(total_limit=%d) <= max_outstanding=%d: accelerator.save_state would delete "
+                    "a folder still being written, so accelerate saves these folders itself, synchronously and "
+                    "without a manifest. Use total_limit >= max_outstanding + 1, or "
+                    "lightning_async_ckpt.accelerate.save_state(accelerator), whose total_limit never deletes a "
+                    "folder in flight",
+                    limit,
+                    self.options.max_outstanding,
+                )
+            return
         taken = list(weights)
         weights.clear()  # we take over weight saving; accelerate writes the rest synchronously after this hook
         self._install_fences()
