@@ -28,7 +28,7 @@ from lightning_async_ckpt.errors import GenerationExistsError
 from lightning_async_ckpt.lightning.arguments import check_shared_dirpath, check_strategy, resolve_dirpath
 from lightning_async_ckpt.lightning.base import CallbackArguments
 from lightning_async_ckpt.lightning.collective import agree_on
-from lightning_async_ckpt.lightning.hooks import is_last_batch, lightning_proof
+from lightning_async_ckpt.lightning.hooks import FINAL_PROOF, is_last_batch, lightning_proof, training_ends_here
 from lightning_async_ckpt.lightning.naming import CHECKPOINT_NAME, checkpoint_key, loadable_path, planned_path
 from lightning_async_ckpt.lightning.on_exception import capture_exception_checkpoint, write_exception_checkpoint
 from lightning_async_ckpt.lightning.progress import (
@@ -99,8 +99,8 @@ class AsyncCheckpointCallback(CallbackArguments):
         host_memory_budget: Bytes, ``"auto"`` (half the available host memory) or ``None`` (unbounded).
         reserved_host_bytes: Host bytes other consumers need, subtracted from the budget.
         defer: ``False`` copies everything at the cut (no fences needed).
-        guard: The runtime guard over deferred state: ``True``/``"sample"`` (version counters and a sampled
-            fingerprint), ``"full"`` (version counters and a checksum of every deferred byte), ``False``.
+        guard: The runtime guard over deferred state: ``True``/``"full"`` (default, exact: version counters and a
+            fingerprint of every deferred byte), ``"sample"`` (opt-in: 64 sampled bytes per storage), ``False``.
         storage_options: fsspec options for ``dirpath`` (e.g. S3 endpoint, credentials).
         on_error: ``raise`` a failed save on the training thread at the next hook, or ``warn`` and keep training.
         retries: Extra upload attempts on transient storage errors.
@@ -272,9 +272,9 @@ class AsyncCheckpointCallback(CallbackArguments):
         ):
             self._cut(trainer, pl_module, trainer.global_step, final=True)
         if self.save_on_train_end and not trainer.fast_dev_run:
-            # A final save the guard refused is retaken here (its categories are copied at the cut by now), under
-            # this hook's rule; training never ends on a refused final checkpoint without a retake. Every rank
-            # asks (a broadcast in DDP); only the writing rank has a checkpointer to drain.
+            # A final save is copied at the cut, so the guard cannot refuse it; a refused earlier save of this very
+            # step (a deferred scheduled save the final cut skipped as a repeat) is retaken here, at the cut too.
+            # Every rank asks (a broadcast in DDP); only the writing rank has a checkpointer to drain.
             if self.checkpointer is not None:
                 self.checkpointer.drain_quietly(self.options.drain_timeout_s)
             if self._schedule.retake_due(trainer, self.checkpointer):
@@ -318,6 +318,9 @@ class AsyncCheckpointCallback(CallbackArguments):
         self._raise_collectively(trainer, clash)
         self.requested_step = step
         decision, error, handle = "admit", None, None
+        # The checkpoint that ends training is copied at the cut: no training follows to overlap with, and
+        # validation or epoch-end bookkeeping after it must not reach it (it can never be refused and retaken).
+        defer = self.defer and not final and not training_ends_here(trainer)
         try:
             entry.planned = self._planned_path(step, entry)
             self.selection.cutting = entry  # its own state is ModelCheckpoint's once it is saved (selection_state)
@@ -331,8 +334,8 @@ class AsyncCheckpointCallback(CallbackArguments):
                     checkpoint,
                     modules=[pl_module],
                     optimizers=trainer.optimizers,
-                    proof=lightning_proof(trainer, pl_module, self) if self.defer else None,
-                    defer=self.defer,
+                    proof=lightning_proof(trainer, pl_module, self) if defer else (FINAL_PROOF if self.defer else None),
+                    defer=defer,
                     cut={"epoch": trainer.current_epoch, "global_step": step, "world_size": trainer.world_size},
                     admission="wait" if final else None,
                     extra=self.selection.extra(entry),
@@ -351,7 +354,7 @@ class AsyncCheckpointCallback(CallbackArguments):
         else:
             self.selection.admitted(entry, handle)
             self._model_checkpoint_step = step if ranked or not final else self._model_checkpoint_step
-        self._schedule.recorded(step, decision, handle, deferred=self.defer)
+        self._schedule.recorded(step, decision, handle, deferred=defer)
 
     def _object_keys(self, entry: Any) -> dict[str, Any]:
         # The file is named by the rendered template inside the step's folder (lightning/naming.py).
