@@ -202,6 +202,29 @@ def test_weights_written_after_the_cut_refuse_the_save(tmp_path, monkeypatch):
         run.acc.load_state(str(tmp_path / "async"))
 
 
+def test_a_final_save_state_is_copied_at_the_cut_so_writes_after_the_loop_never_reach_it(tmp_path, monkeypatch):
+    # The staging thread is held until after the write, through .data (no version bump): a deferred save would be
+    # refused (or, with the sampled guard, commit the written weights); the final one holds the cut's.
+    gate = threading.Event()
+    original = StagingJob.run
+    monkeypatch.setattr(StagingJob, "run", lambda self: (gate.wait(), original(self)))
+    sync = sync_reference(tmp_path)
+    run = make_run()
+    uri = str(tmp_path / "store")
+    ckpt = attach(run.acc, uri)
+    train(run, 3)
+    handle = save_state(run.acc, uri, final=True)
+    with torch.no_grad():
+        for p in run.model.parameters():
+            p.data.mul_(2.0)  # after the training loop
+    gate.set()
+    ckpt.close()
+    manifest = handle.result()
+    assert {r["fence"] for r in manifest.plan["rows"]} == {"cut"}
+    assert any("ends training" in r["rule"] for r in manifest.plan["rows"])
+    assert_same(layout(sync), layout(tmp_path / "store" / "step-00000003"), "final")
+
+
 class Exploding(Counter):
     armed = False
 

@@ -81,7 +81,9 @@ def attach(
     return checkpointer
 
 
-def save_state(accelerator: Any, uri: str | None = None, step: int | None = None, **options: Any) -> SaveHandle:
+def save_state(
+    accelerator: Any, uri: str | None = None, step: int | None = None, *, final: bool = False, **options: Any
+) -> SaveHandle:
     """Asynchronously save everything ``accelerator.save_state`` would, as one committed generation.
 
     Uses the attached checkpointer (attaching one with ``options`` on first use). Collective: every process must
@@ -95,6 +97,8 @@ def save_state(accelerator: Any, uri: str | None = None, step: int | None = None
             ``<project_dir>/checkpoints/checkpoint_<iteration>``, with accelerate's iteration and ``total_limit``
             (see :meth:`AccelerateCheckpointer.save_state`).
         step: The manifest's step; default: optimizer updates seen by the checkpointer.
+        final: The checkpoint that ends training: copied at the cut, so nothing after the loop can reach it or
+            make the guard refuse it (pass it for the last save of a run).
         **options: Options for :func:`attach` on first use.
 
     Returns:
@@ -112,4 +116,4 @@ def save_state(accelerator: Any, uri: str | None = None, step: int | None = None
             f"a checkpointer with uri={existing.uri!r} is attached; pass uri and options to attach() once, "
             "then call save_state(accelerator, that uri)"
         )
-    return existing.save_state(step, automatic=uri is None)
+    return existing.save_state(step, automatic=uri is None, final=final)

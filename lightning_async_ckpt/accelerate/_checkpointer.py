@@ -83,6 +83,7 @@ class AccelerateCheckpointer(FolderSaves, DrainOnExit):
         self._fences: dict[int, Any] = {}
         self._counted: Any = None
         self._closed = False
+        self._final_save = False  # set for the duration of save_state(final=True)
         self._retention_lock = threading.Lock()
         self._warned_total_limit = False
         self.run_id = self._collective(payload=CheckpointStore.new_run_id(), doing="attach")[0]
@@ -106,7 +107,7 @@ class AccelerateCheckpointer(FolderSaves, DrainOnExit):
         """Newest step committed by the fully asynchronous path on this process (main process only)."""
         return self._engine.committed_step if self._engine is not None else None
 
-    def save_state(self, step: int | None = None, *, automatic: bool | None = None) -> SaveHandle:
+    def save_state(self, step: int | None = None, *, automatic: bool | None = None, final: bool = False) -> SaveHandle:
         """Capture everything ``accelerator.save_state`` would save and write it as one generation, asynchronously.
 
         Collective: every process must call it. Weights and optimizer state are staged in the background behind
@@ -125,6 +126,8 @@ class AccelerateCheckpointer(FolderSaves, DrainOnExit):
         Args:
             step: The manifest's step; default :attr:`step`.
             automatic: Write accelerate's automatically named folder instead of a generation of :attr:`uri`.
+            final: The checkpoint that ends training: everything is copied at the cut (no deferral: no training
+                step follows, and code after the loop cannot reach it, so the guard can never refuse it).
 
         Returns:
             The save's handle. On other processes ``staged`` resolves at the cut and ``uploaded``/``committed`` at
@@ -154,6 +157,7 @@ class AccelerateCheckpointer(FolderSaves, DrainOnExit):
         try:
             weights = _model_weights(acc)
             files, hook_files = run_save_pre_hooks(acc, weights, self._is_own, keep=self._main)
+            self._final_save = final
             if self._main:
                 state = {**files, **_layout_state(acc, rngs, weights)}
                 if auto:
@@ -165,6 +169,7 @@ class AccelerateCheckpointer(FolderSaves, DrainOnExit):
         except Exception as exc:  # noqa: BLE001 - raised on every process by the collective below
             error = exc
         finally:
+            self._final_save = False
             remove_when_done(hook_files, handle)
         decision, index = self._collective(
             error,
@@ -300,10 +305,11 @@ class AccelerateCheckpointer(FolderSaves, DrainOnExit):
             state,
             modules=acc._models,
             optimizers=acc._optimizers,
-            proof=self._proof() if self.defer else None,
+            proof=self._proof() if self.defer and not self._final_save else None,
             defer=self.defer,
             cut={"accelerator_step": acc.step, "num_processes": acc.num_processes},
             extra=extra,
+            final=self._final_save,
         )
         self.handles.append(handle)
         return handle
