@@ -1,4 +1,4 @@
-"""The arguments of :class:`~lightning_async_ckpt.lightning.callback.AsyncCheckpointCallback` (documented there).
+"""The arguments of :class:`~lightning_async_ckpt.lightning.callback.AsyncCheckpointCallback`, documented here.
 
 They are validated here (a :class:`~lightning_async_ckpt.errors.ConfigError` naming the argument and the fix), and
 set the attributes ``ModelCheckpoint`` has, so what Lightning and the loggers read means what it means there
@@ -29,6 +29,42 @@ class CallbackArguments(ModelCheckpoint):
     """``AsyncCheckpointCallback``'s constructor and ``state_key``: its arguments and ``ModelCheckpoint``'s attributes.
 
     ``ModelCheckpoint``'s own saving never runs: the callback overrides every hook it implements.
+
+    Args:
+        dirpath: Local folder or fsspec URL (``s3://bucket/prefix``). Default: ``<default_root_dir>/checkpoints``.
+        every_n_train_steps: Take a cut every N optimizer steps.
+        every_n_epochs: Take a cut at the end of every N-th training epoch. Default 1 when neither interval is set.
+        save_on_train_end: Take a final cut when training ends (if that step was not saved already): at the last
+            batch end when the end is known there (``max_steps``, last batch of ``max_epochs``), so it equals
+            ``ModelCheckpoint(every_n_train_steps=...)``'s checkpoint of that step, or at that epoch's end when
+            this callback's own schedule saves the step there (then it is ``ModelCheckpoint``'s epoch-end file);
+            otherwise (early stopping, ``max_time``) in ``on_train_end``, after the other callbacks' ``on_train_end``.
+        keep_last: Committed generations to keep; ``None`` keeps all.
+        admission: When a cut arrives while ``max_outstanding`` saves are in flight: ``wait``, ``skip``,
+            ``coalesce`` or ``abort``.
+        max_outstanding: Saves in flight at once.
+        host_memory_budget: Bytes, ``"auto"`` (half the available host memory) or ``None`` (unbounded).
+        reserved_host_bytes: Host bytes other consumers need, subtracted from the budget.
+        defer: ``False`` copies everything at the cut (no fences needed).
+        guard: The runtime guard over deferred state: ``True``/``"full"`` (default, exact: version counters and a
+            fingerprint of every deferred byte), ``"sample"`` (opt-in: 64 sampled bytes per storage), ``False``.
+        storage_options: fsspec options for ``dirpath`` (e.g. S3 endpoint, credentials).
+        on_error: ``raise`` a failed save on the training thread at the next hook, or ``warn`` and keep training.
+        retries: Extra upload attempts on transient storage errors.
+        drain_timeout_s: Bound on draining at exceptions and interpreter exit.
+        upload_nice: Nice value (0-19, Linux) of the upload thread; higher lets the training threads go first.
+        event_log: Path or URL of a JSONL event log (for ``lightning-async-ckpt timeline`` / ``plan``).
+        restore_rng: Restore the RNG states captured at the cut when resuming (Lightning itself does not).
+        verbose: Log every committed generation at INFO level, and ``ModelCheckpoint``'s top-k lines.
+        log_metrics: Log the ``ckpt/*`` metrics through the Trainer's loggers and progress bar.
+        ddp_layout: Under DDP: ``"single"`` (rank 0 writes ``checkpoint.ckpt``) or ``"sliced"`` (every rank writes
+            a slice in torch DCP format; see ``docs/sharded.md``). Sharded strategies always write every rank's shards.
+        filename, monitor, mode, save_top_k, save_last, save_weights_only, auto_insert_metric_name,
+            train_time_interval, save_on_train_epoch_end, enable_version_counter, save_on_exception:
+            ``ModelCheckpoint``'s arguments with its semantics on the committed generations: see
+            ``docs/comparison.md`` (the rendered ``filename`` is recorded in the manifest; best-k retention keeps
+            the ``save_top_k`` best committed generations by ``monitor`` and the newest; ``best_model_path`` and
+            ``ckpt_path="best"`` name a committed generation).
     """
 
     def __init__(
