@@ -34,8 +34,9 @@ from lightning_async_ckpt.errors import ManifestError
 from lightning_async_ckpt.lightning.arguments import resolve_dirpath
 from lightning_async_ckpt.lightning.last import stand_in_for_last, warn_if_weights_only, weights_only
 from lightning_async_ckpt.lightning.naming import CHECKPOINT_NAME, loadable_path
-from lightning_async_ckpt.lightning.rerun import VERSION_RE, run_locations, version_uri
+from lightning_async_ckpt.lightning.rerun import VERSION_RE, version_uri
 from lightning_async_ckpt.lightning.sharded import is_lightning_dcp_generation
+from lightning_async_ckpt.storage.finder import newest_intact
 from lightning_async_ckpt.storage.generation import parse_generation_name, subfolders_holding_checkpoints
 from lightning_async_ckpt.storage.store import CheckpointStore
 
@@ -88,23 +89,18 @@ def latest_checkpoint(dirpath: str, storage_options: dict[str, Any] | None = Non
 
 
 def _newest_verified(dirpath: str, storage_options: dict[str, Any] | None, *, resumable: bool = False) -> str | None:
-    candidates = []
-    for loc in run_locations(dirpath, storage_options):
-        for info in loc.store.generations():
-            if info.manifest is None or not _loadable(info.manifest, CHECKPOINT_NAME):
-                continue
-            if resumable and weights_only(info.manifest):
-                continue
-            candidates.append((info.manifest.committed_at, loc.version, info.step, loc.store))
-    for _, _, step, store in sorted(candidates, key=lambda c: c[:3], reverse=True):
-        result = store.verify(step)
-        if not result.ok:
-            message = f"skipping generation {store.url(step)}: {'; '.join(result.problems)}"
-            _log.warning("%s", message)
-            warnings.warn(message, stacklevel=2)
-            continue
-        return loadable_path(store.manifest(step), store)
-    return None
+
+    def accept(manifest: Any) -> bool:
+        return _loadable(manifest, CHECKPOINT_NAME) and not (resumable and weights_only(manifest))
+
+    def skip(url: str, problems: tuple[str, ...]) -> None:
+        message = f"skipping generation {url}: {'; '.join(problems)}"
+        _log.warning("%s", message)
+        warnings.warn(message, stacklevel=4)
+
+    # One listing per folder, manifests newest first (issue 27): O(1) manifest reads when the newest is intact.
+    found = newest_intact(dirpath, storage_options, accept=accept, on_skip=skip)
+    return None if found is None else loadable_path(found.manifest, found.store)
 
 
 def _loadable(manifest: Any, name: str) -> bool:

@@ -165,6 +165,10 @@ class Backend:
                 return b""
             raise exc from None
 
+    def open_read(self, path: str, stat: dict[str, Any]) -> IO[bytes]:
+        """Open an object for one sequential read, given what ``fs.info`` just said of it (``stat``)."""
+        return self.fs.open(path, "rb")
+
     def mtime(self, path: str) -> float | None:
         """Modification time of ``path`` when the filesystem reports one (informational)."""
         try:
@@ -245,6 +249,13 @@ class S3Backend(Backend):
 
     def create_claim(self, path: str, data: bytes) -> None:
         self.create_exclusive(path, data)
+
+    def open_read(self, path: str, stat: dict[str, Any]) -> IO[bytes]:
+        # The HEAD just taken, not a second one: its size, and its ETag, which s3fs compares with the GET's (an
+        # object replaced since the HEAD fails the read instead of being checked against the old size).
+        f = self.fs.open(path, "rb", size=stat["size"])
+        f.details = stat
+        return f
 
     def remove_folder_if_empty(self, path: str) -> None:
         return

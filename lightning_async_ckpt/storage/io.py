@@ -163,6 +163,7 @@ def read_verified(
     *,
     into: Any = None,
     max_bytes: int | None = None,
+    opener: Any = None,
 ) -> bytes | None:
     """Read one object once, checking its size and checksum as the bytes pass.
 
@@ -175,6 +176,8 @@ def read_verified(
         into: A writable file-like object that receives every chunk (e.g. a local copy); then nothing is kept in
             memory and ``None`` is returned.
         max_bytes: Refuse (before reading) an object larger than this when collecting into memory.
+        opener: Opens ``path`` for reading (default ``fs.open(path, "rb")``); a backend's ``open_read`` when the
+            size was just checked.
 
     Returns:
         The bytes, or ``None`` when ``into`` is given.
@@ -192,7 +195,7 @@ def read_verified(
     digest = Checksum(checksum_algorithm(expected)) if expected else None
     parts: list[bytes] = []
     got = 0
-    with fs.open(path, "rb") as f:
+    with opener() if opener is not None else fs.open(path, "rb") as f:
         while chunk := f.read(READ_CHUNK):
             got += len(chunk)
             if got > size:

@@ -189,13 +189,18 @@ def execute(
     ``CHEAP_VERIFY_BYTES``, ``False`` sizes only. ``protect``: steps never removed, beside the newest ``keep_last``
     (``gc``'s best-k generations).
     """
-    gens = store.generations(include_uncommitted=True)
+    # One listing; manifests read only where the ledger does not know them as committed (module docstring of
+    # .ledger), and again for this run's committed ones (kept or removable): O(keep_last) per save.
+    gens = store.ledger.refresh(store)
     candidates = []
     kept = 0
-    for info in reversed(gens):
+    for i, info in enumerate(reversed(gens)):
         problems: tuple[str, ...] | None = None
         writers: tuple[str, ...] = ()
         age = None
+        if info.committed and (all_runs or info.run_id == store.run_id):
+            # Kept or removable: read as it is now, not as remembered (a manifest damaged since is not counted).
+            info = gens[len(gens) - 1 - i] = store.ledger.reread(store, info.step)
         if info.committed and info.manifest is not None:
             if (all_runs or info.run_id == store.run_id) and kept < keep_last:
                 cheap = verify or (verify is None and info.manifest.total_bytes <= CHEAP_VERIFY_BYTES)
@@ -221,7 +226,9 @@ def execute(
     by_step = {g.step: g for g in gens}
     for removal in plan.remove:
         try:
-            _remove(store, by_step[removal.step])
+            info = by_step[removal.step]
+            store.ledger.removed(removal.step)  # forgotten first: a removal that fails half-way is read again
+            _remove(store, info)
             report.removed.append(removal.step)
         except Exception as exc:  # noqa: BLE001 - reported in `failed`; a leftover is collected next time
             _log.warning("could not remove generation %s", by_step[removal.step].path, exc_info=True)

@@ -13,6 +13,7 @@ what differs per filesystem :mod:`~lightning_async_ckpt.storage.backend`.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import uuid
@@ -27,9 +28,8 @@ from lightning_async_ckpt.errors import (
     ManifestError,
     ManifestVersionError,
     StorageError,
-    StoreUnavailableError,
 )
-from lightning_async_ckpt.storage import inflight, retention
+from lightning_async_ckpt.storage import finder, inflight, retention
 from lightning_async_ckpt.storage.backend import backend_for, open_filesystem
 from lightning_async_ckpt.storage.generation import (
     GenerationInfo,
@@ -47,6 +47,7 @@ from lightning_async_ckpt.storage.io import (
     fsync_dir,
     read_verified,
 )
+from lightning_async_ckpt.storage.ledger import Ledger
 from lightning_async_ckpt.storage.manifest import (
     MANIFEST_NAME,
     MAX_MANIFEST_BYTES,
@@ -139,6 +140,7 @@ class CheckpointStore:
         self.is_local = self.backend.kind == "local"
         self._lock = threading.Lock()
         self._writing: set[int] = set()
+        self.ledger = Ledger()  # what retention knows between passes (reads O(1) manifests per save)
         if check_writable:
             self.backend.check_writable(self.root, uri)
 
@@ -239,34 +241,9 @@ class CheckpointStore:
             StoreUnavailableError: The location cannot be listed (missing bucket, unreachable endpoint, no
                 permission). A local folder that does not exist yet lists as empty.
         """
-        self.invalidate_cache()
-        try:
-            entries = self.fs.ls(self.root, detail=True)
-        except FileNotFoundError as exc:
-            why = self.backend.missing_root_error(self.root)
-            if why is None:
-                return Listing()
-            raise StoreUnavailableError(f"cannot list {self.uri!r}: {why}") from exc
-        except Exception as exc:
-            raise StoreUnavailableError(f"could not list {self.uri!r}: {type(exc).__name__}: {exc}") from exc
-        found, skipped = [], []
-        for entry in entries:
-            name = entry["name"].rstrip("/").rsplit("/", 1)[-1]
-            step = parse_generation_name(name)
-            if step is None:
-                if name.startswith("step-"):
-                    skipped.append(Skipped(name, "not a canonical generation name (step- and 8+ ASCII digits)"))
-                continue
-            if entry.get("type") not in ("directory", None):
-                skipped.append(Skipped(name, f"a {entry.get('type')}, not a folder"))
-                continue
-            if not self.backend.inside(self.generation_path(step), self.root):
-                skipped.append(Skipped(name, "resolves outside the store root (symlink)"))
-                continue
-            info = self._read_generation(step)
-            if info.committed or include_uncommitted:
-                found.append(info)
-        return Listing(sorted(found, key=lambda g: g.step), sorted(skipped, key=lambda s: s.name))
+        listing = finder.list_steps(self)
+        found = [info for info in map(self.read_generation, listing.steps) if info.committed or include_uncommitted]
+        return Listing(found, listing.skipped)
 
     def generations(self, include_uncommitted: bool = False) -> list[GenerationInfo]:
         """List generations sorted by step (see :meth:`scan` for what is skipped and the errors).
@@ -276,7 +253,7 @@ class CheckpointStore:
         """
         return self.scan(include_uncommitted).generations
 
-    def _read_generation(self, step: int) -> GenerationInfo:
+    def read_generation(self, step: int) -> GenerationInfo:
         """The one manifest reader: size-capped, validated, its step checked against the folder's."""
         path = self.generation_path(step)
         url = self.url(step)
@@ -296,6 +273,8 @@ class CheckpointStore:
             newer = isinstance(exc, ManifestVersionError)
             return GenerationInfo(step=step, path=url, committed=False, error=str(exc), newer_format=newer)
         return GenerationInfo(step=step, path=url, committed=True, manifest=manifest, mtime=manifest.committed_at)
+
+    _read_generation = read_generation  # old private name
 
     def manifest(self, step: int) -> Manifest:
         """Return the validated manifest of committed generation ``step``.
@@ -318,10 +297,14 @@ class CheckpointStore:
 
     def check_sizes(self, manifest: Manifest) -> list[str]:
         """Return problems with the objects' existence, location and sizes (empty when all match)."""
-        problems = []
+        return self._stat_objects(manifest)[0]
+
+    def _stat_objects(self, manifest: Manifest) -> tuple[list[str], dict[str, dict]]:
+        """Problems with the objects' existence, location and sizes, and the stat of each object that matched."""
+        problems, stats = [], {}
         for obj in manifest.objects:
             try:
-                size = self.fs.info(self._object_path(manifest.step, obj)).get("size")
+                info = self.fs.info(self._object_path(manifest.step, obj))
             except ManifestError as exc:
                 problems.append(str(exc))
                 continue
@@ -331,16 +314,19 @@ class CheckpointStore:
             except Exception as exc:  # noqa: BLE001 - reported as a problem of this generation
                 problems.append(f"{obj.name}: cannot stat ({exc})")
                 continue
-            if size != obj.size:
-                problems.append(f"{obj.name}: size {size}, manifest says {obj.size}")
-        return problems
+            if info.get("size") != obj.size:
+                problems.append(f"{obj.name}: size {info.get('size')}, manifest says {obj.size}")
+            else:
+                stats[obj.name] = info
+        return problems, stats
 
     def latest(self, *, verify: bool = True, run_id: str | None = None) -> GenerationInfo | None:
         """The newest committed generation that is intact, for resuming.
 
         With ``verify`` (the default) every object of the returned generation was re-read once and matched its
         checksum; without it (for listings) sizes only. A generation that fails is skipped with a warning, so a
-        damaged newest generation falls back to the newest intact one.
+        damaged newest generation falls back to the newest intact one. The folder is listed once and manifests are
+        read newest step first (:mod:`.finder`): an intact newest generation costs one manifest read.
 
         Args:
             verify: Check checksums (reads every byte of the returned generation once).
@@ -353,14 +339,19 @@ class CheckpointStore:
             CheckpointError: A save of this process was still in flight here after the bounded wait.
         """
         inflight.wait_for(self.uri, self.storage_options, doing="latest()")
-        for info in reversed(self.generations(include_uncommitted=True)):
+        # One listing, then manifests newest first: an intact newest generation costs one manifest read.
+        for info in finder.newest_first(self, finder.list_steps(self).steps):
             if not info.committed or info.manifest is None:
                 if info.error:
                     warnings.warn(f"skipping generation {info.path}: {info.error}", stacklevel=2)
                 continue
             if run_id is not None and info.run_id != run_id:
                 continue
-            problems = self.verify(info.step).problems if verify else tuple(self.check_sizes(info.manifest))
+            problems = (
+                self.verify(info.step, manifest=info.manifest).problems
+                if verify
+                else tuple(self.check_sizes(info.manifest))
+            )
             if problems:
                 warnings.warn(f"skipping generation {info.path}: {'; '.join(problems)}", stacklevel=2)
                 continue
@@ -400,7 +391,7 @@ class CheckpointStore:
             info = self._read_generation(step)
             if not info.committed:
                 raise ManifestError(f"generation step {step} at {self.url(step)} is not committed ({info.error})")
-            problems = self.verify(step).problems if verify else tuple(self.check_sizes(info.manifest))
+            problems = self.verify(step, manifest=info.manifest).problems if verify else self.check_sizes(info.manifest)
             if problems:
                 raise ManifestError(f"generation step {step} at {self.url(step)} is damaged: {'; '.join(problems)}")
         if info is not None and info.run_id:
@@ -409,20 +400,24 @@ class CheckpointStore:
             self.run_id = info.run_id
         return info
 
-    def verify(self, step: int) -> VerifyResult:
-        """Re-read every object of generation ``step`` once and check size and checksum; never unpickles."""
-        try:
-            manifest = self.manifest(step)
-        except ManifestError as exc:
-            return VerifyResult(step=step, ok=False, problems=(str(exc),))
-        problems = self.check_sizes(manifest)
-        bad = {p.split(":", 1)[0] for p in problems}
+    def verify(self, step: int, *, manifest: Manifest | None = None) -> VerifyResult:
+        """Re-read every object of generation ``step`` once and check size and checksum; never unpickles.
+
+        ``manifest``: the generation's manifest when the caller has just read it (not read again).
+        """
+        if manifest is None:
+            try:
+                manifest = self.manifest(step)
+            except ManifestError as exc:
+                return VerifyResult(step=step, ok=False, problems=(str(exc),))
+        problems, stats = self._stat_objects(manifest)
         for obj in manifest.objects:
-            if obj.name in bad:
+            if obj.name not in stats:
                 continue
             path = self._object_path(step, obj)
             try:
-                read_verified(self.fs, path, obj, into=_Discard())
+                opener = functools.partial(self.backend.open_read, path, stats[obj.name])  # stat just taken
+                read_verified(self.fs, path, obj, into=_Discard(), opener=opener)
             except ManifestError as exc:
                 problems.append(obj.name + str(exc).removeprefix(path))
             except Exception as exc:  # noqa: BLE001 - reported as a problem of this generation

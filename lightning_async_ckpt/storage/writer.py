@@ -276,6 +276,7 @@ class GenerationWriter:
             except StorageError:
                 self._remove_manifest(path)
                 raise
+            self.store.ledger.committed(self.store, manifest)  # the next retention pass need not read it
         finally:
             self._done = True
             self.store.end_write(self.step)

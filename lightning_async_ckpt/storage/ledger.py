@@ -1,0 +1,82 @@
+"""What a store knows of its folder between retention passes, so a pass after a commit reads O(1) manifests.
+
+A committed manifest is never written over (a generation is removed manifest first, then data), so once read it
+stays true until its name leaves the listing. The ledger keeps what a pass read and what this store's writers
+committed; the next pass lists the folder once (names only) and reads only the manifests of names it does not
+know as committed: new generations of other writers, and folders that were uncommitted last time (a save in
+progress may have committed since). The first pass of a store reads every manifest once (the rebuild); later passes
+cost one listing plus the generations that changed, whatever the number of generations. Retention re-reads the
+manifests of the generations it counts as kept and of those it removes before acting (:mod:`.retention`).
+
+Thread-safety: any thread; passes and commits may interleave (a commit a pass missed is read by the next pass).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING
+
+from lightning_async_ckpt.storage import finder
+from lightning_async_ckpt.storage.generation import GenerationInfo
+from lightning_async_ckpt.storage.manifest import Manifest
+
+if TYPE_CHECKING:
+    from lightning_async_ckpt.storage.store import CheckpointStore
+
+__all__ = ["Ledger"]
+
+
+class Ledger:
+    """The generations a store saw in its folder, by step (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._known: dict[int, GenerationInfo] = {}
+        self.reads = 0  # manifests read by passes (for tests and benchmarks)
+
+    def refresh(self, store: CheckpointStore) -> list[GenerationInfo]:
+        """List ``store``'s folder once and return its generations by step, reading only unknown manifests.
+
+        Raises:
+            StoreUnavailableError: The folder cannot be listed.
+        """
+        steps = finder.list_steps(store).steps
+        with self._lock:
+            known = dict(self._known)
+        out = []
+        for step in steps:
+            info = known.get(step)
+            if info is None or not info.committed:
+                info = self.reread(store, step)
+            out.append(info)
+        with self._lock:
+            self._known = {info.step: info for info in out}
+        return out
+
+    def reread(self, store: CheckpointStore, step: int) -> GenerationInfo:
+        """Read generation ``step``'s manifest again and remember what it says."""
+        info = store.read_generation(step)
+        with self._lock:
+            self.reads += 1
+            if info.committed:
+                self._known[step] = info
+            else:
+                self._known.pop(step, None)
+        return info
+
+    def committed(self, store: CheckpointStore, manifest: Manifest) -> None:
+        """Remember a generation this store's writer just committed (the next pass does not read it)."""
+        info = GenerationInfo(
+            step=manifest.step,
+            path=store.url(manifest.step),
+            committed=True,
+            manifest=manifest,
+            mtime=manifest.committed_at,
+        )
+        with self._lock:
+            self._known[manifest.step] = info
+
+    def removed(self, step: int) -> None:
+        """Forget a generation retention removed."""
+        with self._lock:
+            self._known.pop(step, None)
