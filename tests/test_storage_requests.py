@@ -51,7 +51,7 @@ def _save(store: CheckpointStore, step: int) -> None:
     store.gc(2)
 
 
-@pytest.mark.parametrize("generations", [10, 1000])
+@pytest.mark.parametrize("generations", [10, pytest.param(1000, marks=pytest.mark.slow)])
 def test_latest_checkpoint_reads_one_manifest_when_the_newest_is_intact(s3_uri: Location, generations: int) -> None:
     uri, options = s3_uri
     _fill(uri, options, generations)
@@ -63,7 +63,7 @@ def test_latest_checkpoint_reads_one_manifest_when_the_newest_is_intact(s3_uri: 
     assert log.counts() == {"LIST": pages, "GET": 2, "HEAD": 1}, log.requests
 
 
-@pytest.mark.parametrize("generations", [10, 1000])
+@pytest.mark.parametrize("generations", [10, pytest.param(1000, marks=pytest.mark.slow)])
 def test_store_latest_reads_one_manifest_when_the_newest_is_intact(s3_uri: Location, generations: int) -> None:
     uri, options = s3_uri
     _fill(uri, options, generations)
@@ -102,6 +102,7 @@ def _one_save(uri: str, options: dict[str, Any], generations: int) -> dict[str, 
     return counts
 
 
+@pytest.mark.slow  # 1,000 generations on moto: about a minute
 def test_one_save_with_keep_last_costs_the_same_at_10_and_1000_generations(
     request: pytest.FixtureRequest, s3_endpoint: str
 ) -> None:
