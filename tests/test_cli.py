@@ -389,3 +389,21 @@ def test_ls_and_verify_on_s3(s3_uri: tuple[str, dict[str, Any]], capsys: pytest.
     store.fs.pipe_file(key, bytes(data))
     rc, out, err = _run(capsys, "verify", uri, *flags)
     assert rc == 1 and "step 2: FAILED" in out and "checksum" in out and "step 1: OK" in out
+
+
+def test_gc_on_s3_reads_each_manifest_once(
+    s3_uri: tuple[str, dict[str, Any]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``gc`` lists and reads the folder once (it used to list and read every manifest twice; issue 27)."""
+    from _s3_requests import s3_requests
+
+    uri, options = s3_uri
+    store = CheckpointStore(uri, options, run_id="s3-run")
+    for step in range(6):
+        _commit(store, step)
+    with s3_requests() as log:
+        rc, out, err = _run(capsys, "gc", uri, "--keep-last", "2", *_s3_flags(options))
+    assert rc == 0, err
+    assert "committed steps kept: [4, 5]" in out
+    manifest_gets = [t for m, t, _ in log.requests if m == "GET" and t.endswith("/manifest.json")]
+    assert sorted(t.rsplit("/", 2)[-2] for t in manifest_gets) == [f"step-{s:08d}" for s in range(6)]

@@ -34,8 +34,8 @@ class Ledger:
         self._known: dict[int, GenerationInfo] = {}
         self.reads = 0  # manifests read by passes (for tests and benchmarks)
 
-    def refresh(self, store: CheckpointStore) -> list[GenerationInfo]:
-        """List ``store``'s folder once and return its generations by step, reading only unknown manifests.
+    def refresh(self, store: CheckpointStore) -> tuple[list[GenerationInfo], set[int]]:
+        """List ``store``'s folder once; return its generations by step and the steps whose manifest was read now.
 
         Raises:
             StoreUnavailableError: The folder cannot be listed.
@@ -43,15 +43,21 @@ class Ledger:
         steps = finder.list_steps(store).steps
         with self._lock:
             known = dict(self._known)
-        out = []
+        out, read = [], set()
         for step in steps:
             info = known.get(step)
             if info is None or not info.committed:
                 info = self.reread(store, step)
+                read.add(step)
             out.append(info)
         with self._lock:
             self._known = {info.step: info for info in out}
-        return out
+        return out, read
+
+    def learn(self, infos: list[GenerationInfo]) -> None:
+        """Take a listing the caller has just read in full (every manifest) as what the folder holds."""
+        with self._lock:
+            self._known = {info.step: info for info in infos if info.committed}
 
     def reread(self, store: CheckpointStore, step: int) -> GenerationInfo:
         """Read generation ``step``'s manifest again and remember what it says."""

@@ -182,29 +182,39 @@ def execute(
     verify: bool | None = False,
     min_leftover_age_s: float = 0.0,
     protect: frozenset[int] = frozenset(),
+    generations: list[GenerationInfo] | None = None,
 ) -> RetentionReport:
     """Look at ``store``, plan retention and carry it out (removals: manifest first, then data).
 
     ``verify``: ``True`` checks the checksums of the generations counted as kept, ``None`` only of those up to
     ``CHEAP_VERIFY_BYTES``, ``False`` sizes only. ``protect``: steps never removed, beside the newest ``keep_last``
-    (``gc``'s best-k generations).
+    (``gc``'s best-k generations). ``generations``: the caller's full listing, just read (``store.generations(
+    include_uncommitted=True)``), used instead of listing again (the CLI's ``gc`` reads each manifest once).
     """
     # One listing; manifests read only where the ledger does not know them as committed (module docstring of
-    # .ledger), and again for this run's committed ones (kept or removable): O(keep_last) per save.
-    gens = store.ledger.refresh(store)
+    # .ledger), and again for this run's committed ones (kept or removable) unless just read: O(keep_last) per save.
+    if generations is not None:
+        gens, fresh = sorted(generations, key=lambda g: g.step), {g.step for g in generations}
+        store.ledger.learn(gens)
+    else:
+        gens, fresh = store.ledger.refresh(store)
     candidates = []
     kept = 0
     for i, info in enumerate(reversed(gens)):
         problems: tuple[str, ...] | None = None
         writers: tuple[str, ...] = ()
         age = None
-        if info.committed and (all_runs or info.run_id == store.run_id):
+        if info.committed and (all_runs or info.run_id == store.run_id) and info.step not in fresh:
             # Kept or removable: read as it is now, not as remembered (a manifest damaged since is not counted).
             info = gens[len(gens) - 1 - i] = store.ledger.reread(store, info.step)
         if info.committed and info.manifest is not None:
             if (all_runs or info.run_id == store.run_id) and kept < keep_last:
                 cheap = verify or (verify is None and info.manifest.total_bytes <= CHEAP_VERIFY_BYTES)
-                problems = tuple(store.verify(info.step).problems if cheap else store.check_sizes(info.manifest))
+                problems = tuple(
+                    store.verify(info.step, manifest=info.manifest).problems
+                    if cheap
+                    else store.check_sizes(info.manifest)
+                )
                 kept += not problems
         elif not info.unreadable and not info.newer_format:
             writers, age = _claims(store, info)

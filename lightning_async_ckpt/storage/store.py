@@ -456,6 +456,7 @@ class CheckpointStore:
         verify: bool | None = None,
         min_leftover_age_s: float = 0.0,
         protect: frozenset[int] = frozenset(),
+        generations: list[GenerationInfo] | None = None,
     ) -> retention.RetentionReport:
         """Apply retention and report ``removed``, ``failed`` and ``refused`` (rules: :mod:`.retention`).
 
@@ -468,6 +469,7 @@ class CheckpointStore:
                 the new generation's checksums were computed as it was written).
             min_leftover_age_s: With ``all_runs``, leave other runs' uncommitted leftovers younger than this.
             protect: Steps kept whatever their age (``gc --keep-best``: the best-k generations by score).
+            generations: This folder's ``generations(include_uncommitted=True)``, just read: not listed again.
         """
         if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1:
             raise ConfigError(
@@ -481,6 +483,7 @@ class CheckpointStore:
             verify=verify,
             min_leftover_age_s=min_leftover_age_s,
             protect=protect,
+            generations=generations,
         )
 
     def gc(

@@ -219,7 +219,13 @@ def cmd_gc(args: argparse.Namespace) -> int:
         print(f"note: no committed generation of run {args.run_id!r} here (runs: {runs})", file=sys.stderr)
     best, monitor = _best_k(gens, args.keep_best)
     # Without --run-id the CLI is not a run: it acts for the whole folder (one run, or --all-runs).
-    report = store.retain(args.keep_last, all_runs=args.run_id is None, dry_run=args.dry_run, protect=frozenset(best))
+    report = store.retain(
+        args.keep_last,
+        all_runs=args.run_id is None,
+        dry_run=args.dry_run,
+        protect=frozenset(best),
+        generations=gens,  # each manifest read once, not listed and read again
+    )
     by_step = {g.step: g for g in gens}
     reasons = {r.step: r.reason for r in report.plan.remove}
     verb = "would remove" if args.dry_run else "removed"
