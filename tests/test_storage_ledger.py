@@ -58,3 +58,20 @@ def test_a_manifest_damaged_since_the_last_pass_is_not_counted(tmp_path: Path) -
     Path(store.generation_path(3), "manifest.json").write_bytes(b"{torn")
     assert store.gc(2) == []
     assert [g.step for g in CheckpointStore(str(tmp_path)).generations()] == [1, 2]
+
+
+def test_the_ledger_keeps_no_object_lists(tmp_path: Path) -> None:
+    """A manifest of a many-rank save lists every rank's objects; the ledger keeps step, run id and time only."""
+    other = CheckpointStore(str(tmp_path), run_id="other")
+    writer = other.begin(0)
+    for rank in range(64):
+        writer.write_bytes(f"rank-{rank}.distcp", b"r")
+    writer.commit()
+    store = CheckpointStore(str(tmp_path), run_id="mine")
+    _commit(store, 1)
+    _commit(store, 2)
+    assert store.gc(1) == [1]
+    known = store.ledger._known
+    assert sorted(known) == [0, 2]
+    assert known[0].run_id == "other" and known[0].committed and known[0].manifest.objects == ()
+    assert CheckpointStore(str(tmp_path)).manifest(0).objects[63].name == "rank-63.distcp"

@@ -13,6 +13,7 @@ Thread-safety: any thread; passes and commits may interleave (a commit a pass mi
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from typing import TYPE_CHECKING
 
@@ -51,13 +52,13 @@ class Ledger:
                 read.add(step)
             out.append(info)
         with self._lock:
-            self._known = {info.step: info for info in out}
+            self._known = {info.step: _slim(info) for info in out}
         return out, read
 
     def learn(self, infos: list[GenerationInfo]) -> None:
         """Take a listing the caller has just read in full (every manifest) as what the folder holds."""
         with self._lock:
-            self._known = {info.step: info for info in infos if info.committed}
+            self._known = {info.step: _slim(info) for info in infos if info.committed}
 
     def reread(self, store: CheckpointStore, step: int) -> GenerationInfo:
         """Read generation ``step``'s manifest again and remember what it says."""
@@ -65,7 +66,7 @@ class Ledger:
         with self._lock:
             self.reads += 1
             if info.committed:
-                self._known[step] = info
+                self._known[step] = _slim(info)
             else:
                 self._known.pop(step, None)
         return info
@@ -80,9 +81,26 @@ class Ledger:
             mtime=manifest.committed_at,
         )
         with self._lock:
-            self._known[manifest.step] = info
+            self._known[manifest.step] = _slim(info)
 
     def removed(self, step: int) -> None:
         """Forget a generation retention removed."""
         with self._lock:
             self._known.pop(step, None)
+
+
+def _slim(info: GenerationInfo) -> GenerationInfo:
+    """What a pass needs of a generation it does not re-read (step, run id, time): no object list is kept, so
+    the ledger stays small however many ranks' objects each manifest lists. Generations a pass acts on (this
+    run's: kept or removed) are read again in full."""
+    manifest = info.manifest
+    if manifest is None:
+        return info
+    head = Manifest(
+        step=manifest.step,
+        run_id=manifest.run_id,
+        objects=(),
+        committed_at=manifest.committed_at,
+        format_version=manifest.format_version,
+    )
+    return dataclasses.replace(info, manifest=head)
