@@ -36,6 +36,7 @@ from lightning_async_ckpt.lightning.last import stand_in_for_last, warn_if_weigh
 from lightning_async_ckpt.lightning.naming import CHECKPOINT_NAME, loadable_path
 from lightning_async_ckpt.lightning.rerun import VERSION_RE, version_uri
 from lightning_async_ckpt.lightning.sharded import is_lightning_dcp_generation
+from lightning_async_ckpt.storage import inflight
 from lightning_async_ckpt.storage.finder import newest_intact
 from lightning_async_ckpt.storage.generation import parse_generation_name, subfolders_holding_checkpoints
 from lightning_async_ckpt.storage.store import CheckpointStore
@@ -89,6 +90,7 @@ def latest_checkpoint(dirpath: str, storage_options: dict[str, Any] | None = Non
 
 
 def _newest_verified(dirpath: str, storage_options: dict[str, Any] | None, *, resumable: bool = False) -> str | None:
+    inflight.wait_for(dirpath, storage_options, doing="latest checkpoint of")  # this process's saves land first
 
     def accept(manifest: Any) -> bool:
         return _loadable(manifest, CHECKPOINT_NAME) and not (resumable and weights_only(manifest))
