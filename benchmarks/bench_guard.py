@@ -57,22 +57,26 @@ def main() -> None:
     print(header)
     proof = DeferralProof(fences={Category.PARAMETER: Fence.OPTIMIZER_STEP}, rules=("bench",))
     for mb in args.sizes_mb:
-        model = torch.nn.Module()
-        model.weight = torch.nn.Parameter(torch.randn((mb << 20) // 4))
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        plan = CapturePlan.build({"w": model.weight.detach()}, modules=[model], optimizers=[opt], proof=proof)
-        src = model.weight.detach().view(torch.uint8).view(-1)
-        buf = torch.empty_like(src)
-        floor = _best(lambda: np.copyto(buf.numpy(), src.numpy()), args.repeats)
-        copy = _best(lambda: buf.copy_(src), args.repeats)
-        full = CutGuard(plan.slots, GuardMode.FULL)
-        exact = _best(full.record, args.repeats)
-        sample = _best(CutGuard(plan.slots, GuardMode.SAMPLE).record, args.repeats)
-        check = _best(lambda: full.check([buf]), args.repeats)
-        print(
-            f"{mb:>6} {floor * 1e3:>10.1f} ms {copy * 1e3:>9.1f} ms {exact * 1e3:>10.1f} ms {sample * 1e3:>6.2f} ms "
-            f"{check * 1e3:>8.1f} ms {exact / copy:>10.2f}x {exact / (mb / 1024):>10.3f}"
-        )
+        print(_row(mb, proof, args.repeats))
+
+
+def _row(mb: int, proof: DeferralProof, repeats: int) -> str:
+    model = torch.nn.Module()
+    model.weight = torch.nn.Parameter(torch.randn((mb << 20) // 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    plan = CapturePlan.build({"w": model.weight.detach()}, modules=[model], optimizers=[opt], proof=proof)
+    src = model.weight.detach().view(torch.uint8).view(-1)
+    buf = torch.empty_like(src)
+    floor = _best(lambda: np.copyto(buf.numpy(), src.numpy()), repeats)
+    copy = _best(lambda: buf.copy_(src), repeats)
+    full = CutGuard(plan.slots, GuardMode.FULL)
+    exact = _best(full.record, repeats)
+    sample = _best(CutGuard(plan.slots, GuardMode.SAMPLE).record, repeats)
+    check = _best(lambda: full.check([buf]), repeats)
+    return (
+        f"{mb:>6} {floor * 1e3:>10.1f} ms {copy * 1e3:>9.1f} ms {exact * 1e3:>10.1f} ms {sample * 1e3:>6.2f} ms "
+        f"{check * 1e3:>8.1f} ms {exact / copy:>10.2f}x {exact / (mb / 1024):>10.3f}"
+    )
 
 
 if __name__ == "__main__":
