@@ -26,7 +26,7 @@ from lightning_async_ckpt.core.admission import Admission, AdmissionDecision, Ad
 from lightning_async_ckpt.core.capture import CapturePlan, Category, DeferralProof, Fence, prove_deferral
 from lightning_async_ckpt.core.completion import Completion
 from lightning_async_ckpt.core.handle import DrainOnExit, SaveHandle
-from lightning_async_ckpt.core.hooks import FenceHooks, is_own_hook
+from lightning_async_ckpt.core.hooks import FenceHooks
 from lightning_async_ckpt.core.lifecycle import Lifecycle
 from lightning_async_ckpt.core.options import CheckpointOptions, Serializer, TorchSaveSerializer
 from lightning_async_ckpt.core.persist import RetryPolicy
@@ -215,7 +215,6 @@ class AsyncCheckpointer(Completion, Lifecycle, DrainOnExit):
                 optimizers,
                 has_optimizer_step_fence=Fence.OPTIMIZER_STEP in fences,
                 has_batch_start_fence=Fence.BATCH_START in fences,
-                ignore_hooks=is_own_hook,
             )
         # A proof without fences only says why everything is copied at the cut (e.g. the final checkpoint).
         keep = proof is not None and (defer or not proof.fences)

@@ -13,23 +13,17 @@ from typing import Any
 import torch
 
 from lightning_async_ckpt.core.capture import Fence
+from lightning_async_ckpt.core.proof import OWN_HOOK_MARK, is_own_hook
 from lightning_async_ckpt.errors import ConfigError
 
 __all__ = ["FenceHooks", "is_own_hook"]
-
-_MARK = "_lightning_async_ckpt"
-
-
-def is_own_hook(hook: Any) -> bool:
-    """Whether ``hook`` is one of this library's fence hooks (the deferral proof ignores those)."""
-    return bool(getattr(hook, _MARK, False))
 
 
 def _fence_hook(wait: Callable[[Fence], Any], fence: Fence) -> Callable[..., None]:
     def hook(*_: Any) -> None:  # returns None: a forward pre-hook's return value would replace the input
         wait(fence)
 
-    setattr(hook, _MARK, True)
+    setattr(hook, OWN_HOOK_MARK, True)
     return hook
 
 

@@ -25,6 +25,7 @@ __all__ = [
     "DeferralProof",
     "Fence",
     "forward_writers",
+    "is_own_hook",
     "prove_deferral",
     "storage_key",
 ]
@@ -142,7 +143,8 @@ def prove_deferral(
         has_optimizer_step_fence: Whether the caller will call ``wait(Fence.OPTIMIZER_STEP)`` before updates.
         has_batch_start_fence: Whether the caller will call ``wait(Fence.BATCH_START)`` before the next forward.
         extra_failures: Rules the caller already knows to fail (e.g. "module overrides on_after_backward").
-        ignore_hooks: Predicate for hooks that are known not to write parameters (our own).
+        ignore_hooks: Predicate for other hooks known not to write parameters (this library's own fence hooks
+            are always ignored).
 
     Returns:
         The proof, with the latest allowed fence per category.
@@ -183,9 +185,17 @@ def prove_deferral(
     return DeferralProof(fences=fences, rules=tuple(rules), failures=tuple(failures), pinned=pinned)
 
 
+#: Attribute marking this library's own fence hooks (``core/hooks.py`` sets it): they only wait.
+OWN_HOOK_MARK = "_lightning_async_ckpt"
+
+
+def is_own_hook(hook: Any) -> bool:
+    """Whether ``hook`` is one of this library's fence hooks (the deferral proof always ignores those)."""
+    return bool(getattr(hook, OWN_HOOK_MARK, False))
+
+
 def _ignored(hook: Any, ignore_hooks: Callable[[Any], bool] | None) -> bool:
-    # This library's own fence hooks carry a marker (core/hooks.py); they only wait.
-    return bool(getattr(hook, "_lightning_async_ckpt", False)) or bool(ignore_hooks and ignore_hooks(hook))
+    return is_own_hook(hook) or bool(ignore_hooks and ignore_hooks(hook))
 
 
 def _torch_step(step: Any) -> bool:

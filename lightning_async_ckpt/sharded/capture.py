@@ -24,7 +24,6 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from lightning_async_ckpt.core.capture import CapturePlan, Category, DeferralProof, Fence, prove_deferral
-from lightning_async_ckpt.core.hooks import is_own_hook
 from lightning_async_ckpt.core.staging import BufferPool, StagingJob
 
 __all__ = ["LocalCapture", "capture_local", "is_fsdp_hook", "local_tensor", "sharded_proof"]
@@ -43,10 +42,6 @@ def is_fsdp_hook(hook: Any) -> bool:
     return owner.__name__ == "FSDPState" and owner.__module__.startswith("torch.distributed.fsdp.")
 
 
-def _ignored_hook(hook: Any) -> bool:
-    return is_own_hook(hook) or is_fsdp_hook(hook)
-
-
 def sharded_proof(
     modules: Sequence[torch.nn.Module], optimizers: Sequence[Any], fences: Iterable[Fence]
 ) -> DeferralProof:
@@ -57,7 +52,7 @@ def sharded_proof(
         optimizers,
         has_optimizer_step_fence=Fence.OPTIMIZER_STEP in fences,
         has_batch_start_fence=Fence.BATCH_START in fences,
-        ignore_hooks=_ignored_hook,
+        ignore_hooks=is_fsdp_hook,
     )
 
 
