@@ -214,3 +214,14 @@ def test_code_that_runs_inside_optimizer_step_before_the_closure_is_named():
     assert any("replaced on the instance" in f for f in _proof_failures(model, replaced))
     model.weight.register_hook(lambda grad: grad)
     assert any("gradient hook" in f for f in _proof_failures(model, opt))
+
+
+def test_the_device_side_partials_combine_to_the_host_checksum():
+    # The device path (run here on CPU tensors: the same torch ops) must agree with the numpy checksum the staging
+    # thread computes on the staged copy, for sizes with and without tail bytes and across chunk boundaries.
+    from lightning_async_ckpt.core.guard import _CHUNK_WORDS, combine_partials, device_partials
+
+    g = torch.Generator().manual_seed(0)
+    for n in (0, 7, 8, 1000 * 8 + 5, 8 * _CHUNK_WORDS + 3, 8 * 2 * _CHUNK_WORDS + 8):
+        data = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g)
+        assert combine_partials(device_partials(data).tolist()) == checksum(data), n

@@ -46,6 +46,8 @@ __all__ = [
     "CutGuard",
     "GuardMode",
     "checksum",
+    "combine_partials",
+    "device_partials",
     "fingerprint",
     "miss_probability",
     "resolve_guard_mode",
@@ -104,30 +106,51 @@ def checksum(data: torch.Tensor) -> int:
 
     Word ``i`` is weighted by the odd number ``2i + 1``, so changing any single word always changes the sum.
     """
+    if data.device.type != "cpu":
+        return combine_partials(device_partials(data).tolist())
     n = data.numel()
     whole = n - n % 8
     total = 0
-    mask = (1 << 64) - 1
-    if data.device.type == "cpu":
-        words = data[:whole].numpy().view(np.int64)
-        base = np.arange(1, 2 * min(_CHUNK_WORDS, len(words)) + 1, 2, dtype=np.int64)
-        tmp = np.empty_like(base)
-        with np.errstate(over="ignore"):
-            for off in range(0, len(words), _CHUNK_WORDS):
-                chunk = words[off : off + _CHUNK_WORDS]
-                np.multiply(chunk, base[: len(chunk)], out=tmp[: len(chunk)])
-                total += int(tmp[: len(chunk)].sum()) + 2 * off * int(chunk.sum())
-        tail = data[whole:].numpy().tolist()
-    else:
-        words = data[:whole].view(torch.int64)
-        base = torch.arange(1, 2 * min(_CHUNK_WORDS, words.numel()) + 1, 2, dtype=torch.int64, device=data.device)
-        for off in range(0, words.numel(), _CHUNK_WORDS):
+    words = data[:whole].numpy().view(np.int64)
+    base = np.arange(1, 2 * min(_CHUNK_WORDS, len(words)) + 1, 2, dtype=np.int64)
+    tmp = np.empty_like(base)
+    with np.errstate(over="ignore"):
+        for off in range(0, len(words), _CHUNK_WORDS):
             chunk = words[off : off + _CHUNK_WORDS]
-            total += int((chunk * base[: chunk.numel()]).sum()) + 2 * off * int(chunk.sum())
-        tail = data[whole:].cpu().tolist()
-    for i, b in enumerate(tail):
+            np.multiply(chunk, base[: len(chunk)], out=tmp[: len(chunk)])
+            total += int(tmp[: len(chunk)].sum()) + 2 * off * int(chunk.sum())
+    for i, b in enumerate(data[whole:].numpy().tolist()):
         total += (whole + i + 1) * b
-    return total & mask
+    return total & ((1 << 64) - 1)
+
+
+def device_partials(data: torch.Tensor) -> torch.Tensor:
+    """:func:`checksum`'s partial sums, computed where ``data`` lives, without a host synchronization.
+
+    Returns an int64 tensor on ``data``'s device: per chunk of ``_CHUNK_WORDS`` words its weighted and plain sums
+    (wrapping modulo 2**64 like the final sum), then the tail bytes' weighted sum. The kernels are enqueued on the
+    current stream, so on CUDA they read the state at the point of the call; :func:`combine_partials` of the values
+    read back later (on any thread) is the checksum.
+    """
+    n = data.numel()
+    whole = n - n % 8
+    words = data[:whole].view(torch.int64)
+    base = torch.arange(1, 2 * min(_CHUNK_WORDS, words.numel()) + 1, 2, dtype=torch.int64, device=data.device)
+    parts = []
+    for off in range(0, words.numel(), _CHUNK_WORDS):
+        chunk = words[off : off + _CHUNK_WORDS]
+        parts += [(chunk * base[: chunk.numel()]).sum(), chunk.sum()]
+    weights = torch.arange(whole + 1, n + 1, dtype=torch.int64, device=data.device)
+    parts.append((data[whole:].to(torch.int64) * weights).sum())
+    return torch.stack(parts)
+
+
+def combine_partials(partials: Sequence[int]) -> int:
+    """The checksum from :func:`device_partials`' values (congruent modulo 2**64, so the wrapping does not matter)."""
+    total = partials[-1]
+    for k in range(0, len(partials) - 1, 2):
+        total += partials[k] + 2 * (k // 2) * _CHUNK_WORDS * partials[k + 1]
+    return total & ((1 << 64) - 1)
 
 
 def _crc32c() -> Any:
@@ -146,12 +169,10 @@ def _host_chunks(data: torch.Tensor) -> list[tuple[int, int]]:
 def fingerprint(data: torch.Tensor, pool: ThreadPoolExecutor | None = None) -> tuple[int, ...]:
     """The exact fingerprint of a ``uint8`` tensor: one value per :data:`FINGERPRINT_CHUNK` bytes.
 
-    Host tensors: CRC-32C of each chunk (the position-weighted :func:`checksum` where the ``crc32c`` package is
-    missing); other devices: one position-weighted :func:`checksum` computed on the device. Chunks are computed on
-    ``pool`` when given (CRC-32C releases the GIL).
+    Host tensors only: CRC-32C of each chunk (the position-weighted :func:`checksum` where the ``crc32c`` package
+    is missing), computed on ``pool`` when given (CRC-32C releases the GIL). Device storages are fingerprinted by
+    :func:`device_partials` instead (no host synchronization at the cut).
     """
-    if data.device.type != "cpu":
-        return (checksum(data),)
     crc = _crc32c()
     array = data.numpy()
     if crc is None:
@@ -191,7 +212,8 @@ class CutGuard:
         self._versions: dict[int, list[int | None]] = {}
         self._sealed: dict[int, list[int | None]] = {}
         self._samples: dict[int, tuple[Any, Any]] = {}
-        self._sums: dict[int, tuple[int, ...]] = {}
+        # Host slots: the fingerprint; device slots: device_partials, read back only by `check`.
+        self._sums: dict[int, tuple[int, ...] | torch.Tensor] = {}
         # Version counters read on the training thread when it reached each slot's fence (see `at_fence`).
         self._at_fence: dict[int, list[int | None]] = {}
         self._fence_lock = threading.Lock()
@@ -231,17 +253,22 @@ class CutGuard:
 
     def _record_full(self) -> None:
         # Every deferred byte is read on the training thread at the cut. Host storages are cut into chunks
-        # hashed on a few short-lived threads (CRC-32C releases the GIL); device storages reduce on the device.
+        # hashed on a few short-lived threads (CRC-32C releases the GIL); device storages reduce on the device,
+        # asynchronously (ordered on the compute stream before the cut's event; read back by `check`).
+        host = []
         for slot in self.slots:
             self._versions[slot.index] = _versions(slot)
-        host = sum(slot.nbytes for slot in self.slots if slot.device.type == "cpu")
+            if slot.device.type == "cpu":
+                host.append(slot)
+            else:
+                self._sums[slot.index] = device_partials(_as_bytes(slot.storage))
         workers = min(4, os.cpu_count() or 1)
-        if host < _PARALLEL_BYTES or workers < 2:
-            for slot in self.slots:
+        if sum(slot.nbytes for slot in host) < _PARALLEL_BYTES or workers < 2:
+            for slot in host:
                 self._sums[slot.index] = fingerprint(_as_bytes(slot.storage))
             return
         with ThreadPoolExecutor(workers, thread_name_prefix="lightning_async_ckpt-fingerprint") as pool:
-            for slot in self.slots:
+            for slot in host:
                 self._sums[slot.index] = fingerprint(_as_bytes(slot.storage), pool)
 
     def seal(self, slots: Sequence[StorageSlot]) -> None:
@@ -294,6 +321,8 @@ class CutGuard:
             if self.mode == GuardMode.FULL:
                 # The staged copy is on the host; a device storage's fingerprint is the device-side checksum.
                 expected = self._sums[slot.index]
+                if isinstance(expected, torch.Tensor):
+                    expected = (combine_partials(expected.tolist()),)
                 staged = fingerprint(buf) if slot.device.type == "cpu" else (checksum(buf),)
                 if staged != expected:
                     torn[slot.index] = (slot, "checksum")
