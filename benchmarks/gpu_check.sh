@@ -35,7 +35,7 @@ cat "$log"
 
 echo "== CUDA tests" | tee -a "$log"
 timeout 120 python3 -m pytest -q -p no:cacheprovider -o addopts="" \
-  tests/test_cuda_staging.py tests/test_cuda_equivalence.py 2>&1 | tee -a "$log" || rc=1
+  tests/core/test_cuda_staging.py tests/lightning/test_cuda_equivalence.py 2>&1 | tee -a "$log" || rc=1
 
 if [[ " ${GPU_CHECK_SKIP:-} " != *" direct "* ]]; then
   echo "== O_DIRECT writes: pipelined DirectFile vs the one-thread baseline vs the floor" | tee -a "$log"

@@ -1,7 +1,7 @@
 """The proof's hook tables: which Lightning hooks run between the cut and each fence (lightning 2.6, automatic
 optimization), per role, and what an override of each one does to the deferral.
 
-Derived from Lightning's actual call order by ``tests/test_proof_hooks.py``, which walks real Trainers (plain,
+Derived from Lightning's actual call order by ``tests/core/test_proof_hooks.py``, which walks real Trainers (plain,
 ``accumulate_grad_batches``, ``val_check_interval`` mid-epoch, epoch boundaries with dataloader reloads, the
 ``max_steps`` end, batch-transfer hooks on the module or a datamodule) with a callback, a LightningModule and a
 datamodule that override every hook name, and fails when a hook runs in a window without being listed here.

@@ -1,0 +1,205 @@
+"""One rank of the sharded-checkpoint tests: raw FSDP2 ``fully_shard`` on CPU (gloo) with ``ShardedCheckpointer``.
+
+Usage: ``python _sharded_worker.py <out> <mode>`` under ``tests.helpers.dist.launch_ranks``; prints one ``RESULT {json}``.
+
+Modes:
+    ok: save steps 2 and 3 asynchronously (the weights change right after each cut) and, before each, a synchronous
+        ``dcp.save`` of the same state into ``<out>/sync-<step>`` for comparison.
+    fault: rank 1's data file fails to open at the second save: both ranks must raise at ``drain``; the step-1
+        generation stays ``latest()``; a third save commits again.
+    replicated: no sharding (every rank holds the same state, as under DDP): DCP's dedup gives each rank a slice.
+    load: load ``<out>/one/step-00000001`` (written by one process) into the FSDP2 model on two ranks; rank 0
+        writes the full model and optimizer state it then holds to ``<out>/loaded.pt``.
+    slow: rank 1's storage write stalls until both ranks trained a step after the save (a file barrier): no
+        training thread waits for it, and the save commits after it.
+    fenced: ``attach`` installs the fences: parameters and Adam state are staged while the next step's forward and
+        backward run; each generation equals a synchronous ``dcp.save`` at the cut.
+    kill: rank 1 SIGKILLs itself in the middle of writing its step-2 data file; rank 0 must raise at ``drain``
+        within the group timeout, and the step-1 generation stays ``latest()``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+from lightning_async_ckpt.sharded import ShardedCheckpointer, ShardedSaveError
+from lightning_async_ckpt.storage.store import CheckpointStore
+from lightning_async_ckpt.testing import Fault
+
+GROUP_TIMEOUT_S = 30.0
+KILL_GROUP_TIMEOUT_S = 20.0
+
+
+def _wait_for_file(path: str, timeout_s: float = 60.0) -> None:
+    """A file barrier between the ranks (bounded)."""
+    deadline = time.monotonic() + timeout_s
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path} did not appear within {timeout_s} s")
+        time.sleep(0.01)
+
+
+def _kill_self(call: object) -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def make_model() -> torch.nn.Module:
+    """The model every test builds (seeded, so every rank and the test process agree)."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8))
+
+
+def _train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, rank: int, i: int) -> None:
+    gen = torch.Generator().manual_seed(100 * i + rank)
+    loss = model(torch.randn(4, 16, generator=gen)).square().mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def _state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict:
+    msd, osd = get_state_dict(model, opt)
+    return {"model": msd, "optim": osd}
+
+
+def main(out: str, mode: str) -> None:
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    model = make_model()
+    if mode != "replicated":
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        for layer in (model[0], model[2]):
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    _train_step(model, opt, 0 if mode == "replicated" else rank, 0)  # replicated: the same data on every rank
+    result: dict = {"rank": rank}
+    if mode == "load":
+        state = _state(model, opt)
+        dcp.load(state, checkpoint_id=f"{out}/one/step-00000001")
+        set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        full = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        msd, osd = get_state_dict(model, opt, options=full)
+        if rank == 0:
+            torch.save({"model": msd, "optim": osd}, f"{out}/loaded.pt")
+    elif mode == "replicated":
+        dcp.save(_state(model, opt), checkpoint_id=f"{out}/sync-1")
+        if rank == 0:
+            torch.save(model.state_dict(), f"{out}/full.pt")
+        with ShardedCheckpointer(f"{out}/store", timeout_s=GROUP_TIMEOUT_S) as ckpt:
+            handle = ckpt.save(1, _state(model, opt))
+            handle.result(timeout=2 * GROUP_TIMEOUT_S)
+        result["uploaded"] = {e.name: e.size for e in handle.uploaded.result().objects}
+    elif mode == "ok":
+        ckpt = ShardedCheckpointer(f"{out}/store", timeout_s=GROUP_TIMEOUT_S)
+        committed, blocked = [], []
+        for step in (2, 3):
+            _train_step(model, opt, rank, step)
+            dcp.save(_state(model, opt), checkpoint_id=f"{out}/sync-{step}")
+            handle = ckpt.save(step, _state(model, opt))
+            assert handle.staged.done()
+            blocked.append(handle.blocked_s)
+            _train_step(model, opt, rank, 100 + step)  # mutates the weights while the save is in flight
+            manifest = handle.result(timeout=2 * GROUP_TIMEOUT_S)
+            committed.append(manifest.step)
+            result["uploaded"] = [e.name for e in handle.uploaded.result().objects]
+        result["run_id"] = ckpt.store.run_id
+        ckpt.close()
+        result.update(committed=committed, blocked_s=blocked)
+    elif mode == "fault":
+        faults = [Fault(op="open", path="__1_0.distcp", at=2, error="oserror")]
+        ckpt = ShardedCheckpointer(
+            f"faulty://{out}/store",
+            storage_options={"target_protocol": "file", "faults": faults},
+            timeout_s=GROUP_TIMEOUT_S,
+        )
+        ckpt.save(1, _state(model, opt)).result(timeout=2 * GROUP_TIMEOUT_S)
+        _train_step(model, opt, rank, 1)
+        ckpt.save(2, _state(model, opt))
+        start = time.monotonic()
+        try:
+            ckpt.drain()
+        except ShardedSaveError as exc:
+            result["error"] = str(exc)
+        result["error_after_s"] = time.monotonic() - start
+        ckpt.drain()  # raised once, then cleared
+        latest = CheckpointStore(out + "/store", check_writable=False).latest()
+        result["latest_after_failure"] = latest.step if latest else None
+        dist.barrier()
+        ckpt.save(3, _state(model, opt)).result(timeout=2 * GROUP_TIMEOUT_S)
+        ckpt.close()
+        result["recovered"] = True
+    elif mode == "slow":
+        gate = threading.Event()
+        faults = [Fault(op="write", path="step-00000001/__1_0.distcp", stall=gate, stall_timeout_s=60)]
+        ckpt = ShardedCheckpointer(
+            f"faulty://{out}/store",
+            storage_options={"target_protocol": "file", "faults": faults},
+            timeout_s=GROUP_TIMEOUT_S,
+        )
+        handle = ckpt.save(1, _state(model, opt))
+        _train_step(model, opt, rank, 1)  # the training goes on while rank 1's storage is stalled
+        result["committed_while_training"] = handle.committed.done()
+        open(f"{out}/trained-{rank}", "w").close()
+        if rank == 1:
+            _wait_for_file(f"{out}/trained-0")
+            gate.set()  # rank 1's write goes on only once both ranks trained past the save
+        result["committed"] = handle.result(timeout=2 * GROUP_TIMEOUT_S).step
+        ckpt.close()
+    elif mode == "fenced":
+        ckpt = ShardedCheckpointer(f"{out}/store", timeout_s=GROUP_TIMEOUT_S)
+        ckpt.attach(model, opt)
+        result.update(committed=[], deferred=[], sync=[])
+        for step in (2, 3):
+            _train_step(model, opt, rank, step)
+            dcp.save(_state(model, opt), checkpoint_id=f"{out}/sync-{step}")
+            handle = ckpt.save(step, _state(model, opt))
+            _train_step(model, opt, rank, 100 + step)  # forward/backward overlap the staging; the step waits
+            result["committed"].append(handle.result(timeout=2 * GROUP_TIMEOUT_S).step)
+            result["deferred"].append(handle.deferred_bytes)
+            result["sync"].append(handle.sync_bytes)
+        ckpt.close()
+    elif mode == "kill":
+        faults = [Fault(op="write", path="step-00000002/__1_0.distcp", at=2, callback=_kill_self)]
+        ckpt = ShardedCheckpointer(
+            f"faulty://{out}/store",
+            storage_options={"target_protocol": "file", "faults": faults},
+            timeout_s=KILL_GROUP_TIMEOUT_S,
+        )
+        ckpt.save(1, _state(model, opt)).result(timeout=2 * GROUP_TIMEOUT_S)
+        _train_step(model, opt, rank, 1)
+        ckpt.save(2, _state(model, opt))
+        start = time.monotonic()
+        try:
+            ckpt.drain()
+        except ShardedSaveError as exc:
+            result["error"] = str(exc)
+        result["error_after_s"] = time.monotonic() - start
+        latest = CheckpointStore(out + "/store", check_writable=False).latest()
+        result["latest_after_failure"] = latest.step if latest else None
+        ckpt.close()
+        # The peer is dead: the default group cannot barrier or shut down cleanly; report and leave.
+        print("RESULT " + json.dumps(result), flush=True)
+        os._exit(0)
+    else:
+        raise SystemExit(f"unknown mode {mode!r}")
+    dist.barrier()
+    dist.destroy_process_group()
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    main(sys.argv[1], sys.argv[2])

@@ -1,0 +1,135 @@
+"""Every ```python block of README.md and docs/*.md runs, so a snippet cannot rot.
+
+The blocks of one page run in order in one fresh interpreter (like a notebook: a later block may use what an earlier
+one defined), from an empty temporary folder, with a moto S3 server behind ``AWS_ENDPOINT_URL`` (and dummy
+credentials) holding the empty buckets the docs name, under a time budget per page.
+
+A block may opt out only with the first line ``# snippet: skip (needs ...)`` naming a resource this machine lacks
+(GPUs, more processes, a real cloud account); :data:`JUSTIFIED` is the list of accepted reasons. Every fenced block
+must name its language, so that Python cannot hide in an untagged block.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+#: Buckets the snippets write to (created empty on the moto server before each page runs).
+BUCKETS = ("bucket", "my-bucket")
+#: Seconds one page's blocks may take together.
+PAGE_BUDGET_S = 240
+SKIP_RE = re.compile(r"^#\s*snippet:\s*skip\s*\((?P<reason>[^)]*)\)\s*$")
+#: Reasons a block may give for not running here.
+JUSTIFIED = re.compile(r"needs (\d+ |a |an )?(GPUs?|CUDA|processes|nodes|real (cloud|AWS|GCS|Azure) account)", re.I)
+_FENCE_RE = re.compile(r"^(?P<indent>\s*)```(?P<lang>[^`\s]*)\s*$")
+
+
+def _blocks(page: Path) -> list[tuple[int, str, str]]:
+    """``(line, language, code)`` of every fenced block, dedented (blocks inside list items are indented)."""
+    out: list[tuple[int, str, str]] = []
+    lines = page.read_text().split("\n")
+    i = 0
+    while i < len(lines):
+        m = _FENCE_RE.match(lines[i])
+        if m is None:
+            i += 1
+            continue
+        start, lang, body = i + 1, m.group("lang"), []
+        i += 1
+        while i < len(lines) and lines[i].strip() != "```":
+            body.append(lines[i])
+            i += 1
+        out.append((start, lang, textwrap.dedent("\n".join(body))))
+        i += 1
+    return out
+
+
+def _python_pages() -> list[Path]:
+    return [p for p in PAGES if any(lang == "python" for _, lang, _ in _blocks(p))]
+
+
+_RUNNER = """
+import sys, traceback
+namespace = {"__name__": "__main__"}
+for label, path in zip(sys.argv[1::2], sys.argv[2::2]):
+    print(f"--- running {label}", flush=True)
+    code = open(path).read()
+    try:
+        exec(compile(code, label, "exec"), namespace)
+    except BaseException:
+        traceback.print_exc()
+        print(f"--- FAILED {label}", flush=True)
+        sys.exit(1)
+"""
+
+
+def test_every_block_names_its_language() -> None:
+    untagged = [f"{p.relative_to(ROOT)}:{line}" for p in PAGES for line, lang, _ in _blocks(p) if not lang]
+    assert untagged == [], "tag these blocks (```python, ```bash, ```text, ...)"
+
+
+def test_opt_outs_are_rare_and_justified() -> None:
+    skips = []
+    for page in PAGES:
+        for line, lang, code in _blocks(page):
+            first = code.strip().split("\n", 1)[0]
+            m = SKIP_RE.match(first)
+            if lang == "python" and m:
+                assert JUSTIFIED.search(m.group("reason")), f"{page.name}:{line}: unjustified opt-out {first!r}"
+                skips.append(f"{page.name}:{line}")
+            elif lang == "python":
+                assert "snippet:" not in first, f"{page.name}:{line}: malformed marker {first!r}"
+    assert len(skips) <= 2, f"too many opted-out snippets: {skips}"
+
+
+@pytest.mark.parametrize("page", _python_pages(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_python_snippets_run(page: Path, s3_endpoint: str, tmp_path: Path) -> None:
+    import s3fs
+
+    admin = s3fs.S3FileSystem(skip_instance_cache=True, endpoint_url=s3_endpoint, key="testing", secret="testing")
+    for bucket in BUCKETS:
+        if admin.exists(bucket):
+            admin.rm(bucket, recursive=True)
+        admin.mkdir(bucket)
+    work = tmp_path / "cwd"
+    work.mkdir()
+    args = []
+    for line, lang, code in _blocks(page):
+        first = code.strip().split("\n", 1)[0]
+        if lang != "python" or SKIP_RE.match(first):
+            continue
+        script = tmp_path / f"block-{line}.py"
+        script.write_text(code)
+        args += [f"{page.relative_to(ROOT)}:{line}", str(script)]
+    env = {
+        **os.environ,
+        "AWS_ENDPOINT_URL": s3_endpoint,
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    }
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-c", _RUNNER, *args],
+            cwd=work,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=PAGE_BUDGET_S,
+        )
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"{page.name}: snippets ran past {PAGE_BUDGET_S}s\n{exc.stdout}\n{exc.stderr}")
+    finally:
+        for bucket in BUCKETS:
+            admin.rm(bucket, recursive=True)
+    assert proc.returncode == 0, f"{page.name}: a snippet failed\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
