@@ -65,6 +65,8 @@ class AsyncCheckpointer(Completion, Lifecycle, DrainOnExit):
                     ckpt.save(step, {"model": model.state_dict(), "optim": optimizer.state_dict()})
     """
 
+    writes_dcp = False  # one torch.save stream per generation (core.interfaces.TrainingCheckpointer)
+
     def __init__(
         self, store: CheckpointStore | str, options: CheckpointOptions | None = None, **overrides: Any
     ) -> None:

@@ -22,7 +22,7 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -37,6 +37,9 @@ from lightning_async_ckpt.errors import (
     TornSnapshotError,
 )
 from lightning_async_ckpt.storage.io import WriteOnlyStream
+
+if TYPE_CHECKING:
+    from lightning_async_ckpt.core.interfaces import GenerationSink, SaveTarget
 
 __all__ = ["AbandonedError", "PumpedStream", "RetryPolicy"]
 
@@ -285,7 +288,7 @@ def wait_or_abandon(delay: float, abandon: threading.Event) -> bool:
 
 def persist(
     *,
-    store: Any,
+    store: SaveTarget,
     serializer: Any,
     step: int,
     state: Any,
@@ -314,7 +317,7 @@ def persist(
     while True:
         if abandon.is_set():
             raise AbandonedError(f"save of step {step} abandoned at close; no manifest was written")
-        writer: Any = None
+        writer: GenerationSink | None = None
         try:
             t_up = time.time()
             writer = store.begin(step)
@@ -364,7 +367,7 @@ def persist(
                 raise AbandonedError(f"save of step {step} abandoned at close") from exc
 
 
-def _own_commit(store: Any, step: int) -> Any:
+def _own_commit(store: SaveTarget, step: int) -> Any:
     try:
         manifest = store.manifest(step)
     except ManifestError:

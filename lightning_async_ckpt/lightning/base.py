@@ -14,7 +14,8 @@ from typing import Any, Literal
 from lightning.pytorch.callbacks import ModelCheckpoint
 from typing_extensions import override
 
-from lightning_async_ckpt.core.engine import AsyncCheckpointer, CheckpointOptions
+from lightning_async_ckpt.core.engine import CheckpointOptions
+from lightning_async_ckpt.core.interfaces import TrainingCheckpointer
 from lightning_async_ckpt.lightning.arguments import check_arguments, check_selection, normalize_dirpath
 from lightning_async_ckpt.lightning.schedule import CutSchedule
 from lightning_async_ckpt.lightning.selection import Selection
@@ -164,7 +165,7 @@ class CallbackArguments(ModelCheckpoint):
         self.log_metrics = log_metrics  # the ckpt/* metrics to the loggers and the progress bar (progress.py)
         self.ddp_layout = check_ddp_layout(ddp_layout)  # DDP: rank 0 writes, or every rank a slice (sliced.py)
         self.store: CheckpointStore | None = None
-        self.checkpointer: AsyncCheckpointer | None = None
+        self.checkpointer: TrainingCheckpointer | None = None
         self.run_id: str | None = None
         self.resumed_location: Any = None  # set at train start: where the resumed generation is (rerun.py)
         self._model_checkpoint_best: dict[str, Any] = {}  # best k of a ModelCheckpoint state in a loaded checkpoint

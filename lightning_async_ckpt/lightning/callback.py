@@ -327,11 +327,13 @@ class AsyncCheckpointCallback(CallbackArguments):
         # The file is named by the rendered template inside the step's folder (lightning/naming.py).
         key = checkpoint_key(entry.filename, self.FILE_EXTENSION)
         return (
-            {"object_keys": {CHECKPOINT_NAME: key}} if key and isinstance(self.checkpointer, AsyncCheckpointer) else {}
+            {"object_keys": {CHECKPOINT_NAME: key}}
+            if key and self.checkpointer is not None and not self.checkpointer.writes_dcp
+            else {}
         )
 
     def _planned_path(self, step: int, entry: Any) -> str:
-        sharded = not isinstance(self.checkpointer, AsyncCheckpointer)
+        sharded = self.checkpointer is not None and self.checkpointer.writes_dcp
         return planned_path(self.store, step, checkpoint_key(entry.filename, self.FILE_EXTENSION), sharded=sharded)
 
     def _raise_collectively(self, trainer: pl.Trainer, local: BaseException | None = None) -> None:

@@ -10,7 +10,7 @@ import torch
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from torchmetrics import Metric
 
-from lightning_async_ckpt.core.engine import AsyncCheckpointer
+from lightning_async_ckpt.core.interfaces import TrainingCheckpointer
 
 __all__ = [
     "estimate_checkpoint_bytes",
@@ -28,7 +28,7 @@ _OPTIMIZER_STATE_FACTOR = {"Adam": 2, "AdamW": 2, "SGD": 1, "RMSprop": 1, "Adagr
 
 
 def log_progress(
-    pl_module: pl.LightningModule, ck: AsyncCheckpointer, requested_step: int | None, skipped: int, last: tuple
+    pl_module: pl.LightningModule, ck: TrainingCheckpointer, requested_step: int | None, skipped: int, last: tuple
 ) -> tuple:
     """Log ``ckpt/*`` metrics when something changed since ``last``; returns the new state to pass next time.
 
@@ -165,7 +165,7 @@ def log_commit(future: Any) -> None:
         _log.info("committed checkpoint step %d (%d bytes)", manifest.step, manifest.total_bytes)
 
 
-def preallocate(ck: AsyncCheckpointer, pl_module: pl.LightningModule, optimizers: list[Any]) -> None:
+def preallocate(ck: TrainingCheckpointer, pl_module: pl.LightningModule, optimizers: list[Any]) -> None:
     """Fill the staging pool in the background once the checkpoint's shape is known (after the first step).
 
     The first cut then reuses buffers instead of allocating them at the cut (pinned memory on CUDA costs about

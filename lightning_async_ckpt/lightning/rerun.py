@@ -119,7 +119,7 @@ def place_run(callback: Any, trainer: pl.Trainer) -> None:
     error: BaseException | None = None
     store = callback.store
     # The writing rank of a single-writer fit (sharded strategies have a writer per rank and are not placed here).
-    if store is not None and isinstance(callback.checkpointer, AsyncCheckpointer):
+    if store is not None and callback.checkpointer is not None and not callback.checkpointer.writes_dcp:
         try:
             dirpath = callback.dirpath
             locations = run_locations(dirpath, callback.storage_options)

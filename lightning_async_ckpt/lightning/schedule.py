@@ -12,7 +12,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 
-from lightning_async_ckpt.core.engine import AsyncCheckpointer
+from lightning_async_ckpt.core.interfaces import TrainingCheckpointer
 
 __all__ = ["CutSchedule"]
 
@@ -52,7 +52,7 @@ class CutSchedule:
             self._verdict_pending = deferred
         self.coalesce_pending = decision == "coalesce" or (self.coalesce_pending and decision == "skip")
 
-    def coalesce_due(self, trainer: pl.Trainer, ck: AsyncCheckpointer | None, step: int) -> bool:
+    def coalesce_due(self, trainer: pl.Trainer, ck: TrainingCheckpointer | None, step: int) -> bool:
         """Whether a coalesced request should take its fresh cut now (polled at most once per step)."""
         if not self.coalesce_pending or self._coalesce_polled == step:
             return False
@@ -60,7 +60,7 @@ class CutSchedule:
         due = ck is not None and ck.coalesce_due
         return bool(trainer.strategy.broadcast(due, src=0)) if trainer.world_size > 1 else due
 
-    def retake_due(self, trainer: pl.Trainer, ck: AsyncCheckpointer | None) -> bool:
+    def retake_due(self, trainer: pl.Trainer, ck: TrainingCheckpointer | None) -> bool:
         """Whether the newest admitted save was refused by the guard (torn) and must be retaken now.
 
         Polled at each batch end until that save ended (committed or refused); one broadcast per poll in DDP.

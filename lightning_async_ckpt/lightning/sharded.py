@@ -155,6 +155,8 @@ class ShardedCallbackCheckpointer:
         timeout_s: Bound on every collective of a save (the checkpoint group's timeout).
     """
 
+    writes_dcp = True  # every rank writes DCP files (core.interfaces.TrainingCheckpointer)
+
     def __init__(
         self,
         store: CheckpointStore,

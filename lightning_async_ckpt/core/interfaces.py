@@ -1,0 +1,117 @@
+"""The declared interfaces around the pipeline: what a training integration drives, and where a save writes.
+
+Two seams used to be duck-typed (the callback told its checkpointers apart with ``isinstance``; the engine took
+``store: Any``). They are declared here as :class:`typing.Protocol` classes, so a reader finds every method a
+seam needs in one place and a type checker holds each implementation to it:
+
+* :class:`TrainingCheckpointer`: what ``AsyncCheckpointCallback`` drives on each rank. Implemented by the
+  single-writer engine (:class:`~lightning_async_ckpt.core.engine.AsyncCheckpointer`, one ``torch.save`` stream per
+  generation) and by the sharded adapter (``lightning.sharded.ShardedCallbackCheckpointer``, DCP files on every
+  rank); :attr:`TrainingCheckpointer.writes_dcp` is the one difference the callback asks about.
+* :class:`SaveTarget` and :class:`GenerationSink`: where the persist step writes one attempt of a generation.
+  Implemented by :class:`~lightning_async_ckpt.storage.store.CheckpointStore` /
+  :class:`~lightning_async_ckpt.storage.writer.GenerationWriter` and by Accelerate's folder store.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from concurrent.futures import Future
+from typing import Any, Protocol, runtime_checkable
+
+from lightning_async_ckpt.core.capture import Fence
+
+__all__ = ["GenerationSink", "SaveTarget", "TrainingCheckpointer", "TrainingSaveHandle"]
+
+
+class TrainingSaveHandle(Protocol):
+    """What the callback reads of one save: the admission decision and the ``committed`` future."""
+
+    decision: Any
+    committed: Future
+
+
+@runtime_checkable
+class TrainingCheckpointer(Protocol):
+    """What a training integration drives on one rank, whatever persists the state.
+
+    Call sequence (the Lightning callback's; plain loops use a subset):
+
+    0. :meth:`declare_fences` once, with the fences the integration will call :meth:`wait` at;
+    1. at each fence, :meth:`wait` (errors deferred to a collective point with ``raise_errors=False``);
+    2. at a cut, :meth:`save` with the state and the capture arguments; it returns a :class:`TrainingSaveHandle`;
+    3. at collective points, :meth:`take_pending_error` (an ended save's failure, once);
+    4. at the end, :meth:`drain_quietly` (before the final retake check), then :meth:`close`.
+
+    Progress the integration reads between calls: :attr:`committed_step`, :attr:`outstanding`,
+    :attr:`retake_due` (the guard refused the newest save), :attr:`coalesce_due`, :attr:`closed`.
+    """
+
+    writes_dcp: bool
+    """``True`` when a generation is a DCP folder written by every rank; ``False`` for one ``torch.save`` object."""
+
+    committed_step: int | None
+    pool: Any
+    events: Any
+
+    @property
+    def closed(self) -> bool: ...
+
+    @property
+    def outstanding(self) -> int: ...
+
+    @property
+    def retake_due(self) -> bool: ...
+
+    @property
+    def coalesce_due(self) -> bool: ...
+
+    def declare_fences(self, fences: Iterable[Fence]) -> None: ...
+
+    def wait(self, fence: Fence, *, raise_errors: bool = True) -> Any: ...
+
+    def save(self, step: int, state: Any, **capture: Any) -> TrainingSaveHandle: ...
+
+    def take_pending_error(self) -> BaseException | None: ...
+
+    def drain_quietly(self, timeout: float | None) -> bool: ...
+
+    def close(self, timeout: float | None = None) -> Any: ...
+
+    def preallocate(self, state: Any, **kwargs: Any) -> Any: ...
+
+
+class GenerationSink(Protocol):
+    """One attempt of one generation being written (a :class:`~lightning_async_ckpt.storage.writer.GenerationWriter`).
+
+    Call sequence: :meth:`place` for objects written under another key (optional), :meth:`open` per object (each
+    stream closed before the next), then exactly one of ``commit`` (by the completion step, manifest last) or
+    :meth:`abort`.
+    """
+
+    @property
+    def objects(self) -> list[Any]: ...
+
+    def place(self, name: str, key: str) -> None: ...
+
+    def open(self, name: str) -> Any: ...
+
+    def abort(self) -> None: ...
+
+
+class SaveTarget(Protocol):
+    """Where the persist step writes generations (a :class:`~lightning_async_ckpt.storage.store.CheckpointStore`).
+
+    :meth:`begin` starts one attempt; :meth:`manifest` and :meth:`check_sizes` let a retry recognise its own
+    earlier commit whose acknowledgement was lost; :meth:`gc` is retention after a commit.
+    """
+
+    run_id: str
+
+    def begin(self, step: int) -> GenerationSink: ...
+
+    def manifest(self, step: int) -> Any: ...
+
+    def check_sizes(self, manifest: Any) -> list[str]: ...
+
+    def gc(self, keep_last: int, **kwargs: Any) -> list[int]: ...
