@@ -99,6 +99,7 @@ class GenerationSink(Protocol):
     def abort(self) -> None: ...
 
 
+@runtime_checkable
 class SaveTarget(Protocol):
     """Where the persist step writes generations (a :class:`~lightning_async_ckpt.storage.store.CheckpointStore`).
 
