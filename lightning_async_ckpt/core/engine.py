@@ -32,7 +32,7 @@ from lightning_async_ckpt.core.options import CheckpointOptions, Serializer, Tor
 from lightning_async_ckpt.core.persist import RetryPolicy
 from lightning_async_ckpt.core.proof import FINAL_PROOF
 from lightning_async_ckpt.core.staging import BufferPool, StagingJob, resolve_budget
-from lightning_async_ckpt.core.telemetry import EventLog, Outcome, SaveRecord
+from lightning_async_ckpt.core.telemetry import EventLog, Outcome, SaveRecord, StepClock
 from lightning_async_ckpt.errors import CheckpointError, ConfigError
 from lightning_async_ckpt.storage import inflight
 from lightning_async_ckpt.storage.store import CheckpointStore
@@ -90,6 +90,8 @@ class AsyncCheckpointer(Completion, Lifecycle, DrainOnExit):
         self.admission = Admission(max_outstanding=options.max_outstanding, policy=options.admission)
         self._fence_hooks = FenceHooks(lambda fence: self.wait(fence))  # late-bound: wait may be wrapped
         self._inflight: deque[SaveHandle] = deque()
+        self.step_clock = StepClock()  # what the steps feel around saves (ticks at each batch-start fence)
+        self._cut_since_tick = False
         self._errors: deque[BaseException] = deque()
         self._lock = threading.Lock()
         self._demoted: set[Category] = set()
@@ -201,6 +203,7 @@ class AsyncCheckpointer(Completion, Lifecycle, DrainOnExit):
         cut_meta = {"step": step, "requested_at": record.t_request, **(cut or {})}
         with self._lock:
             self._inflight.append(handle)
+        self._cut_since_tick = True
         inflight.track(self.store, step, handle.committed)  # readers in this process wait for it (storage/inflight)
         self.stage_worker.submit(job.run)
         keys = dict(object_keys or {})
@@ -328,6 +331,11 @@ class AsyncCheckpointer(Completion, Lifecycle, DrainOnExit):
         Returns:
             Seconds blocked.
         """
+        if fence is Fence.BATCH_START:  # once per step: the period since the last one, for StepClock
+            with self._lock:
+                in_flight = [h.record for h in self._inflight if not h.done]
+            self.step_clock.tick(time.perf_counter(), in_flight, started=self._cut_since_tick)
+            self._cut_since_tick = False
         if raise_errors:
             self.raise_pending()
         if not self._inflight:

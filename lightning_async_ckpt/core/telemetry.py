@@ -6,8 +6,10 @@ import contextlib
 import json
 import logging
 import math
+import statistics
 import threading
 import time
+from collections import deque
 from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 from typing import IO, Any
@@ -16,7 +18,7 @@ import fsspec
 
 from lightning_async_ckpt.errors import ConfigError
 
-__all__ = ["EventLog", "Outcome", "SaveRecord", "read_events"]
+__all__ = ["EventLog", "Outcome", "SaveRecord", "StepClock", "read_events"]
 
 _log = logging.getLogger("lightning_async_ckpt")
 
@@ -66,6 +68,11 @@ class SaveRecord:
         peak_retained_bytes: Peak host bytes held by staging buffers so far.
         error: The failure, if any.
         t_request: Wall-clock time of the request (``time.time()``).
+        step_slowdown_s: What the training steps felt: the extra time of every step that overlapped this save (from
+            the step of its cut until the first batch start after it ended), against the median step with no save
+            in flight (:class:`StepClock`); ``None`` until such a step was measured, or without a batch-start
+            fence. Unlike ``blocked_s`` it includes the cores the background copy, checksum and write took.
+        slowed_steps: How many steps ``step_slowdown_s`` sums over.
         phases: Wall-clock start/end of each phase, for the timeline.
     """
 
@@ -88,6 +95,8 @@ class SaveRecord:
     peak_retained_bytes: int = 0
     error: str | None = None
     t_request: float = field(default_factory=time.time)
+    step_slowdown_s: float | None = None
+    slowed_steps: int = 0
     phases: dict[str, list[float]] = field(default_factory=dict)
 
     def mark(self, phase: str, start: float, end: float | None = None) -> None:
@@ -97,6 +106,52 @@ class SaveRecord:
     def as_dict(self) -> dict[str, Any]:
         """JSON-friendly copy."""
         return asdict(self)
+
+
+class StepClock:
+    """Step periods seen at the batch-start fence, and the slowdown each save caused (what a step feels).
+
+    ``ckpt/blocked_s`` counts only the time spent inside the library's calls; on a CPU machine the background
+    copy, checksum and write take cores from training too, so the steps around a save get slower by more than that.
+    The clock measures it from outside: each :meth:`tick` (one per batch start) closes a period; a period with no
+    save in flight is a quiet sample (the newest ``window`` of them give the median); a period that overlapped
+    saves adds ``period - median`` to each of their :attr:`SaveRecord.step_slowdown_s`.
+
+    Training thread only (not thread-safe).
+
+    Args:
+        window: How many recent quiet periods the median uses.
+    """
+
+    def __init__(self, window: int = 64) -> None:
+        self._quiet: deque[float] = deque(maxlen=window)
+        self._last: float | None = None
+        self._open: list[SaveRecord] = []
+
+    @property
+    def quiet_median_s(self) -> float | None:
+        """Median step period with no save in flight (``None`` before the first quiet step)."""
+        return statistics.median(self._quiet) if self._quiet else None
+
+    def tick(self, now: float, in_flight: list[SaveRecord], *, started: bool = False) -> None:
+        """A batch starts at ``now`` (``time.perf_counter()``) with the records of the saves still in flight.
+
+        ``started``: a save was requested during the period that ends now (it counts as in flight even when it
+        already ended).
+        """
+        involved = {id(r): r for r in [*self._open, *in_flight]}
+        if self._last is not None:
+            period = now - self._last
+            if not involved and not started:
+                self._quiet.append(period)
+            else:
+                base = self.quiet_median_s
+                for record in involved.values():
+                    record.slowed_steps += 1
+                    if base is not None:
+                        record.step_slowdown_s = (record.step_slowdown_s or 0.0) + period - base
+        self._last = now
+        self._open = list(in_flight)
 
 
 class EventLog:

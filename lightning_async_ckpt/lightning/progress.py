@@ -47,6 +47,8 @@ def log_progress(
                 "ckpt/staging_s": record.staging_s,
                 "ckpt/cut_to_committed_s": record.cut_to_committed_s,
                 "ckpt/bytes": record.bytes,
+                # What the steps felt (the background work competes for the cores), not only the hooks' time.
+                "ckpt/step_slowdown_s": getattr(record, "step_slowdown_s", None),
             }
         )
     for key, value in metrics.items():
