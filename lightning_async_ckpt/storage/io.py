@@ -7,6 +7,7 @@ reads an object back while checking its size and checksum (:func:`read_verified`
 from __future__ import annotations
 
 import errno
+import fcntl
 import hashlib
 import os
 import uuid
@@ -25,9 +26,11 @@ __all__ = [
     "atomic_local_write",
     "checksum_algorithm",
     "exclusive_local_write",
+    "file_identity",
     "fsync_dir",
     "open_local_write",
     "read_verified",
+    "same_file",
 ]
 
 READ_CHUNK = 8 << 20
@@ -88,16 +91,46 @@ class Checksum:
 
 
 def open_local_write(path: str, direct_io: bool) -> IO[bytes] | DirectFile:
-    """Open a local file for writing, with ``O_DIRECT`` when asked and the filesystem supports it."""
+    """Create a local file exclusively for writing, with ``O_DIRECT`` when asked and the filesystem supports it.
+
+    Never opens an existing file: truncating a path in place would keep its inode, so another attempt still
+    holding a descriptor on it (a stalled writer) could later write into this attempt's bytes. A caller that
+    replaces a file unlinks it first; the old descriptor then writes to an orphaned inode.
+
+    Raises:
+        FileExistsError: ``path`` exists (nothing was changed).
+    """
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     if direct_io and hasattr(os, "O_DIRECT"):
         try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
+            fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_DIRECT)
         except OSError as exc:
             if exc.errno != errno.EINVAL:  # EINVAL: this filesystem (tmpfs, ...) has no direct I/O
+                os.close(fd)
                 raise
         else:
             return DirectFile(fd)
-    return open(path, "wb")  # noqa: SIM115 - the caller closes it
+    return os.fdopen(fd, "wb")
+
+
+def file_identity(raw: Any) -> tuple[int, int] | None:
+    """``(device, inode)`` of an open local file, or ``None`` when ``raw`` is not one."""
+    try:
+        st = os.fstat(raw.fileno())
+    except (AttributeError, OSError, ValueError):
+        return None
+    return st.st_dev, st.st_ino
+
+
+def same_file(path: str, identity: tuple[int, int] | None) -> bool:
+    """Whether ``path`` is still the file of ``identity`` (see :func:`file_identity`)."""
+    if identity is None:
+        return False
+    try:
+        st = os.stat(path)
+    except OSError:
+        return False
+    return (st.st_dev, st.st_ino) == identity
 
 
 def fsync_dir(folder: str) -> None:

@@ -13,12 +13,12 @@ generation, whether its objects are complete, who claims an uncommitted one) and
   written by this store, and every writer claim in it is this run's (a crashed attempt of this run) or it has
   none (every writer claims a step before writing data, so it is no save in progress); with
   ``all_runs`` (the operator acting for the whole folder) any leftover at least ``min_leftover_age_s`` old.
-  Another run's leftover may be a save in progress: it is refused, with the reason.
+  Another run's leftover may be a save in progress: it is refused, with the reason. A claim whose lease has not
+  expired (:mod:`.claims`) is a live writer, whatever its run id: its leftover is refused even for this run.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import socket
@@ -26,8 +26,8 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from lightning_async_ckpt.storage.claims import Liveness, claim_liveness, is_claim_name, read_claim
 from lightning_async_ckpt.storage.manifest import MANIFEST_NAME
-from lightning_async_ckpt.storage.writer import CLAIM_NAME
 
 if TYPE_CHECKING:
     from lightning_async_ckpt.storage.store import CheckpointStore, GenerationInfo
@@ -293,12 +293,12 @@ def _claims(store: CheckpointStore, info: GenerationInfo) -> tuple[tuple[str, ..
         return ("?",), None
     writers, started = [], []
     for f in files:
-        if not f.rstrip("/").endswith("/" + CLAIM_NAME):
+        if not is_claim_name(f.rstrip("/").rsplit("/", 1)[-1]):
             continue
+        body = read_claim(store.fs, f)
         try:
-            body = json.loads(store.fs.cat_file(f, start=0, end=64 << 10))
-            started.append(float(body["started"]))
-            writers.append(str(body["run_id"]) + (" (a live process)" if _live_other_process(body) else ""))
+            started.append(float(body["started"]))  # type: ignore[index]
+            writers.append(str(body["run_id"]) + (" (a live process)" if _live(body) else ""))  # type: ignore[index]
         except Exception:  # noqa: BLE001 - a torn claim names an unknown writer
             writers.append("?")
     when = max(started) if started else info.mtime
@@ -340,9 +340,12 @@ def _prefix(file: str, folder: str) -> str:
     return rel.split("/", 1)[0] if "/" in rel else ""
 
 
-def _live_other_process(claim: dict) -> bool:
-    """Whether a claim is held by another process of this host that is still running (e.g. a resumed run's
-    predecessor that never died): its leftover may be a save in progress even when the run id is ours."""
+def _live(claim: dict) -> bool:
+    """Whether a claim's writer may still be writing: its lease has not expired; for a claim without a lease
+    (written by an older version), another process of this host that is still running."""
+    state = claim_liveness(claim)
+    if state is not Liveness.UNKNOWN:
+        return state is Liveness.LIVE
     pid = claim.get("pid")
     if claim.get("host") != socket.gethostname() or not isinstance(pid, int) or pid == os.getpid():
         return False

@@ -2,28 +2,39 @@
 
 Call sequence of one generation (``CheckpointStore.begin`` does step 0):
 
-0. claim the step: create ``<generation>/.writer.json`` exclusively. A writer that finds another writer's claim
-   (a live writer of the same step, or a crashed one on another host) writes its objects under its own prefix
-   ``w-<token>/`` instead, so two writers of one step never overwrite each other's data;
-1. ``open(name)`` each object, stream into it, close it (size and checksum recorded);
-2. ``commit()``: check that every object still exists at its size, create the manifest exclusively (the loser
-   gets :class:`GenerationExistsError` and its own objects are removed), check the objects again;
-3. or ``abort()`` at any point: only this writer's objects and claim are removed.
+0. claim the step (:mod:`.claims`): each attempt has a token and an attempt claim with a lease renewed while it
+   writes. The attempt that creates the step claim ``<generation>/.writer.json`` (or takes it over from an
+   attempt whose lease expired) first removes what earlier attempts left and writes objects at their plain
+   names; any other attempt writes under its own prefix ``w-<token>/``, so two writers of one step never
+   overwrite each other's data;
+1. ``open(name)`` each object (created exclusively: never a path another attempt could have opened), stream
+   into it, close it (size and checksum recorded);
+2. ``commit()``: check that this attempt still holds its claim and every object is still the one it wrote,
+   create the manifest exclusively (the loser gets :class:`GenerationExistsError` and its own objects are
+   removed), check the objects again;
+3. or ``abort()`` at any point: only this writer's objects and claims are removed.
 """
 
 from __future__ import annotations
 
 import importlib.metadata
-import json
 import logging
 import os
-import socket
 import time
 import uuid
 from typing import IO, TYPE_CHECKING, Any
 
 from lightning_async_ckpt.errors import GenerationExistsError, ManifestError, StorageError, WriterUsageError
-from lightning_async_ckpt.storage.io import Checksum, WriteOnlyStream
+from lightning_async_ckpt.storage.claims import (
+    CLAIM_NAME,
+    Lease,
+    attempt_claim_name,
+    claim_body,
+    clear_leftovers,
+    read_claim,
+    take_step_claim,
+)
+from lightning_async_ckpt.storage.io import Checksum, WriteOnlyStream, file_identity, same_file
 from lightning_async_ckpt.storage.manifest import MANIFEST_NAME, Manifest, ObjectEntry, validate_object_name
 
 if TYPE_CHECKING:
@@ -36,17 +47,9 @@ __all__ = [
     "claim_body",
     "claim_step",
     "new_token",
-    "stale_local_claim",
 ]
 
 _log = logging.getLogger(__name__)
-CLAIM_NAME = ".writer.json"
-
-
-def claim_body(run_id: str, step: int, token: str) -> bytes:
-    """The bytes of a writer claim: who writes the step (read by retention and by the next writer)."""
-    body = {"run_id": run_id, "step": step, "token": token, "host": socket.gethostname(), "pid": os.getpid()}
-    return json.dumps({**body, "started": time.time()}).encode()
 
 
 class ObjectStream(WriteOnlyStream):
@@ -71,6 +74,7 @@ class ObjectStream(WriteOnlyStream):
             raise self.failure from exc
         self._sum.update(view)
         self.size += len(view)
+        self._writer.renew()
         return len(view)
 
     def flush(self) -> None:
@@ -104,7 +108,7 @@ class ObjectStream(WriteOnlyStream):
                 self._writer.store.backend.discard(self._raw)
             except Exception:  # noqa: BLE001 - the write already failed; its error is the one that matters
                 _log.debug("closing abandoned object %s failed", self.name, exc_info=True)
-            self._writer._discard(self.name)
+            self._writer._discard(self.name, partial=True)
 
     def __enter__(self) -> ObjectStream:
         return self
@@ -128,18 +132,31 @@ class GenerationWriter:
         step: The generation's step.
         checksum: The checksum algorithm of its objects.
         prefix: Where this writer's objects go inside the generation (``""``: at their names).
-        claim: Path of this writer's claim, removed by :meth:`abort`.
+        claim: Path of the step claim this writer holds (plain names), ``None`` under a prefix.
+        token: The attempt's token (a new one by default).
+        lease: This writer's attempt claim, renewed at each write and released at the end.
     """
 
     def __init__(
-        self, store: CheckpointStore, step: int, checksum: str, *, prefix: str = "", claim: str | None = None
+        self,
+        store: CheckpointStore,
+        step: int,
+        checksum: str,
+        *,
+        prefix: str = "",
+        claim: str | None = None,
+        token: str | None = None,
+        lease: Lease | None = None,
     ) -> None:
         self.store = store
         self.step = step
         self.checksum = checksum
         self.path = store.generation_path(step)
         self.prefix = prefix
+        self.token = token or new_token()
+        self.lease = lease
         self._claim = claim
+        self._idents: dict[str, tuple[int, int] | None] = {}
         self._objects: dict[str, ObjectEntry] = {}
         self._open: set[str] = set()
         self._written: set[str] = set()
@@ -158,7 +175,7 @@ class GenerationWriter:
         """
         self._check_open()
         validate_object_name(key)
-        if key in (MANIFEST_NAME, CLAIM_NAME) or key.startswith("w-"):
+        if key == MANIFEST_NAME or key.startswith(("w-", ".writer")):
             raise ManifestError(f"object file name {key!r} is reserved by the store")
         if name in self._objects or name in self._open:
             raise WriterUsageError(f"object {name!r} of generation step {self.step} is already written")
@@ -196,7 +213,14 @@ class GenerationWriter:
             raise StorageError(f"could not open {path!r} for writing: {exc}") from exc
         self._open.add(name)
         self._written.add(key)
+        if self.store.is_local:
+            self._idents[key] = file_identity(raw)
         return ObjectStream(self, name, raw)
+
+    def renew(self) -> None:
+        """Renew this writer's lease when it is due (called at each write)."""
+        if self.lease is not None:
+            self.lease.renew()
 
     def write_bytes(self, name: str, data: bytes) -> ObjectEntry:
         """Write a small object in one call and return its entry."""
@@ -258,6 +282,7 @@ class GenerationWriter:
         data = manifest.to_json()
         path = f"{self.path}/{MANIFEST_NAME}"
         try:
+            self._check_own(manifest)
             self._check_objects(manifest, "before")
             try:
                 self.store.backend.create_exclusive(path, data)
@@ -277,8 +302,11 @@ class GenerationWriter:
                 self._remove_manifest(path)
                 raise
             self.store.ledger.committed(self.store, manifest)  # the next retention pass need not read it
+            self._release_claim()  # the attempt ended: its claim would only keep retention away later
         finally:
             self._done = True
+            if self.lease is not None:
+                self.lease.release()
             self.store.end_write(self.step)
             self.store.invalidate_cache()
         return manifest
@@ -294,6 +322,45 @@ class GenerationWriter:
             _log.warning("could not remove aborted generation %s", self.path, exc_info=True)
         finally:
             self.store.end_write(self.step)
+
+    def _release_claim(self) -> None:
+        if self._claim is not None and self._holds_claim():
+            try:
+                self.store.fs.rm_file(self._claim)
+            except FileNotFoundError:
+                pass
+
+    def _holds_claim(self) -> bool:
+        body = read_claim(self.store.fs, self._claim) if self._claim else None
+        return body is not None and body.get("token") == self.token
+
+    def _check_own(self, manifest: Manifest) -> None:
+        """Fencing before the manifest: the step claim is still this attempt's, its objects still its own."""
+        if self._claim is not None and not self._holds_claim():
+            raise StorageError(
+                f"generation step {self.step} at {self.store.url(self.step)}: this writer's claim was taken over "
+                "(its lease expired while it was stalled); the step is NOT committed by this writer"
+            )
+        changed = [obj.name for obj in manifest.objects if self._replaced(obj.key)]
+        if changed:
+            raise StorageError(
+                f"generation step {self.step} at {self.store.url(self.step)}: objects {changed} were replaced by "
+                "another writer; the step is NOT committed by this writer"
+            )
+
+    def _replaced(self, key: str) -> bool:
+        """Whether another file now sits where this writer created ``key`` (a missing one is reported later)."""
+        identity = self._idents.get(key)
+        path = f"{self.path}/{key}"
+        return identity is not None and os.path.exists(path) and not same_file(path, identity)
+
+    def _owns(self, key: str) -> bool:
+        """Whether the object at ``key`` is this attempt's (never remove or commit another attempt's)."""
+        if key in self._idents and self._idents[key] is not None:
+            return same_file(f"{self.path}/{key}", self._idents[key])
+        if (self.prefix and key.startswith(self.prefix)) or self.token in key.rsplit("/", 1)[-1]:
+            return True
+        return self._claim is not None and self._holds_claim()
 
     def _check_objects(self, manifest: Manifest, when: str) -> None:
         problems = self.store.check_sizes(manifest)
@@ -319,12 +386,16 @@ class GenerationWriter:
             _log.warning("could not remove manifest %s of a damaged commit", path, exc_info=True)
 
     def _remove_own(self) -> None:
-        for key in sorted(self._written) + ([self._claim] if self._claim else []):
-            path = key if key == self._claim else f"{self.path}/{key}"
+        for key in sorted(self._written):
+            if not self._owns(key):
+                continue  # a later attempt's object at the same name: this writer's was orphaned
             try:
-                self.store.fs.rm_file(path)
+                self.store.fs.rm_file(f"{self.path}/{key}")
             except FileNotFoundError:
                 pass
+        self._release_claim()
+        if self.lease is not None:
+            self.lease.release()
         self.store.backend.remove_folder_if_empty(self.path)
         self.store.invalidate_cache()
 
@@ -332,8 +403,17 @@ class GenerationWriter:
         self._open.discard(entry.name)
         self._objects[entry.name] = entry
 
-    def _discard(self, name: str) -> None:
+    def _discard(self, name: str, *, partial: bool = False) -> None:
         self._open.discard(name)
+        key = self.key_of(name)
+        if partial and key in self._idents and self._owns(key):
+            # The name may be opened again by this writer (a retried object): its partial file goes now.
+            try:
+                self.store.fs.rm_file(f"{self.path}/{key}")
+            except OSError:
+                _log.debug("could not remove partial object %s", key, exc_info=True)
+            self._written.discard(key)
+            self._idents.pop(key, None)
 
     def _check_open(self) -> None:
         if self._done:
@@ -341,36 +421,31 @@ class GenerationWriter:
 
 
 def claim_step(store: CheckpointStore, step: int) -> GenerationWriter:
-    """Claim ``step`` for a new writer, or give the writer its own prefix when another writer holds the claim."""
+    """Claim ``step`` for a new attempt (plain names), or give it its own prefix when another attempt holds it.
+
+    Every attempt holds an attempt claim with a lease (:class:`~.claims.Lease`) from here until it ends.
+    """
     path = store.generation_path(step)
     store.backend.prepare_folder(path)
     token = new_token()
-    claim = f"{path}/{CLAIM_NAME}"
-    body = claim_body(store.run_id, step, token)
-    if _take_claim(store, claim, body):
-        return GenerationWriter(store, step, store.checksum, claim=claim)
+    name = attempt_claim_name(token, 0)
+    if take_step_claim(store, path, claim_body(store.run_id, step, token)):
+        claim = f"{path}/{CLAIM_NAME}"
+        lease = Lease(store, f"{path}/{name}", step, token)
+        try:
+            lease.create()
+            clear_leftovers(store, path, keep={CLAIM_NAME, name})
+        except BaseException:
+            lease.release()
+            store.fs.rm_file(claim)
+            raise
+        return GenerationWriter(store, step, store.checksum, claim=claim, token=token, lease=lease)
     prefix = f"w-{token}/"
     store.backend.prepare_folder(f"{path}/{prefix}")
-    store.backend.create_claim(f"{path}/{prefix}{CLAIM_NAME}", body)
+    lease = Lease(store, f"{path}/{prefix}{name}", step, token)
+    lease.create()
     _log.warning("generation %s is claimed by another writer; writing under %s", store.url(step), prefix)
-    return GenerationWriter(store, step, store.checksum, prefix=prefix, claim=f"{path}/{prefix}{CLAIM_NAME}")
-
-
-def _take_claim(store: CheckpointStore, claim: str, body: bytes) -> bool:
-    try:
-        store.backend.create_claim(claim, body)
-        return True
-    except FileExistsError:
-        pass
-    if not stale_local_claim(store.fs, claim):
-        return False
-    # The claimant was a process of this host that is gone (a crash): take the step over.
-    store.fs.rm_file(claim)
-    try:
-        store.backend.create_claim(claim, body)
-    except FileExistsError:
-        return False
-    return True
+    return GenerationWriter(store, step, store.checksum, prefix=prefix, token=token, lease=lease)
 
 
 def new_token() -> str:
@@ -386,17 +461,3 @@ def _versions() -> dict[str, str]:
         except importlib.metadata.PackageNotFoundError:
             continue
     return out
-
-
-def stale_local_claim(fs: Any, claim: str) -> bool:
-    """Whether a claim was left by a process of this host that no longer exists (a crashed writer)."""
-    try:
-        body = json.loads(fs.cat_file(claim, start=0, end=64 << 10))
-        if body.get("host") != socket.gethostname() or not isinstance(body.get("pid"), int):
-            return False
-        os.kill(body["pid"], 0)
-    except ProcessLookupError:
-        return True
-    except Exception:  # noqa: BLE001 - unreadable or foreign: not provably stale
-        return False
-    return False
