@@ -38,6 +38,7 @@ class ModeResult:
     peak_retained_mb: float | None = None
     persist_mbps: float | None = None
     checkpoints: int = 0
+    fit_s: float = 0.0
     note: str = ""
     error: str | None = None
     step_times: list[float] = field(default_factory=list)

@@ -28,6 +28,7 @@ import time
 import traceback
 from dataclasses import asdict
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import psutil
@@ -197,6 +198,7 @@ def _run_mode(mode: str, args: argparse.Namespace, folder: str, model_cls, state
         result.blocking_max_s = max(blocking)
         result.checkpoints = len(blocking)
     setup.finish(result, [os.path.getsize(os.path.join(dp, f)) for dp, _, fs in os.walk(target) for f in fs])
+    result.fit_s = fit_s
     result.note = f"fit {fit_s:.1f}s"
     del trainer, model
     gc.collect()
@@ -285,6 +287,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--json", default="bench-results.json", help="JSON file for every figure (default bench-results.json)"
     )
     parser.add_argument("--markdown", default=None, help="also write the table to this file")
+    parser.add_argument(
+        "--preset",
+        default=None,
+        choices=("lightning-cpu",),
+        help="run a named comparison instead (lightning-cpu: 4 x Linear(4096) + Adam, a checkpoint every 4 of 20 "
+        "steps; none / ModelCheckpoint / AsyncCheckpointIO / this library, interleaved; see _bench_preset.py)",
+    )
+    parser.add_argument("--repeats", type=int, default=3, help="interleaved repeats of a --preset (default 3)")
     return parser
 
 
@@ -300,6 +310,15 @@ def main(argv: list[str] | None = None) -> int:
         return sharded.main((sys.argv[1:] if argv is None else argv)[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.preset is not None:
+        if args.repeats < 1:
+            parser.error("need --repeats >= 1")
+        spec = importlib.util.spec_from_file_location("lac_bench_preset", Path(__file__).with_name("_bench_preset.py"))
+        preset = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(preset)
+        runner = SimpleNamespace(_modes=_modes, _build=_build, _floors=_floors, _run_mode=_run_mode)
+        defaults = {k: parser.get_default(k) for k in vars(args)}
+        return preset.run_preset(runner, args, defaults)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     unknown = set(modes) - set(MODE_SETUPS)
     if unknown or args.every < 1 or args.steps <= args.every or args.param_mb <= 0:

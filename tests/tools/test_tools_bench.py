@@ -91,3 +91,20 @@ def test_every_bench_flag_has_help_text(capsys: pytest.CaptureFixture[str]) -> N
     }.items():
         assert flag in out and words in out, flag
     assert "recorded with its error" in out
+
+
+def test_the_lightning_cpu_preset_interleaves_the_modes_and_prints_ratios_last(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The preset's model and schedule, scaled down by explicit flags (an explicit flag wins over the preset).
+    argv = ["--preset", "lightning-cpu", "--repeats", "2", *_TINY, "--dir", str(tmp_path / "s")]
+    assert load_bench().main(argv) == 0
+    out = capsys.readouterr().out
+    runs = [line.split()[3].rstrip(":") for line in out.splitlines() if line.startswith("# repeat ")]
+    assert runs == ["none", "model_checkpoint", "async_checkpoint_io", "ours"] * 2  # interleaved, in one process
+    header = next(line for line in out.splitlines() if line.startswith("| mode (2 repeats"))
+    for column in ("hooks s/ckpt", "step slowdown s/ckpt", "wall overhead s", "reported slowdown s/ckpt"):
+        assert column in header
+    ratios = out[out.index("Ratios of ours to async_checkpoint_io") :]
+    assert "- hooks s/ckpt:" in ratios and "- step slowdown s/ckpt:" in ratios
+    assert not any(line.startswith("|") for line in ratios.splitlines())  # the ratios come last
