@@ -193,6 +193,15 @@ class Completion:
             if error is not None:
                 raise error
 
+    def report_error(self, error: BaseException) -> None:
+        """Queue ``error`` from work that follows a commit (a promotion to another tier, from any thread): raised
+        once on the training thread like a failed save, or logged with ``on_error="warn"``."""
+        if self.options.on_error == "raise":
+            with self._lock:
+                self._errors.append(error)
+        else:
+            _log.warning("%s (on_error='warn': training continues)", error)
+
     def take_pending_error(self) -> BaseException | None:
         """Remove and return the oldest pending background error, if any (for callers that raise collectively).
 

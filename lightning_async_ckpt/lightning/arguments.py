@@ -18,6 +18,7 @@ __all__ = [
     "check_selection",
     "check_shared_dirpath",
     "check_strategy",
+    "check_tiers",
     "normalize_dirpath",
     "resolve_dirpath",
 ]
@@ -219,3 +220,42 @@ def check_shared_dirpath(callback: Any, trainer: Any) -> None:
                 f"'{mine}/best' and '{mine}/periodic'); ModelCheckpoint instances can share one folder only because "
                 "their file names differ"
             )
+
+
+def check_tiers(
+    *,
+    local_dirpath: Any,
+    local_every_n_train_steps: Any,
+    local_keep_last: Any,
+    every_n_train_steps: Any,
+    monitor: Any,
+) -> str | None:
+    """Validate the local tier's arguments (``docs/tiers.md``); return ``local_dirpath`` normalized (or ``None``).
+
+    Raises:
+        ConfigError: Naming the argument and what it accepts.
+    """
+    for name, value in (("local_every_n_train_steps", local_every_n_train_steps), ("local_keep_last", local_keep_last)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ConfigError(f"{name} must be None or an int >= 1, got {value!r}")
+    local = normalize_dirpath(local_dirpath)
+    if local is None:
+        if local_every_n_train_steps is not None or local_keep_last is not None:
+            raise ConfigError(
+                "local_every_n_train_steps and local_keep_last configure the local tier: pass local_dirpath too "
+                "(a node-local folder such as /local_nvme/ckpt or /dev/shm/ckpt)"
+            )
+        return None
+    if not local:
+        raise ConfigError("local_dirpath must name a folder (node-local NVMe or /dev/shm), got ''")
+    if monitor is not None:
+        raise ConfigError(
+            f"monitor={monitor!r} (best-k) with local_dirpath is not supported yet: rank with a separate "
+            "AsyncCheckpointCallback without local_dirpath, or drop monitor"
+        )
+    if local_every_n_train_steps is None and not every_n_train_steps:
+        raise ConfigError(
+            "local_dirpath needs a step cadence: pass local_every_n_train_steps=N (cuts to the local tier) and/or "
+            "every_n_train_steps=M (the generations promoted to dirpath)"
+        )
+    return local

@@ -16,10 +16,12 @@ from typing_extensions import override
 
 from lightning_async_ckpt.core.engine import CheckpointOptions
 from lightning_async_ckpt.core.interfaces import TrainingCheckpointer
-from lightning_async_ckpt.lightning.arguments import check_arguments, check_selection, normalize_dirpath
+from lightning_async_ckpt.lightning.arguments import check_arguments, check_selection, check_tiers, normalize_dirpath
+from lightning_async_ckpt.lightning.preemption import PreemptionHandler, check_preemption
 from lightning_async_ckpt.lightning.schedule import CutSchedule
 from lightning_async_ckpt.lightning.selection import Selection
 from lightning_async_ckpt.lightning.sliced import check_ddp_layout
+from lightning_async_ckpt.lightning.tiers import Tiers
 from lightning_async_ckpt.lightning.triggers import Triggers
 from lightning_async_ckpt.storage.store import CheckpointStore
 
@@ -60,6 +62,16 @@ class CallbackArguments(ModelCheckpoint):
         log_metrics: Log the ``ckpt/*`` metrics through the Trainer's loggers and progress bar.
         ddp_layout: Under DDP: ``"single"`` (rank 0 writes ``checkpoint.ckpt``) or ``"sliced"`` (every rank writes
             a slice in torch DCP format; see ``docs/sharded.md``). Sharded strategies always write every rank's shards.
+        local_dirpath: A node-local folder (NVMe, ``/dev/shm``): every cut is committed there first, and the
+            generations due on the ``dirpath`` cadence (``every_n_train_steps``, epoch ends, the final and the
+            emergency checkpoint) are promoted to ``dirpath`` in the background (``docs/tiers.md``).
+        local_every_n_train_steps: Cut to the local tier every N optimizer steps (``None``: only the ``dirpath``
+            cadence).
+        local_keep_last: Committed generations kept in the local tier (``None``: all); the newest one due on
+            ``dirpath`` stays until its promotion committed.
+        preemption_signal: A signal (``signal.SIGUSR1``, ``signal.SIGTERM``) that asks for an emergency checkpoint
+            at the next batch end; training stops after it (``None``: off).
+        preemption_grace_s: Bound on waiting for the emergency checkpoint's commit and promotion (``None``: none).
         filename, monitor, mode, save_top_k, save_last, save_weights_only, auto_insert_metric_name,
             train_time_interval, save_on_train_epoch_end, enable_version_counter, save_on_exception:
             ``ModelCheckpoint``'s arguments with its semantics on the committed generations: see
@@ -103,6 +115,11 @@ class CallbackArguments(ModelCheckpoint):
         restore_rng: bool = False,
         ddp_layout: Literal["single", "sliced"] = "single",
         log_metrics: bool = True,
+        local_dirpath: str | Path | None = None,
+        local_every_n_train_steps: int | None = None,
+        local_keep_last: int | None = None,
+        preemption_signal: int | None = None,
+        preemption_grace_s: float | None = None,
     ) -> None:
         args = check_selection(
             filename=filename,
@@ -164,6 +181,25 @@ class CallbackArguments(ModelCheckpoint):
         self.verbose = verbose
         self.log_metrics = log_metrics  # the ckpt/* metrics to the loggers and the progress bar (progress.py)
         self.ddp_layout = check_ddp_layout(ddp_layout)  # DDP: rank 0 writes, or every rank a slice (sliced.py)
+        self.local_dirpath = check_tiers(
+            local_dirpath=local_dirpath,
+            local_every_n_train_steps=local_every_n_train_steps,
+            local_keep_last=local_keep_last,
+            every_n_train_steps=every_n_train_steps,
+            monitor=monitor,
+        )
+        self.tiers = (
+            None
+            if self.local_dirpath is None
+            else Tiers(
+                local_dirpath=self.local_dirpath,
+                local_every_n_train_steps=local_every_n_train_steps,
+                local_keep_last=local_keep_last,
+                every_n_train_steps=every_n_train_steps,
+            )
+        )
+        signum, self.preemption_grace_s = check_preemption(preemption_signal, preemption_grace_s)
+        self.preemption = None if signum is None else PreemptionHandler(signum)  # lightning/preemption.py
         self.store: CheckpointStore | None = None
         self.checkpointer: TrainingCheckpointer | None = None
         self.run_id: str | None = None

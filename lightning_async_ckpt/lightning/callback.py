@@ -24,7 +24,7 @@ from typing_extensions import override
 
 from lightning_async_ckpt.core.capture import Fence
 from lightning_async_ckpt.core.engine import AsyncCheckpointer
-from lightning_async_ckpt.errors import GenerationExistsError
+from lightning_async_ckpt.errors import ConfigError, GenerationExistsError
 from lightning_async_ckpt.lightning.arguments import check_shared_dirpath, check_strategy, resolve_dirpath
 from lightning_async_ckpt.lightning.base import CallbackArguments
 from lightning_async_ckpt.lightning.collective import agree_on
@@ -40,13 +40,7 @@ from lightning_async_ckpt.lightning.progress import (
     preallocate,
 )
 from lightning_async_ckpt.lightning.rerun import place_run, seed_committed_step
-from lightning_async_ckpt.lightning.resume import (
-    find_last,
-    install_reader,
-    latest_checkpoint,
-    name_loaded_checkpoint,
-    remove_reader,
-)
+from lightning_async_ckpt.lightning.resume import find_last, install_reader, name_loaded_checkpoint, remove_reader
 from lightning_async_ckpt.lightning.rng import collect_portable_rng, restore_rng
 from lightning_async_ckpt.lightning.selection import (
     after_model_checkpoints,
@@ -56,6 +50,7 @@ from lightning_async_ckpt.lightning.selection import (
     selection_state,
 )
 from lightning_async_ckpt.lightning.sharded import setup_sharded
+from lightning_async_ckpt.lightning.tiers import emergency_drain, find_last_across, latest_checkpoint
 from lightning_async_ckpt.lightning.triggers import monitor_candidates
 from lightning_async_ckpt.storage.store import CheckpointStore
 
@@ -104,14 +99,21 @@ class AsyncCheckpointCallback(CallbackArguments):
             # One run id across ranks and across fit() calls of this callback, so retention sees one run.
             run_id = CheckpointStore.new_run_id()
             self.run_id = trainer.strategy.broadcast(run_id, src=0) if self._distributed else run_id
+        if self.preemption is not None:
+            self.preemption.install()  # the emergency save's signal (lightning/preemption.py)
         if setup_sharded(self, trainer):  # sharded strategies: a writer on every rank (lightning/sharded.py)
+            if self.tiers is not None:
+                raise ConfigError("local_dirpath is not supported with sharded or sliced (DCP) checkpoints yet")
             return
         error = None
         if trainer.is_global_zero and (self.checkpointer is None or self.checkpointer.closed):
             try:
                 self.store = CheckpointStore(self.dirpath, self.storage_options, run_id=self.run_id)
-                self.checkpointer = AsyncCheckpointer(self.store, self.options)
-                self.checkpointer.declare_fences({Fence.BATCH_START, Fence.OPTIMIZER_STEP})
+                if self.tiers is not None:  # every cut to local_dirpath, promoted to dirpath (lightning/tiers.py)
+                    self.checkpointer = self.tiers.checkpointer(self)
+                else:
+                    self.checkpointer = AsyncCheckpointer(self.store, self.options)
+                    self.checkpointer.declare_fences({Fence.BATCH_START, Fence.OPTIMIZER_STEP})
                 self._committed_before = {g.step for g in self.store.generations()}
             except Exception as exc:  # noqa: BLE001 - raised below on every rank
                 error = exc
@@ -120,6 +122,8 @@ class AsyncCheckpointCallback(CallbackArguments):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         place_run(self, trainer)  # continue the resumed run, or a new version beside another run's (rerun.py)
+        if self.tiers is not None and self.store is not None:
+            self.tiers.place(self, trainer.global_step)  # the local tier's location beside it (tiers.py)
         # Like ModelCheckpoint: no cut at the step training starts from (fresh: 0; resumed: the restored step).
         self._last_cut_step = self._fit_start_step = trainer.global_step
         self._preallocated = False
@@ -139,6 +143,8 @@ class AsyncCheckpointCallback(CallbackArguments):
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         remove_reader(self)
+        if self.preemption is not None:
+            self.preemption.remove()
         if stage == "fit":
             self._close(trainer, raise_errors=True)
 
@@ -149,6 +155,8 @@ class AsyncCheckpointCallback(CallbackArguments):
         snapshot = capture_exception_checkpoint(self, trainer)
         if self.checkpointer is not None:
             try:
+                if self.tiers is not None:
+                    self.tiers.close(self.options.drain_timeout_s)
                 self.checkpointer.close(timeout=self.options.drain_timeout_s)
             except Exception:  # noqa: BLE001 - the training exception is the one that propagates
                 _log.warning("checkpoint error while handling a training exception", exc_info=True)
@@ -170,7 +178,7 @@ class AsyncCheckpointCallback(CallbackArguments):
         # Lightning's `ckpt_path="last"` lookup (before any hook runs): the newest committed checkpoint only.
         # A store that cannot be listed raises (a typo must never restart training from scratch); "no checkpoint"
         # means it was listed and holds no committed generation.
-        return find_last(self, trainer)
+        return find_last(self, trainer) if self.tiers is None else find_last_across(self, trainer)
 
     # -- fences ------------------------------------------------------------------------------------------
     @override
@@ -196,12 +204,15 @@ class AsyncCheckpointCallback(CallbackArguments):
             # Training progress beside the checkpoint events, for `lightning-async-ckpt timeline` (only when an
             # event log is configured: one JSON line per batch).
             self.checkpointer.events.emit("train_step", step=trainer.global_step, batch_idx=batch_idx)
+        if self.preemption is not None and self.preemption.due(trainer):
+            return self._emergency(trainer, pl_module)
         if self._skip(trainer):
             return
         step = trainer.global_step
         ranked = self.triggers.batch_end(trainer)  # ModelCheckpoint's interval and timer (lightning/triggers.py)
-        # A coalesced request takes a fresh cut once the backlog drained.
+        # A coalesced request takes a fresh cut once the backlog drained; the local tier has its own cadence.
         due = ranked or self._schedule.coalesce_due(trainer, self.checkpointer, step)
+        due = due or (self.tiers is not None and self.tiers.local_due(step))
         # A save the guard refused is retaken at the first batch end after its verdict.
         retake = self._schedule.retake_due(trainer, self.checkpointer)
         # The end of training is known here when max_steps is reached or this is the last batch of the last epoch:
@@ -247,6 +258,17 @@ class AsyncCheckpointCallback(CallbackArguments):
             if self._schedule.retake_due(trainer, self.checkpointer):
                 self._cut(trainer, pl_module, trainer.global_step, final=True)
         self._close(trainer, raise_errors=True)
+
+    def _emergency(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # A signal asked for a checkpoint now: copied at the cut, committed (locally first, then promoted) within
+        # preemption_grace_s, then training stops (lightning/preemption.py).
+        if not self._skip(trainer):
+            self._cut(trainer, pl_module, trainer.global_step, final=True)
+        if self.checkpointer is not None:
+            where = emergency_drain(self.checkpointer, self.tiers, self.preemption_grace_s)
+            _log.warning("emergency checkpoint at step %d: %s; training stops", trainer.global_step, where)
+        trainer.should_stop = True
+        self._poll(trainer)
 
     def _skip(self, trainer: pl.Trainer) -> bool:
         return (
@@ -309,6 +331,8 @@ class AsyncCheckpointCallback(CallbackArguments):
                     **self._object_keys(entry),
                 )
                 decision = handle.decision.decision
+                if self.tiers is not None:
+                    self.tiers.track(handle, durable=self.tiers.durable_due(step, ranked=ranked, final=final))
                 if self.verbose:
                     handle.committed.add_done_callback(log_commit)
         except Exception as exc:  # noqa: BLE001 - re-raised below, after the other ranks heard of it
@@ -334,7 +358,8 @@ class AsyncCheckpointCallback(CallbackArguments):
 
     def _planned_path(self, step: int, entry: Any) -> str:
         sharded = self.checkpointer is not None and self.checkpointer.writes_dcp
-        return planned_path(self.store, step, checkpoint_key(entry.filename, self.FILE_EXTENSION), sharded=sharded)
+        store = self.store if self.tiers is None else self.tiers.local_store  # where the engine writes
+        return planned_path(store, step, checkpoint_key(entry.filename, self.FILE_EXTENSION), sharded=sharded)
 
     def _raise_collectively(self, trainer: pl.Trainer, local: BaseException | None = None) -> None:
         # A background error from an earlier save is raised here, at a collective point, on every rank.
@@ -350,6 +375,9 @@ class AsyncCheckpointCallback(CallbackArguments):
         error: BaseException | None = None
         if self.checkpointer is not None and not self.checkpointer.closed:
             try:
+                if self.tiers is not None:  # the final commit first, then its promotion; errors raised by close()
+                    self.checkpointer.drain_quietly(None)
+                    self.tiers.close(None)
                 self.checkpointer.close()
             except Exception as exc:  # noqa: BLE001 - raised below, after every rank took part in the collective
                 error = exc
@@ -371,7 +399,7 @@ class AsyncCheckpointCallback(CallbackArguments):
             self.selection.poll(trainer, self.store, self._path_of)
 
     def _path_of(self, manifest: Any, store: CheckpointStore | None = None) -> str:
-        store = store or self.store
+        store = store or (self.store if self.tiers is None else self.tiers.local_store)
         assert store is not None
         return loadable_path(manifest, store)
 

@@ -1,0 +1,278 @@
+"""Two tiers, one cut: every cut is committed to a node-local tier, and the generations due on the durable cadence
+are promoted from there to ``dirpath`` in the background (:class:`~lightning_async_ckpt.storage.promote.Promoter`).
+
+The engine (:class:`~lightning_async_ckpt.core.engine.AsyncCheckpointer`) writes the local tier
+(``local_dirpath``): staged once, committed with its manifest last. A generation due on the durable cadence
+(``every_n_train_steps``, the epoch and validation triggers, the final and the emergency checkpoint) is copied
+from its committed local objects to ``dirpath``, verified against the local manifest's checksums, and committed
+there with its own manifest last. Nothing of a promotion runs on the training thread; its errors are queued in the
+engine (``report_error``) and raised once at the next hook like a failed save's.
+
+Resuming (:func:`latest_checkpoint` with ``local_dirpath``, ``ckpt_path="last"``) takes the newest verified
+generation of either tier: the local one when it is at least as new and intact, else the durable one. Only
+single-file generations have tiers for now (not DCP/sharded ones, not ``ddp_layout="sliced"``).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+import time
+import warnings
+from dataclasses import dataclass, replace
+from typing import Any
+
+from lightning_async_ckpt.core.capture import Fence
+from lightning_async_ckpt.core.engine import AsyncCheckpointer
+from lightning_async_ckpt.errors import ConfigError
+from lightning_async_ckpt.lightning import resume
+from lightning_async_ckpt.lightning.arguments import resolve_dirpath
+from lightning_async_ckpt.lightning.last import weights_only
+from lightning_async_ckpt.lightning.naming import CHECKPOINT_NAME, loadable_path
+from lightning_async_ckpt.lightning.rerun import run_locations, version_uri
+from lightning_async_ckpt.storage.finder import list_steps, newest_intact
+from lightning_async_ckpt.storage.promote import Promoter
+from lightning_async_ckpt.storage.store import CheckpointStore
+
+__all__ = ["Tiers", "find_last_across", "latest_checkpoint"]
+
+_log = logging.getLogger("lightning_async_ckpt")
+_STEP_IN_PATH = re.compile(r"step-(\d{8,})(?:/|$)")
+
+
+@dataclass(frozen=True)
+class _Local:
+    step: int
+    path: str
+
+
+class Tiers:
+    """The callback's local tier and its promotion to ``dirpath`` (the writing rank's view).
+
+    Thread-safety: called on the training thread, except :meth:`track`'s commit callback (the upload thread).
+
+    Args:
+        local_dirpath: The node-local folder (NVMe, ``/dev/shm``) every cut is committed to.
+        local_every_n_train_steps: The local cadence (``None``: the durable cadence only).
+        local_keep_last: Retention of the local tier (``None``: keep all).
+        every_n_train_steps: The durable cadence (the callback's ``every_n_train_steps``).
+    """
+
+    def __init__(
+        self,
+        *,
+        local_dirpath: str,
+        local_every_n_train_steps: int | None,
+        local_keep_last: int | None,
+        every_n_train_steps: int | None,
+    ) -> None:
+        self.local_dirpath = local_dirpath
+        self.local_every_n_train_steps = local_every_n_train_steps or None
+        self.local_keep_last = local_keep_last
+        self.every_n_train_steps = every_n_train_steps or None
+        self.local_store: CheckpointStore | None = None
+        self.promoter: Promoter | None = None
+        self._lock = threading.Lock()
+        self._delivered: set[int] = set()
+        self._tracked: list[tuple[Any, bool]] = []
+
+    # -- setup -------------------------------------------------------------------------------------------
+    def checkpointer(self, callback: Any, local_uri: str | None = None) -> AsyncCheckpointer:
+        """The engine writing the local tier, and the promoter from it to ``callback.store``."""
+        if callback.store is None:
+            raise ConfigError("tiers need the durable store first")
+        self.local_store = CheckpointStore(local_uri or self.local_dirpath, run_id=callback.run_id)
+        # Retention of the local tier is the promoter's: it keeps the generation being promoted.
+        engine = AsyncCheckpointer(self.local_store, replace(callback.options, keep_last=None))
+        engine.declare_fences({Fence.BATCH_START, Fence.OPTIMIZER_STEP})
+        self.promoter = Promoter(
+            self.local_store,
+            callback.store,
+            keep_last=callback.options.keep_last,
+            source_keep_last=self.local_keep_last,
+            on_error=engine.report_error,
+        )
+        self._delivered.clear()
+        self._tracked.clear()
+        return engine
+
+    def place(self, callback: Any, start_step: int) -> None:
+        """At train start (after ``place_run`` chose the durable location): the local location of this fit.
+
+        The local tier continues in ``local_dirpath`` (or a version folder of it) where no generation is newer than
+        the step training starts from; otherwise (a damaged or branched-off newer local generation) the fit writes
+        a new local version, so nothing there is overwritten.
+        """
+        engine = callback.checkpointer
+        if engine is None:
+            return
+        target = self._local_location(start_step)
+        moved = engine.store is not self.local_store or self.local_store is None or target != self.local_store.uri
+        if self.promoter is not None and self.promoter.target is not callback.store:
+            moved = True
+        if moved:
+            engine.close()  # nothing was saved yet: place_run may have opened one on the durable store
+            if self.promoter is not None:
+                self.promoter.close()
+            callback.checkpointer = self.checkpointer(callback, target)
+            _log.info("local tier of this run: %s", target)
+        assert self.local_store is not None
+        self.local_store.run_id = callback.run_id
+
+    def _local_location(self, start_step: int) -> str:
+        locations = run_locations(self.local_dirpath)
+        for loc in locations:
+            steps = [g.step for g in loc.store.scan(include_uncommitted=True).generations if g.holds_step]
+            if not steps or max(steps) <= start_step:
+                return version_uri(self.local_dirpath, loc.version)
+        return version_uri(self.local_dirpath, max(loc.version for loc in locations) + 1)
+
+    # -- cuts --------------------------------------------------------------------------------------------
+    def local_due(self, step: int) -> bool:
+        """Whether the local cadence takes a cut at ``step``."""
+        n = self.local_every_n_train_steps
+        return n is not None and step > 0 and step % n == 0
+
+    def durable_due(self, step: int, *, ranked: bool | None, final: bool) -> bool:
+        """Whether the generation of a cut at ``step`` is promoted to ``dirpath``."""
+        m = self.every_n_train_steps
+        return final or bool(ranked) or (m is not None and step % m == 0)
+
+    def track(self, handle: Any, *, durable: bool) -> None:
+        """Once the save of ``handle`` commits locally: promote it when ``durable``, and apply local retention."""
+        if handle is None:
+            return
+        with self._lock:
+            self._tracked.append((handle, durable))
+        handle.committed.add_done_callback(lambda _: self._deliver(handle, durable))
+
+    def _deliver(self, handle: Any, durable: bool) -> None:
+        future = handle.committed
+        if future.cancelled() or future.exception() is not None or self.promoter is None:
+            return
+        with self._lock:
+            if handle.step in self._delivered:
+                return
+            self._delivered.add(handle.step)
+        self.promoter.committed(handle.step, promote=durable)
+
+    def flush(self) -> None:
+        """Hand every local commit seen so far to the promoter (a waiter may wake before a future's callbacks)."""
+        with self._lock:
+            tracked, self._tracked = self._tracked, [(h, d) for h, d in self._tracked if not h.committed.done()]
+        for handle, durable in tracked:
+            if handle.committed.done():
+                self._deliver(handle, durable)
+
+    def drain(self, timeout: float | None) -> bool:
+        """Hand over the local commits, then wait for the promotions asked for; whether they ended in time."""
+        self.flush()
+        return self.promoter is None or self.promoter.drain(timeout)
+
+    def close(self, timeout: float | None) -> bool:
+        """Finish the promotions (within ``timeout``) and stop the promotion thread."""
+        self.flush()
+        return self.promoter is None or self.promoter.close(timeout)
+
+    @property
+    def promoted_step(self) -> int | None:
+        """The newest step committed on ``dirpath`` by a promotion of this fit."""
+        return None if self.promoter is None else self.promoter.promoted_step
+
+
+def emergency_drain(engine: Any, tiers: Tiers | None, grace_s: float | None) -> str:
+    """After the emergency cut: the local commit, then its promotion, within ``grace_s``; what landed where."""
+    deadline = None if grace_s is None else time.monotonic() + grace_s
+
+    def left() -> float | None:
+        return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+    committed_in_time = engine.drain_quietly(left())
+    where = f"committed step {engine.committed_step} to {engine.store.uri}"
+    if not committed_in_time:
+        where += f" (steps {engine.in_flight_steps()} still in flight after the grace period)"
+    if tiers is not None:
+        promoted_in_time = tiers.drain(left())
+        where += f"; promoted step {tiers.promoted_step} to {tiers.promoter.target.uri if tiers.promoter else '?'}"
+        if not promoted_in_time:
+            where += " (a promotion was still running after the grace period)"
+    return where
+
+
+# -- resuming across tiers ---------------------------------------------------------------------------------
+def latest_checkpoint(
+    dirpath: str, storage_options: dict[str, Any] | None = None, *, local_dirpath: str | None = None
+) -> str | None:
+    """Path of the newest committed, verified checkpoint of ``dirpath`` or, with ``local_dirpath``, of either tier.
+
+    Without ``local_dirpath`` this is :func:`lightning_async_ckpt.lightning.resume.latest_checkpoint`. With it, the
+    local tier's newest intact generation (every object re-read against its checksum) is returned when no
+    generation of ``dirpath`` is newer (``dirpath`` is then only listed, never read); otherwise, or when the local
+    tier is missing or damaged, the newest verified generation of ``dirpath``.
+
+    Args:
+        dirpath: The durable tier (the callback's ``dirpath``), a local folder or fsspec URL.
+        storage_options: fsspec options for ``dirpath``.
+        local_dirpath: The callback's ``local_dirpath``.
+
+    Raises:
+        StoreUnavailableError: ``dirpath`` cannot be listed.
+    """
+    if local_dirpath is None:
+        return resume.latest_checkpoint(dirpath, storage_options)
+    local = _newest_local(local_dirpath, resumable=False)
+    if local is not None and not _durable_newer(dirpath, storage_options, local.step):
+        return local.path
+    durable = resume.latest_checkpoint(dirpath, storage_options)
+    return _pick(local, {durable} if durable else set(), single=True)
+
+
+def find_last_across(callback: Any, trainer: Any) -> set[str]:
+    """``ckpt_path="last"`` of a callback with ``local_dirpath``: :func:`latest_checkpoint`'s rule, resumable
+    generations only (never ``save_weights_only`` ones)."""
+    local = _newest_local(callback.local_dirpath, resumable=True)
+    dirpath = resolve_dirpath(callback.dirpath, trainer.default_root_dir)
+    if local is not None and not _durable_newer(dirpath, callback.storage_options, local.step):
+        _log.info("ckpt_path='last' resumes from the local tier: %s", local.path)
+        return {local.path}
+    return _pick(local, resume.find_last(callback, trainer), single=False)
+
+
+def _pick(local: _Local | None, durable: set[str], *, single: bool) -> Any:
+    steps = [_step_of(p) for p in durable]
+    newest = max((s for s in steps if s is not None), default=-1)
+    if local is not None and local.step >= newest:
+        return local.path if single else {local.path}
+    if single:
+        return next(iter(durable), None)
+    return durable
+
+
+def _step_of(path: str) -> int | None:
+    found = _STEP_IN_PATH.findall(path)
+    return int(found[-1]) if found else None
+
+
+def _durable_newer(dirpath: str, storage_options: dict[str, Any] | None, step: int) -> bool:
+    """Whether ``dirpath`` or a version of it has a generation folder newer than ``step`` (a listing, no reads)."""
+    root = CheckpointStore(dirpath, storage_options, check_writable=False)
+    listing = list_steps(root)
+    steps = list(listing.steps)
+    for version in listing.versions:
+        steps += list_steps(CheckpointStore(version_uri(dirpath, version), storage_options, check_writable=False)).steps
+    return any(s > step for s in steps)
+
+
+def _newest_local(local_dirpath: str, *, resumable: bool) -> _Local | None:
+    def accept(manifest: Any) -> bool:
+        has_file = any(o.name == CHECKPOINT_NAME for o in manifest.objects)
+        return has_file and not (resumable and weights_only(manifest))
+
+    def skip(url: str, problems: tuple[str, ...]) -> None:
+        message = f"skipping local generation {url}: {'; '.join(problems)}"
+        _log.warning("%s", message)
+        warnings.warn(message, stacklevel=4)
+
+    found = newest_intact(local_dirpath, None, accept=accept, on_skip=skip)
+    return None if found is None else _Local(found.info.step, loadable_path(found.manifest, found.store))

@@ -1,0 +1,281 @@
+"""Promotion: copy a committed generation from one store to another, verified, with its own manifest last.
+
+A generation committed on a fast tier (node-local NVMe, ``/dev/shm``) is promoted to a durable tier (an object
+store, a shared filesystem) without staging the training state again: its objects are streamed from the source
+store, each one read once and checked against the source manifest's size and checksum as the bytes pass, written
+through the target store's :class:`~lightning_async_ckpt.storage.writer.GenerationWriter` (which checksums what it
+writes), and the target manifest is created exclusively, last, naming exactly the objects written. A failure at any
+point aborts the target writer (its objects are removed), so a half-promoted generation is never listed as
+committed; a generation already committed on the target is never overwritten
+(:class:`~lightning_async_ckpt.errors.GenerationExistsError`).
+
+:class:`Promoter` runs promotions on one background thread, bounded: at most one in flight plus the newest
+pending; a newer request replaces a pending one (the older is skipped), so a slow target never piles up work.
+
+Call sequence of :func:`promote_generation`::
+
+    source.manifest(step) -> target.begin(step) -> per object: place, open, read_verified(source) into the stream,
+    close, compare checksums -> commit(cut, plan, timings, extra + promoted_from) | abort
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from lightning_async_ckpt.errors import CheckpointError, GenerationExistsError, ManifestError
+from lightning_async_ckpt.storage.io import checksum_algorithm, read_verified
+from lightning_async_ckpt.storage.manifest import Manifest
+
+if TYPE_CHECKING:
+    from lightning_async_ckpt.storage.store import CheckpointStore
+
+__all__ = ["PROMOTED_FROM_KEY", "PromotionError", "Promoter", "promote_generation"]
+
+_log = logging.getLogger("lightning_async_ckpt")
+
+#: The manifest ``extra`` key a promoted generation records its source in (``{"uri": ..., "step": ...}``).
+PROMOTED_FROM_KEY = "promoted_from"
+
+
+class PromotionError(CheckpointError):
+    """A committed generation could not be promoted to the other tier; the target holds no manifest for it."""
+
+
+def promote_generation(
+    source: CheckpointStore,
+    target: CheckpointStore,
+    step: int,
+    *,
+    manifest: Manifest | None = None,
+    before_commit: Callable[[], None] | None = None,
+) -> Manifest:
+    """Copy committed generation ``step`` of ``source`` to ``target`` and commit it there, manifest last.
+
+    Args:
+        source: The store holding the committed generation (read only).
+        target: Where it is promoted to (written with the target's run id and checksum algorithm).
+        step: The generation's step.
+        manifest: The source manifest when the caller has just read it.
+        before_commit: Called after every object landed, right before the target manifest (e.g. a deadline check).
+
+    Returns:
+        The target generation's manifest.
+
+    Raises:
+        GenerationExistsError: ``target`` already holds a committed generation ``step`` (never overwritten).
+        PromotionError: The source is not committed, an object is damaged (its checksum differs from the source
+            manifest's) or unreadable, or the target cannot be written; the target holds no manifest for ``step``.
+    """
+    try:
+        manifest = manifest or source.manifest(step)
+    except ManifestError as exc:
+        raise PromotionError(f"cannot promote step {step} of {source.uri!r}: {exc}") from exc
+    try:
+        writer = target.begin(step)  # GenerationExistsError when committed there already: never overwritten
+    except GenerationExistsError:
+        raise
+    except Exception as exc:
+        raise PromotionError(f"promoting step {step} to {target.uri!r} failed before any object: {exc}") from exc
+    try:
+        _copy_objects(source, writer, manifest)
+        if before_commit is not None:
+            before_commit()
+        extra = {**manifest.extra, PROMOTED_FROM_KEY: {"uri": source.uri, "step": step, "run_id": manifest.run_id}}
+        return writer.commit(cut=manifest.cut, plan=manifest.plan, timings=manifest.timings, extra=extra)
+    except GenerationExistsError:
+        writer.abort()
+        raise
+    except BaseException as exc:
+        writer.abort()
+        if isinstance(exc, PromotionError | KeyboardInterrupt | SystemExit):
+            raise
+        raise PromotionError(
+            f"promoting step {step} from {source.uri!r} to {target.uri!r} failed; nothing was committed there: "
+            f"{type(exc).__name__}: {exc}"
+        ) from exc
+
+
+def _copy_objects(source: CheckpointStore, writer: Any, manifest: Manifest) -> None:
+    """Stream every object of ``manifest`` from ``source`` into ``writer``, verified against the source manifest."""
+    for obj in manifest.objects:
+        if obj.key != obj.name:
+            writer.place(obj.name, obj.key)
+        path = f"{source.generation_path(manifest.step)}/{obj.key}"
+        with writer.open(obj.name) as stream:
+            # Checks the source bytes against the source manifest as they pass; a mismatch raises after the last
+            # chunk, and the stream is then abandoned (never recorded, never committed).
+            read_verified(source.fs, path, obj, into=stream)
+        written = {o.name: o for o in writer.objects}[obj.name]
+        same_algorithm = checksum_algorithm(written.checksum) == checksum_algorithm(obj.checksum)
+        if written.size != obj.size or (same_algorithm and written.checksum != obj.checksum):
+            raise PromotionError(
+                f"object {obj.name!r} of step {manifest.step}: wrote {written.size} bytes ({written.checksum}), the "
+                f"source manifest says {obj.size} bytes ({obj.checksum})"
+            )
+
+
+class Promoter:
+    """Promotes committed generations of ``source`` to ``target`` on one background thread, and runs retention
+    of both tiers.
+
+    :meth:`committed` is told of every generation committed on ``source`` (from any thread: it only records the
+    step and applies the source's retention). Generations asked to be promoted are copied one at a time: at most
+    one in flight and the newest pending; a newer request replaces a pending one (counted in :attr:`skipped`).
+    The newest generation asked to be promoted is never removed from ``source`` by retention before its
+    promotion committed (:meth:`protected`).
+
+    Thread-safety: every method may be called from any thread; the copies run on the thread
+    ``lightning_async_ckpt-promote``, started at the first request and joined by :meth:`close`.
+
+    Args:
+        source: The fast tier, holding committed generations.
+        target: The durable tier.
+        keep_last: Retention of ``target`` after each promotion (``None``: keep all).
+        source_keep_last: Retention of ``source`` after each source commit (``None``: keep all).
+        on_error: Receives each promotion failure (on the promotion thread), e.g. to raise it on the training
+            thread later.
+    """
+
+    def __init__(
+        self,
+        source: CheckpointStore,
+        target: CheckpointStore,
+        *,
+        keep_last: int | None = None,
+        source_keep_last: int | None = None,
+        on_error: Callable[[BaseException], None] | None = None,
+    ) -> None:
+        self.source = source
+        self.target = target
+        self.keep_last = keep_last
+        self.source_keep_last = source_keep_last
+        self.on_error = on_error
+        self.promoted_step: int | None = None
+        self.skipped = 0
+        self.failed: list[int] = []
+        self._cond = threading.Condition()
+        self._pending: int | None = None
+        self._in_flight: int | None = None
+        self._newest_due: int | None = None
+        self._closing = False
+        self._thread: threading.Thread | None = None
+
+    def committed(self, step: int, *, promote: bool) -> None:
+        """Generation ``step`` was committed on ``source``; ``promote`` asks for its promotion."""
+        if promote:
+            with self._cond:
+                if self._closing:
+                    _log.warning("step %d committed on %s after promotions closed: not promoted", step, self.source.uri)
+                else:
+                    if self._pending is not None and self._pending < step:
+                        self.skipped += 1
+                        _log.info("promotion of step %d skipped: step %d is newer", self._pending, step)
+                    if self._pending is None or self._pending < step:
+                        self._pending = step
+                    self._newest_due = max(step, self._newest_due or step)
+                    self._start()
+                    self._cond.notify_all()
+        self._retain(self.source, self.source_keep_last, protect=self.protected())
+
+    def protected(self) -> frozenset[int]:
+        """Steps ``source``'s retention must keep: the pending and in-flight promotions, and the newest generation
+        asked to be promoted until a promotion at least as new committed."""
+        with self._cond:
+            steps = {self._pending, self._in_flight, self._newest_due}
+            done = self.promoted_step
+        return frozenset(s for s in steps if s is not None and (done is None or s > done))
+
+    @property
+    def busy(self) -> bool:
+        """Whether a promotion is pending or in flight."""
+        with self._cond:
+            return self._pending is not None or self._in_flight is not None
+
+    def drain(self, timeout: float | None = None) -> bool:
+        """Wait until no promotion is pending or in flight; return whether that happened within ``timeout``."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while self._pending is not None or self._in_flight is not None:
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    return False
+                self._cond.wait(remaining)
+        return True
+
+    def close(self, timeout: float | None = None) -> bool:
+        """Finish the promotions asked for (within ``timeout``) and stop the thread; idempotent.
+
+        Returns:
+            True when every promotion asked for ended (committed or failed) within ``timeout``. Otherwise the
+            one in flight keeps running on its (daemon) thread and commits or leaves no manifest; a pending one is
+            dropped. Both are logged.
+        """
+        finished = self.drain(timeout)
+        with self._cond:
+            self._closing = True
+            dropped, self._pending = self._pending, None
+            running = self._in_flight
+            self._cond.notify_all()
+        if dropped is not None:
+            _log.warning("promotion of step %d to %s dropped at close (the drain timed out)", dropped, self.target.uri)
+        thread = self._thread
+        if thread is not None and running is None:
+            thread.join()
+        elif running is not None:
+            _log.warning(
+                "promotion of step %d to %s still running after %.1fs: it commits or leaves no manifest",
+                running,
+                self.target.uri,
+                timeout or 0.0,
+            )
+        return finished
+
+    def _start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="lightning_async_ckpt-promote", daemon=True)
+            self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while self._pending is None and not self._closing:
+                    self._cond.wait()
+                if self._pending is None:
+                    return
+                step, self._pending = self._pending, None
+                self._in_flight = step
+            try:
+                self._promote(step)
+            finally:
+                with self._cond:
+                    self._in_flight = None
+                    self._cond.notify_all()
+
+    def _promote(self, step: int) -> None:
+        try:
+            manifest = promote_generation(self.source, self.target, step)
+        except BaseException as exc:  # noqa: BLE001 - handed to on_error, raised on the training thread
+            self.failed.append(step)
+            _log.warning("promotion of step %d to %s failed: %s", step, self.target.uri, exc)
+            if self.on_error is not None:
+                self.on_error(exc)
+            return
+        with self._cond:
+            if self.promoted_step is None or manifest.step > self.promoted_step:
+                self.promoted_step = manifest.step
+        _log.info("step %d promoted from %s to %s", step, self.source.uri, self.target.uri)
+        self._retain(self.target, self.keep_last)
+        self._retain(self.source, self.source_keep_last, protect=self.protected())
+
+    @staticmethod
+    def _retain(store: CheckpointStore, keep_last: int | None, protect: frozenset[int] = frozenset()) -> None:
+        if keep_last is None:
+            return
+        try:
+            store.retain(keep_last, verify=False, protect=protect)
+        except Exception:  # noqa: BLE001 - retention never fails a commit or a promotion
+            _log.warning("retention of %s failed", store.uri, exc_info=True)
