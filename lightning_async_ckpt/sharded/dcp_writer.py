@@ -2,6 +2,11 @@
 
 The format is DCP's own: every rank writes ``__<rank>_<n>.distcp`` data files, the coordinator writes
 ``.metadata``; ``torch.distributed.checkpoint.load`` and ``dcp_to_torch_save`` read the folder at any world size.
+Objects are written once: every data file (and every extra object of a rank other than the coordinator) is
+created exclusively under its DCP name with the attempt's token appended (``__1_0.distcp.<token>``; the manifest
+keeps the DCP name and records the file, and DCP's ``.metadata`` records each item's file, so loaders need no
+fixed names), and ``.metadata`` is published exclusively, never replacing one. A rank of an earlier attempt that
+wakes from a stall writes only its own names, never a committed object.
 On top of DCP, each object's size and checksum are computed as its bytes pass, and each rank's list of objects
 travels to the coordinator inside DCP's own gather of write results (one extra :class:`WriteResult` per rank,
 removed again before DCP's metadata is written), so the commit needs no collective of its own.
@@ -11,7 +16,8 @@ Call sequence (DCP's ``save`` drives it; steps as in DCP's ``StorageWriter`` doc
 0. ``reset`` / ``set_up_storage_writer`` on every rank;
 1. ``prepare_local_plan`` on every rank: the generation folder exists;
 2. ``prepare_global_plan`` on the coordinator: the step is claimed in the store (refused if already committed);
-3. ``write_data`` on every rank: data objects written, durable (``Backend.finish``), and reported;
+3. ``write_data`` on every rank: an attempt claim with a lease (:class:`~lightning_async_ckpt.storage.claims.Lease`,
+   renewed at each write) while data objects are written, made durable (``Backend.finish``) and reported;
 4. ``finish`` on the coordinator, only when every rank's ``write_data`` succeeded: ``.metadata``, then
    ``manifest.json`` last (:func:`~lightning_async_ckpt.sharded.commit.commit_generation`).
 
@@ -22,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -36,7 +43,8 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from lightning_async_ckpt.errors import StorageError
-from lightning_async_ckpt.storage.io import Checksum, WriteOnlyStream, fsync_dir
+from lightning_async_ckpt.storage.claims import Lease, attempt_claim_name
+from lightning_async_ckpt.storage.io import Checksum, WriteOnlyStream, file_identity, fsync_dir, same_file
 from lightning_async_ckpt.storage.manifest import ObjectEntry, validate_object_name
 
 if TYPE_CHECKING:
@@ -49,6 +57,16 @@ __all__ = ["METADATA_NAME", "REPORT_FQN", "RankObjects", "StoreStorageWriter"]
 METADATA_NAME = ".metadata"
 #: The fully qualified name of the per-rank report results (never written into DCP's metadata).
 REPORT_FQN = "__lightning_async_ckpt_rank_objects__"
+# DCP's data files and temporary files: always written under a name that carries the attempt's token.
+_TOKENED_RE = re.compile(r"^(__[0-9]+_[0-9]+\.distcp|.*\.tmp)$")
+
+
+@dataclass(frozen=True)
+class _AttemptPrefix:
+    """The coordinator's plan for one rank: DCP's file-name prefix, and the attempt's token."""
+
+    prefix: str
+    token: str
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -67,16 +85,18 @@ class RankObjects:
 class _ChecksumStream(WriteOnlyStream):
     """Write-only stream over a backend object: counts and checksums bytes; closing is left to the file system."""
 
-    def __init__(self, raw: IO[bytes], algorithm: str) -> None:
+    def __init__(self, raw: IO[bytes], algorithm: str, renew: Callable[[], None]) -> None:
         self.raw = raw
         self.digest = Checksum(algorithm)
         self.size = 0
+        self._renew = renew
 
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
         self.raw.write(view)
         self.digest.update(view)
         self.size += len(view)
+        self._renew()
         return len(view)
 
     def flush(self) -> None:
@@ -89,18 +109,40 @@ class _ChecksumStream(WriteOnlyStream):
 
 
 class _StoreFileSystem(FileSystemBase):
-    """DCP's file-system seam over a store's fsspec filesystem and backend; records every object written."""
+    """DCP's file-system seam over a store's fsspec filesystem and backend; records every object written.
+
+    Objects are created exclusively; DCP's data and temporary files (and the names in :attr:`tokened`) get the
+    attempt's token appended to their file name (:meth:`physical`), the object's name stays DCP's.
+    """
 
     def __init__(self, store: CheckpointStore, generation: str) -> None:
         self.store = store
         self.generation = generation.rstrip("/")
         self.objects: dict[str, ObjectEntry] = {}
+        self.token: str | None = None
+        self.lease: Lease | None = None
+        self.tokened: set[str] = set()
+        self._created: dict[str, tuple[int, int] | None] = {}
         self._lock = threading.Lock()
 
-    def _entry(self, path: str, size: int, checksum: str) -> ObjectEntry:
+    def physical(self, path: str) -> str:
+        """Where the object DCP calls ``path`` is written: its name with the token appended where it must be."""
+        name = path.rsplit("/", 1)[-1]
+        if self.token and (_TOKENED_RE.match(name) or name in self.tokened):
+            return f"{path}.{self.token}"
+        return path
+
+    def renew(self) -> None:
+        """Renew this rank's lease when due (at each write)."""
+        if self.lease is not None:
+            self.lease.renew()
+
+    def _entry(self, path: str, size: int, checksum: str, physical: str | None = None) -> ObjectEntry:
         # Relative to the generation folder: a writer under another writer's claim writes below its own prefix.
-        rel = path[len(self.generation) + 1 :] if path.startswith(self.generation + "/") else path.rsplit("/", 1)[-1]
-        name = validate_object_name(rel.rsplit("/", 1)[-1])
+        physical = physical or path
+        name = validate_object_name(path.rsplit("/", 1)[-1])
+        gen = self.generation + "/"
+        rel = physical[len(gen) :] if physical.startswith(gen) else physical.rsplit("/", 1)[-1]
         return ObjectEntry(name=name, size=size, checksum=checksum, path=rel if rel != name else None)
 
     @contextmanager
@@ -110,13 +152,16 @@ class _StoreFileSystem(FileSystemBase):
             with self.store.fs.open(path, mode) as f:
                 yield f
             return
-        entry = self._entry(path, 0, "")
+        physical = self.physical(path)
+        entry = self._entry(path, 0, "", physical)
         backend = self.store.backend
         try:
-            raw = backend.open_write(path, direct_io=self.store.direct_io, subfolder=entry.path is not None)
+            raw = backend.open_write(physical, direct_io=self.store.direct_io, subfolder="/" in entry.key)
         except Exception as exc:
-            raise StorageError(f"could not open {path!r} for writing: {exc}") from exc
-        stream = _ChecksumStream(raw, self.store.checksum)
+            raise StorageError(f"could not create {physical!r} for writing: {exc}") from exc
+        with self._lock:
+            self._created[physical] = file_identity(raw) if self.store.is_local else None
+        stream = _ChecksumStream(raw, self.store.checksum, self.renew)
         try:
             yield stream
         except BaseException:
@@ -125,22 +170,33 @@ class _StoreFileSystem(FileSystemBase):
         try:
             backend.finish(raw)
         except Exception as exc:
-            raise StorageError(f"could not finish {path!r}: {exc}") from exc
+            raise StorageError(f"could not finish {physical!r}: {exc}") from exc
         with self._lock:
-            self.objects[entry.name] = self._entry(path, stream.size, stream.digest.hexdigest())
+            self.objects[entry.name] = self._entry(path, stream.size, stream.digest.hexdigest(), physical)
 
     def concat_path(self, path: str | os.PathLike, suffix: str) -> str:
         return f"{str(path).rstrip('/')}/{suffix}"
 
     def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:
-        path, new_path = str(path), str(new_path)
-        if self.store.is_local:
-            os.replace(path, new_path)
-            fsync_dir(os.path.dirname(new_path))
-        else:
-            self.store.fs.mv(path, new_path)
-        old = path.rsplit("/", 1)[-1]
+        """Publish a written temporary object (DCP's ``.metadata``) exclusively: never replaces an existing one.
+
+        Raises:
+            StorageError: Something is at ``new_path`` already (another attempt published it).
+        """
+        source, new_path = self.physical(str(path)), str(new_path)
+        try:
+            if self.store.is_local:
+                os.link(source, new_path)
+                os.unlink(source)
+                fsync_dir(os.path.dirname(new_path))
+            else:
+                self.store.backend.create_claim(new_path, self.store.fs.cat_file(source))
+                self.store.fs.rm_file(source)
+        except FileExistsError as exc:
+            raise StorageError(f"{new_path!r} exists: another attempt published it; this one is not committed") from exc
+        old = str(path).rsplit("/", 1)[-1]
         with self._lock:
+            self._created[new_path] = self._created.pop(source, None)
             entry = self.objects.pop(old)
             renamed = self._entry(new_path, entry.size, entry.checksum)
             self.objects[renamed.name] = renamed
@@ -159,7 +215,14 @@ class _StoreFileSystem(FileSystemBase):
         return self.store.fs.exists(str(path))
 
     def rm_file(self, path: str | os.PathLike) -> None:
-        self.store.fs.rm_file(str(path))
+        """Remove an object this attempt created; anything else (another attempt's ``.metadata``) is left."""
+        path = self.physical(str(path))
+        with self._lock:
+            if path not in self._created:
+                return
+            identity = self._created.pop(path)
+        if identity is None or same_file(path, identity):
+            self.store.fs.rm_file(path)
 
 
 class StoreStorageWriter(FileSystemWriter):
@@ -243,28 +306,42 @@ class StoreStorageWriter(FileSystemWriter):
         """
         self.claim = self.store.begin(self.step)
         planned = super().prepare_global_plan(plans)
-        if not self.claim.prefix:
-            return planned
+        token, prefix = self.claim.token, self.claim.prefix
         return [
-            dataclasses.replace(
-                plan,
-                storage_data=dataclasses.replace(
-                    plan.storage_data, prefix=self.claim.prefix + plan.storage_data.prefix
-                ),
-            )
+            dataclasses.replace(plan, storage_data=_AttemptPrefix(prefix + plan.storage_data.prefix, token))
             for plan in planned
         ]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        """Write this rank's objects (DCP step 3) and append this rank's object report to its results."""
-        results = super().write_data(plan, planner).value()
-        folder = self.fs.concat_path(self.path, plan.storage_data.prefix.rpartition("/")[0])
-        for name, data in self._objects.items():
-            with self.fs.create_stream(self.fs.concat_path(folder, name), "wb") as stream:
-                stream.write(data)
+        """Write this rank's objects (DCP step 3) and append this rank's object report to its results.
+
+        A rank other than the coordinator holds its own attempt claim while it writes (the coordinator's is its
+        step claim's lease); every name it writes carries the attempt's token.
+        """
+        rank = self.rank if self.rank is not None else 0
+        storage = plan.storage_data
+        self.fs.token = storage.token
+        subfolder = storage.prefix.rpartition("/")[0]
+        folder = self.fs.concat_path(self.path, subfolder) if subfolder else self.path
+        lease = None
+        if self.claim is not None:
+            self.fs.lease = self.claim.lease
+        else:
+            self.fs.tokened = set(self._objects)
+            name = attempt_claim_name(storage.token, rank)
+            lease = self.fs.lease = Lease(self.store, self.fs.concat_path(folder, name), self.step, storage.token, rank)
+            lease.create()
+        try:
+            results = [self._located(wr) for wr in super().write_data(plan, planner).value()]
+            for name, data in self._objects.items():
+                with self.fs.create_stream(self.fs.concat_path(folder, name), "wb") as stream:
+                    stream.write(data)
+        finally:
+            if lease is not None:
+                lease.release()  # this rank's part of the attempt ended: it writes nothing more
         with self.fs._lock:
             objects = tuple(sorted(self.fs.objects.values(), key=lambda e: e.name))
-        report = RankObjects(rank=self.rank if self.rank is not None else 0, objects=objects)
+        report = RankObjects(rank=rank, objects=objects)
         if self._before_report is not None:
             self._before_report()
         if self._on_written is not None:
@@ -273,6 +350,14 @@ class StoreStorageWriter(FileSystemWriter):
         out: Future[list[WriteResult]] = Future()
         out.set_result([*results, WriteResult(index=index, size_in_bytes=0, storage_data=report)])
         return out
+
+    def _located(self, result: WriteResult) -> WriteResult:
+        """DCP's write result with the file it really went to (the token appended), for ``.metadata``."""
+        info = result.storage_data
+        if not hasattr(info, "relative_path"):
+            return result
+        located = self.fs.physical(info.relative_path)
+        return dataclasses.replace(result, storage_data=dataclasses.replace(info, relative_path=located))
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """Write DCP's ``.metadata``, then commit the manifest listing every rank's objects (DCP step 4)."""

@@ -198,7 +198,8 @@ def test_fsdp2_two_ranks_equal_sync_dcp_save_reshard_to_one_process_and_verify(t
         # The CLI lists both ranks with the bytes each wrote.
         assert main(["ls", str(tmp_path / "store"), "--json"]) == 0
         row = next(r for r in json.loads(capsys.readouterr().out) if r["step"] == step)
-        assert row["ranks"] == {str(r): (gen / f"__{r}_0.distcp").stat().st_size for r in (0, 1)}
+        files = {e.name: gen / e.key for e in manifest.objects}  # DCP's names, each file carrying the token
+        assert row["ranks"] == {str(r): files[f"__{r}_0.distcp"].stat().st_size for r in (0, 1)}
         # (b) written by 2 ranks, loaded by DCP into a plain module in this single process.
         plain = make_model()
         target = {"model": plain.state_dict()}

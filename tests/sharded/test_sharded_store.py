@@ -49,7 +49,8 @@ def test_a_step_claimed_by_another_writer_is_written_under_its_own_prefix_and_lo
         manifest = ckpt.save(4, _state(model, opt)).result(timeout=60)
     folder = manifest.dcp_folder
     assert folder and folder.startswith("w-")
-    assert {e.key for e in manifest.objects} == {f"{folder}/.metadata", f"{folder}/__0_0.distcp"}
+    token = folder.removeprefix("w-")  # the attempt's data files carry its token
+    assert {e.key for e in manifest.objects} == {f"{folder}/.metadata", f"{folder}/__0_0.distcp.{token}"}
     # The other writer's files are untouched.
     assert (tmp_path / "step-00000004" / "__0_0.distcp").read_bytes() == b"the other writer's data"
     store = CheckpointStore(str(tmp_path))
@@ -88,7 +89,8 @@ def test_cli_ls_and_verify_show_the_ranks_and_their_bytes(tmp_path, capsys):
     model, opt = _trained()
     with ShardedCheckpointer(str(tmp_path)) as ckpt:
         ckpt.save(1, _state(model, opt)).result(timeout=60)
-    data = (tmp_path / "step-00000001" / "__0_0.distcp").stat().st_size
+    data_file = tmp_path / "step-00000001" / CheckpointStore(str(tmp_path)).manifest(1).object("__0_0.distcp").key
+    data = data_file.stat().st_size
     assert main(["ls", str(tmp_path), "--json"]) == 0
     (row,) = json.loads(capsys.readouterr().out)
     assert row["format"] == "torch_dcp" and row["ranks"] == {"0": data}
@@ -97,6 +99,6 @@ def test_cli_ls_and_verify_show_the_ranks_and_their_bytes(tmp_path, capsys):
     assert "RANKS" in lines[0].split() and "0:" in lines[1]
     assert main(["verify", str(tmp_path), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["results"][0]["ranks"] == {"0": data}
-    (tmp_path / "step-00000001" / "__0_0.distcp").write_bytes(b"torn")  # any rank's object is checked
+    data_file.write_bytes(b"torn")  # any rank's object is checked
     assert main(["verify", str(tmp_path)]) == 1
     assert "__0_0.distcp" in capsys.readouterr().out
