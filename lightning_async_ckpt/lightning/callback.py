@@ -153,6 +153,8 @@ class AsyncCheckpointCallback(CallbackArguments):
         # teardown is not called on exceptions: drain here so the in-flight save lands, within a bound. With
         # save_on_exception, ModelCheckpoint's exception file is copied first and written last (on_exception.py).
         snapshot = capture_exception_checkpoint(self, trainer)
+        if self.preemption is not None:
+            self.preemption.remove()  # teardown does not run after an exception
         if self.checkpointer is not None:
             try:
                 if self.tiers is not None:

@@ -8,12 +8,14 @@ committed where, and stops training (``trainer.should_stop``).
 The handler is installed on the main thread in ``setup`` and chains to the handler it replaced when that one is a
 Python callable (Lightning's own SIGTERM handler is installed after ``setup`` and calls this one in turn); the
 default action (``SIG_DFL``: end the process) is not chained, since it would end the process before the save. The
-previous handler is restored at ``teardown``.
+previous handler is restored at ``teardown`` (and in ``on_exception``: if Lightning puts this one back while it
+restores its own, it hands the signal to the previous handler and reinstalls it).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
 from types import FrameType
@@ -82,11 +84,20 @@ class PreemptionHandler:
             signal.signal(self.signum, self._previous if self._previous is not None else signal.SIG_DFL)
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
+        previous = self._previous
+        if not self._installed:
+            # Reinstalled after remove() (Lightning restores the handlers it found at its own setup, which include
+            # this one, after an exception): act as the previous handler, and give it its place back.
+            signal.signal(self.signum, previous if previous is not None else signal.SIG_DFL)
+            if callable(previous) and previous not in (signal.SIG_DFL, signal.SIG_IGN):
+                previous(signum, frame)
+            elif previous in (None, signal.SIG_DFL):
+                os.kill(os.getpid(), signum)  # the default action, as if this handler had never been installed
+            return
         first = not self.requested.is_set()
         self.requested.set()
         if first:
             _log.warning("received %s: an emergency checkpoint is taken at the next batch end", self.signum.name)
-        previous = self._previous
         if callable(previous) and previous not in (signal.SIG_DFL, signal.SIG_IGN):
             previous(signum, frame)
 
