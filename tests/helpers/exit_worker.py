@@ -16,6 +16,7 @@ Modes (each leaves a save in flight that storage answers only after the shutdown
 from __future__ import annotations
 
 import atexit
+import gc
 import json
 import logging
 import os
@@ -102,6 +103,10 @@ def serve(preload_lightning: bool) -> None:
         import lightning.pytorch  # noqa: F401
 
         import tests.helpers.models  # noqa: F401
+    # What is imported so far is shared with the children: frozen, a child's collections and finalization do not
+    # walk (and copy on write) the whole imported heap, which halves a run. It does not hide the crash: on the code
+    # before the fix, close and exit runs crashed 5-8 of 8 frozen, 1-8 of 8 not frozen (2-core machine, busy).
+    gc.freeze()
     print("READY", flush=True)
     for line in sys.stdin:
         mode, root = line.split()
