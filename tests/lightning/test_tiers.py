@@ -233,3 +233,55 @@ class _nothing:
 
     def __exit__(self, *exc):
         return False
+
+
+@pytest.mark.parametrize(
+    "fault",
+    [
+        Fault(op="open", path="step-00000004/epoch=0-step=4.ckpt", error="oserror"),
+        Fault(op="write", path="step-00000004/epoch=0-step=4.ckpt", error="connection", times=None),
+        Fault(op="pipe_file", path="step-00000004/manifest.json", error="oserror"),
+    ],
+    ids=["open", "write", "manifest"],
+)
+def test_a_promotion_failing_at_any_stage_leaves_no_durable_manifest(tmp_path, fault):
+    ours = _tiered(
+        tmp_path,
+        dirpath=f"faulty://{tmp_path / 'durable'}",
+        storage_options={"target_protocol": "file", "faults": [fault]},
+        local_every_n_train_steps=2,
+        on_error="warn",
+    )
+    _fit([ours], max_steps=8)
+    assert _steps(tmp_path / "durable") == [8]  # step 4 never became committed; step 8 was promoted after it
+    assert _steps(tmp_path / "local") == [2, 4, 6, 8]
+
+
+def test_a_stalled_promotion_never_blocks_training_nor_shows_as_committed(tmp_path):
+    entered, release = threading.Event(), threading.Event()
+    seen = []
+    stall = Fault(
+        op="write",
+        path="step-00000004/epoch=0-step=4.ckpt",
+        callback=lambda call: entered.set(),
+        stall=release,
+        stall_timeout_s=120,
+    )
+
+    class _AtStep8(pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if trainer.global_step == 8:
+                assert entered.wait(60)
+                # Training went on from step 4 to 8 while step 4's upload is stalled in the store.
+                seen.append((release.is_set(), _steps(tmp_path / "durable"), _steps(tmp_path / "local")))
+                release.set()
+
+    ours = _tiered(
+        tmp_path,
+        dirpath=f"faulty://{tmp_path / 'durable'}",
+        storage_options={"target_protocol": "file", "faults": [stall]},
+        local_every_n_train_steps=2,
+    )
+    _fit([_AtStep8(), ours], max_steps=8)
+    assert seen == [(False, [], [2, 4, 6])]
+    assert _steps(tmp_path / "durable") == [4, 8]
