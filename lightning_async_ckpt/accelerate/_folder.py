@@ -23,9 +23,11 @@ from lightning_async_ckpt.errors import CheckpointError, GenerationExistsError, 
 from lightning_async_ckpt.storage.io import (
     Checksum,
     WriteOnlyStream,
-    atomic_local_write,
+    exclusive_local_write,
+    file_identity,
     fsync_dir,
     open_local_write,
+    same_file,
 )
 from lightning_async_ckpt.storage.manifest import MANIFEST_NAME, Manifest, ObjectEntry, validate_object_name
 from lightning_async_ckpt.storage.store import CheckpointStore
@@ -115,6 +117,11 @@ class _FolderWriter:
     """Writes our objects into accelerate's folder; commit waits for accelerate's part, then seals its files.
 
     Call sequence (the engine's): ``open(name)`` for each of our objects, then ``commit(...)``, or ``abort()``.
+
+    The folder's names are fixed (accelerate loads them by name), so objects are written once another way: an
+    existing file is unlinked and the name created exclusively, so an earlier save still holding a descriptor
+    (a stalled writer) writes to an orphaned inode; the commit refuses when one of our objects is no longer
+    the file this writer created, and the manifest is published exclusively, never replacing one.
     """
 
     def __init__(self, store: _FolderStore, save: _FolderSave) -> None:
@@ -125,6 +132,7 @@ class _FolderWriter:
         self._save = save
         self._objects: dict[str, ObjectEntry] = {}
         self._own: set[str] = set()
+        self._idents: dict[str, tuple[int, int] | None] = {}
         self._done = False
 
     def open(self, name: str) -> _FolderStream:
@@ -137,10 +145,15 @@ class _FolderWriter:
         path = os.path.join(self.path, *name.split("/"))
         try:
             os.makedirs(os.path.dirname(path), exist_ok=True)
+            try:
+                os.unlink(path)  # an earlier save's object: its descriptor, if still open, keeps the old inode
+            except FileNotFoundError:
+                pass
             raw = open_local_write(path, self.store.direct_io)
         except OSError as exc:
             raise StorageError(f"could not open {path!r} for writing: {exc}") from exc
         self._own.add(name)
+        self._idents[name] = file_identity(raw)
         return _FolderStream(self, name, raw)  # type: ignore[arg-type]
 
     def write_bytes(self, name: str, data: bytes) -> ObjectEntry:
@@ -168,6 +181,12 @@ class _FolderWriter:
         missing = sorted(save.expected - set(save.listing))
         if missing:
             raise CheckpointError(f"accelerate did not write {missing} into {save.folder}; it stays uncommitted")
+        replaced = sorted(name for name in self._objects if not self._mine(name))
+        if replaced:
+            raise CheckpointError(
+                f"{save.folder}: {replaced} were replaced by another save since this one wrote them; it stays "
+                "uncommitted"
+            )
         for name in save.listing:
             if name not in self._own:
                 self._record(self._seal(name))
@@ -184,8 +203,12 @@ class _FolderWriter:
         )
         try:
             fsync_dir(save.folder)
-            atomic_local_write(os.path.join(save.folder, MANIFEST_NAME), manifest.to_json())
+            exclusive_local_write(os.path.join(save.folder, MANIFEST_NAME), manifest.to_json())
             fsync_dir(os.path.dirname(save.folder) or ".")  # the folder's own entry
+        except FileExistsError as exc:
+            raise CheckpointError(
+                f"{save.folder} was committed by another save meanwhile; this one is not committed"
+            ) from exc
         except OSError as exc:
             raise StorageError(f"could not write the manifest of {save.folder}: {exc}") from exc
         self._done = True
@@ -202,11 +225,17 @@ class _FolderWriter:
             return
         self._done = True
         for name in self._own:
+            if not self._mine(name):
+                continue  # a later save's object at the same name: ours was orphaned
             try:
                 os.unlink(os.path.join(self.path, *name.split("/")))
             except FileNotFoundError:
                 pass
         self.store.end_write(self.step)
+
+    def _mine(self, name: str) -> bool:
+        """Whether our object ``name`` is still the file this writer created."""
+        return same_file(os.path.join(self.path, *name.split("/")), self._idents.get(name))
 
     def _record(self, entry: ObjectEntry) -> None:
         self._objects[entry.name] = entry
