@@ -27,6 +27,7 @@ import os
 import sys
 import threading
 import time
+import uuid
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -301,7 +302,10 @@ class StagedCheckpointIO(CheckpointIO):
         folder = os.path.dirname(fs_path) if local else fs_path.rsplit("/", 1)[0]
         # Local disk: a temp name in the same folder, renamed once durable. Object stores publish an upload
         # only when it completes, so the final name is written directly.
-        target = os.path.join(folder, f".{os.path.basename(fs_path)}.tmp-{os.getpid()}") if local else fs_path
+        # The temp name carries a fresh token: a leftover of a crashed run (containers reuse pids) or of an earlier
+        # attempt is never reopened (local files are created exclusively), and no other writer can hold this one.
+        token = uuid.uuid4().hex[:12]
+        target = os.path.join(folder, f".{os.path.basename(fs_path)}.tmp-{token}") if local else fs_path
         raw = backend.open_write(target, direct_io=False, subfolder=not local)
         stream = _ChecksumStream(raw, self.checksum)
         try:

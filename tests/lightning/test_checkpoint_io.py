@@ -264,3 +264,14 @@ def test_s3_through_moto_same_files_and_loads_with_storage_options(
     assert [c.size for c in plugin.committed if c.path.endswith("step=8.ckpt")] == [fs.info(mc.best_model_path)["size"]]
     assert plugin.load_checkpoint(mc.best_model_path)["global_step"] == 8
     plugin.teardown()
+
+
+def test_a_leftover_temp_file_of_a_crashed_run_with_this_pid_is_never_reopened(tmp_path: Path) -> None:
+    # Containers restart with the same pid: a crashed run's temp file for the same name must not block (local
+    # files are created exclusively) nor be written into (a stalled writer may still hold it).
+    leftover = tmp_path / f".epoch=0-step=4.ckpt.tmp-{os.getpid()}"
+    leftover.write_bytes(b"a crashed run's partial bytes")
+    mc = ModelCheckpoint(dirpath=str(tmp_path), every_n_train_steps=4, save_top_k=-1)
+    _fit(_Model(), [mc], [StagedCheckpointIO(retries=0)])
+    assert torch.load(tmp_path / "epoch=0-step=4.ckpt", weights_only=False)["global_step"] == 4
+    assert leftover.read_bytes() == b"a crashed run's partial bytes"
