@@ -16,6 +16,7 @@ import contextlib
 import errno
 import logging
 import queue
+import random
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -91,8 +92,13 @@ class RetryPolicy:
         return isinstance(exc, OSError | StorageError | TimeoutError | ConnectionError)
 
     def delay(self, attempt: int) -> float:
-        """Seconds to wait before retry number ``attempt`` (1-based)."""
-        return self.backoff_s * (2 ** (attempt - 1))
+        """Seconds to wait before retry number ``attempt`` (1-based): the doubling backoff plus up to half again.
+
+        The random part spreads the retries of many writers throttled at once (every rank of a job hitting one
+        object-store prefix gets ``503 SlowDown`` together) instead of sending them back in lockstep.
+        """
+        base = self.backoff_s * (2 ** (attempt - 1))
+        return base * (1.0 + 0.5 * random.random())
 
     def should_retry(self, exc: BaseException, attempt: int) -> bool:
         """Whether to try again after ``attempt`` (0-based) failed with ``exc``."""
