@@ -21,12 +21,14 @@ import os
 import re
 import socket
 import time
+import uuid
 from typing import TYPE_CHECKING, Any
 
 from lightning_async_ckpt.storage.io import atomic_local_write
 
 if TYPE_CHECKING:
     from lightning_async_ckpt.storage.store import CheckpointStore
+    from lightning_async_ckpt.storage.writer import GenerationWriter
 
 __all__ = [
     "CLAIM_NAME",
@@ -38,8 +40,12 @@ __all__ = [
     "attempt_claim_name",
     "claim_body",
     "claim_liveness",
+    "claim_step",
+    "clear_leftovers",
     "is_claim_name",
+    "new_token",
     "read_claim",
+    "take_step_claim",
     "token_liveness",
 ]
 
@@ -270,3 +276,38 @@ def clear_leftovers(store: CheckpointStore, folder: str, keep: set[str]) -> None
     if removed:
         store.backend.sync_folder(folder)
         store.invalidate_cache()
+
+
+def claim_step(store: CheckpointStore, step: int) -> GenerationWriter:
+    """Claim ``step`` for a new attempt (plain names), or give it its own prefix when another attempt holds it.
+
+    Every attempt holds an attempt claim with a lease (:class:`~.claims.Lease`) from here until it ends.
+    """
+    from lightning_async_ckpt.storage.writer import GenerationWriter  # the writer module imports this one
+
+    path = store.generation_path(step)
+    store.backend.prepare_folder(path)
+    token = new_token()
+    name = attempt_claim_name(token, 0)
+    if take_step_claim(store, path, claim_body(store.run_id, step, token)):
+        claim = f"{path}/{CLAIM_NAME}"
+        lease = Lease(store, f"{path}/{name}", step, token)
+        try:
+            lease.create()
+            clear_leftovers(store, path, keep={CLAIM_NAME, name})
+        except BaseException:
+            lease.release()
+            store.fs.rm_file(claim)
+            raise
+        return GenerationWriter(store, step, store.checksum, claim=claim, token=token, lease=lease)
+    prefix = f"w-{token}/"
+    store.backend.prepare_folder(f"{path}/{prefix}")
+    lease = Lease(store, f"{path}/{prefix}{name}", step, token)
+    lease.create()
+    _log.warning("generation %s is claimed by another writer; writing under %s", store.url(step), prefix)
+    return GenerationWriter(store, step, store.checksum, prefix=prefix, token=token, lease=lease)
+
+
+def new_token() -> str:
+    """A random attempt token."""
+    return uuid.uuid4().hex[:12]

@@ -21,19 +21,10 @@ import importlib.metadata
 import logging
 import os
 import time
-import uuid
 from typing import IO, TYPE_CHECKING, Any
 
 from lightning_async_ckpt.errors import GenerationExistsError, ManifestError, StorageError, WriterUsageError
-from lightning_async_ckpt.storage.claims import (
-    CLAIM_NAME,
-    Lease,
-    attempt_claim_name,
-    claim_body,
-    clear_leftovers,
-    read_claim,
-    take_step_claim,
-)
+from lightning_async_ckpt.storage.claims import CLAIM_NAME, Lease, claim_body, claim_step, new_token, read_claim
 from lightning_async_ckpt.storage.io import Checksum, WriteOnlyStream, file_identity, same_file
 from lightning_async_ckpt.storage.manifest import MANIFEST_NAME, Manifest, ObjectEntry, validate_object_name
 
@@ -418,39 +409,6 @@ class GenerationWriter:
     def _check_open(self) -> None:
         if self._done:
             raise WriterUsageError(f"generation step {self.step} is already committed or aborted")
-
-
-def claim_step(store: CheckpointStore, step: int) -> GenerationWriter:
-    """Claim ``step`` for a new attempt (plain names), or give it its own prefix when another attempt holds it.
-
-    Every attempt holds an attempt claim with a lease (:class:`~.claims.Lease`) from here until it ends.
-    """
-    path = store.generation_path(step)
-    store.backend.prepare_folder(path)
-    token = new_token()
-    name = attempt_claim_name(token, 0)
-    if take_step_claim(store, path, claim_body(store.run_id, step, token)):
-        claim = f"{path}/{CLAIM_NAME}"
-        lease = Lease(store, f"{path}/{name}", step, token)
-        try:
-            lease.create()
-            clear_leftovers(store, path, keep={CLAIM_NAME, name})
-        except BaseException:
-            lease.release()
-            store.fs.rm_file(claim)
-            raise
-        return GenerationWriter(store, step, store.checksum, claim=claim, token=token, lease=lease)
-    prefix = f"w-{token}/"
-    store.backend.prepare_folder(f"{path}/{prefix}")
-    lease = Lease(store, f"{path}/{prefix}{name}", step, token)
-    lease.create()
-    _log.warning("generation %s is claimed by another writer; writing under %s", store.url(step), prefix)
-    return GenerationWriter(store, step, store.checksum, prefix=prefix, token=token, lease=lease)
-
-
-def new_token() -> str:
-    """A random writer token."""
-    return uuid.uuid4().hex[:12]
 
 
 def _versions() -> dict[str, str]:
