@@ -9,7 +9,7 @@ from typing import Any
 
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 
-from lightning_async_ckpt.errors import ConfigError
+from lightning_async_ckpt.errors import ConfigError, GenerationExistsError
 
 __all__ = [
     "ModelCheckpointConfigError",
@@ -19,6 +19,7 @@ __all__ = [
     "check_shared_dirpath",
     "check_strategy",
     "check_tiers",
+    "committed_clash",
     "normalize_dirpath",
     "resolve_dirpath",
 ]
@@ -259,3 +260,14 @@ def check_tiers(
             "every_n_train_steps=M (the generations promoted to dirpath)"
         )
     return local
+
+
+def committed_clash(step: int, committed_before: set[int], dirpath: Any) -> GenerationExistsError | None:
+    """The error of a cut at a step ``dirpath`` held committed before this fit (``None``: no clash)."""
+    if step not in committed_before:
+        return None
+    return GenerationExistsError(
+        f"dirpath {dirpath!r} already holds a committed checkpoint for step {step} from an earlier run; "
+        "committed checkpoints are never overwritten: use a new dirpath, or resume with "
+        "trainer.fit(model, ckpt_path=latest_checkpoint(dirpath))"
+    )

@@ -23,9 +23,13 @@ from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
 from lightning_async_ckpt.core.capture import Fence
-from lightning_async_ckpt.core.engine import AsyncCheckpointer
-from lightning_async_ckpt.errors import ConfigError, GenerationExistsError
-from lightning_async_ckpt.lightning.arguments import check_shared_dirpath, check_strategy, resolve_dirpath
+from lightning_async_ckpt.errors import ConfigError
+from lightning_async_ckpt.lightning.arguments import (
+    check_shared_dirpath,
+    check_strategy,
+    committed_clash,
+    resolve_dirpath,
+)
 from lightning_async_ckpt.lightning.base import CallbackArguments
 from lightning_async_ckpt.lightning.collective import agree_on
 from lightning_async_ckpt.lightning.hooks import FINAL_PROOF, is_last_batch, lightning_proof, training_ends_here
@@ -50,7 +54,7 @@ from lightning_async_ckpt.lightning.selection import (
     selection_state,
 )
 from lightning_async_ckpt.lightning.sharded import setup_sharded
-from lightning_async_ckpt.lightning.tiers import emergency_drain, find_last_across, latest_checkpoint
+from lightning_async_ckpt.lightning.tiers import emergency_drain, find_last_across, latest_checkpoint, open_checkpointer
 from lightning_async_ckpt.lightning.triggers import monitor_candidates
 from lightning_async_ckpt.storage.store import CheckpointStore
 
@@ -109,11 +113,8 @@ class AsyncCheckpointCallback(CallbackArguments):
         if trainer.is_global_zero and (self.checkpointer is None or self.checkpointer.closed):
             try:
                 self.store = CheckpointStore(self.dirpath, self.storage_options, run_id=self.run_id)
-                if self.tiers is not None:  # every cut to local_dirpath, promoted to dirpath (lightning/tiers.py)
-                    self.checkpointer = self.tiers.checkpointer(self)
-                else:
-                    self.checkpointer = AsyncCheckpointer(self.store, self.options)
-                    self.checkpointer.declare_fences({Fence.BATCH_START, Fence.OPTIMIZER_STEP})
+                # With local_dirpath: every cut to the local tier, promoted to dirpath (lightning/tiers.py).
+                self.checkpointer = open_checkpointer(self.store, self.options, self.tiers)
                 self._committed_before = {g.step for g in self.store.generations()}
             except Exception as exc:  # noqa: BLE001 - raised below on every rank
                 error = exc
@@ -122,8 +123,8 @@ class AsyncCheckpointCallback(CallbackArguments):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         place_run(self, trainer)  # continue the resumed run, or a new version beside another run's (rerun.py)
-        if self.tiers is not None and self.store is not None:
-            self.tiers.place(self, trainer.global_step)  # the local tier's location beside it (tiers.py)
+        if self.tiers is not None and self.store is not None:  # the local tier's location beside it (tiers.py)
+            self.checkpointer = self.tiers.place(self.checkpointer, self.store, self.options, trainer.global_step)
         # Like ModelCheckpoint: no cut at the step training starts from (fresh: 0; resumed: the restored step).
         self._last_cut_step = self._fit_start_step = trainer.global_step
         self._preallocated = False
@@ -267,8 +268,7 @@ class AsyncCheckpointCallback(CallbackArguments):
         if not self._skip(trainer):
             self._cut(trainer, pl_module, trainer.global_step, final=True)
         if self.checkpointer is not None:
-            where = emergency_drain(self.checkpointer, self.tiers, self.preemption_grace_s)
-            _log.warning("emergency checkpoint at step %d: %s; training stops", trainer.global_step, where)
+            emergency_drain(self.checkpointer, self.tiers, self.preemption_grace_s, trainer.global_step)
         trainer.should_stop = True
         self._poll(trainer)
 
@@ -299,14 +299,7 @@ class AsyncCheckpointCallback(CallbackArguments):
         if not take and not final:
             return
         self._last_cut_step = step
-        clash = None
-        if step in self._committed_before:
-            clash = GenerationExistsError(
-                f"dirpath {self.dirpath!r} already holds a committed checkpoint for step {step} from an earlier run; "
-                "committed checkpoints are never overwritten: use a new dirpath, or resume with "
-                "trainer.fit(model, ckpt_path=latest_checkpoint(dirpath))"
-            )
-        self._raise_collectively(trainer, clash)
+        self._raise_collectively(trainer, committed_clash(step, self._committed_before, self.dirpath))
         self.requested_step = step
         decision, error, handle = "admit", None, None
         # The checkpoint that ends training is copied at the cut: no training follows to overlap with, and
@@ -377,9 +370,8 @@ class AsyncCheckpointCallback(CallbackArguments):
         error: BaseException | None = None
         if self.checkpointer is not None and not self.checkpointer.closed:
             try:
-                if self.tiers is not None:  # the final commit first, then its promotion; errors raised by close()
-                    self.checkpointer.drain_quietly(None)
-                    self.tiers.close(None)
+                if self.tiers is not None:  # the final commit, then its promotion; errors raised by close()
+                    self.tiers.finish(self.checkpointer)
                 self.checkpointer.close()
             except Exception as exc:  # noqa: BLE001 - raised below, after every rank took part in the collective
                 error = exc

@@ -25,7 +25,6 @@ from typing import Any
 
 from lightning_async_ckpt.core.capture import Fence
 from lightning_async_ckpt.core.engine import AsyncCheckpointer
-from lightning_async_ckpt.errors import ConfigError
 from lightning_async_ckpt.lightning import resume
 from lightning_async_ckpt.lightning.arguments import resolve_dirpath
 from lightning_async_ckpt.lightning.last import weights_only
@@ -35,7 +34,7 @@ from lightning_async_ckpt.storage.finder import list_steps, newest_intact
 from lightning_async_ckpt.storage.promote import Promoter
 from lightning_async_ckpt.storage.store import CheckpointStore
 
-__all__ = ["Tiers", "find_last_across", "latest_checkpoint"]
+__all__ = ["Tiers", "emergency_drain", "find_last_across", "latest_checkpoint", "open_checkpointer"]
 
 _log = logging.getLogger("lightning_async_ckpt")
 _STEP_IN_PATH = re.compile(r"step-(\d{8,})(?:/|$)")
@@ -78,18 +77,16 @@ class Tiers:
         self._tracked: list[tuple[Any, bool]] = []
 
     # -- setup -------------------------------------------------------------------------------------------
-    def checkpointer(self, callback: Any, local_uri: str | None = None) -> AsyncCheckpointer:
-        """The engine writing the local tier, and the promoter from it to ``callback.store``."""
-        if callback.store is None:
-            raise ConfigError("tiers need the durable store first")
-        self.local_store = CheckpointStore(local_uri or self.local_dirpath, run_id=callback.run_id)
+    def checkpointer(self, store: CheckpointStore, options: Any, local_uri: str | None = None) -> AsyncCheckpointer:
+        """The engine writing the local tier, and the promoter from it to ``store`` (the durable tier)."""
+        self.local_store = CheckpointStore(local_uri or self.local_dirpath, run_id=store.run_id)
         # Retention of the local tier is the promoter's: it keeps the generation being promoted.
-        engine = AsyncCheckpointer(self.local_store, replace(callback.options, keep_last=None))
+        engine = AsyncCheckpointer(self.local_store, replace(options, keep_last=None))
         engine.declare_fences({Fence.BATCH_START, Fence.OPTIMIZER_STEP})
         self.promoter = Promoter(
             self.local_store,
-            callback.store,
-            keep_last=callback.options.keep_last,
+            store,
+            keep_last=options.keep_last,
             source_keep_last=self.local_keep_last,
             on_error=engine.report_error,
         )
@@ -97,28 +94,34 @@ class Tiers:
         self._tracked.clear()
         return engine
 
-    def place(self, callback: Any, start_step: int) -> None:
-        """At train start (after ``place_run`` chose the durable location): the local location of this fit.
+    def place(self, engine: Any, store: CheckpointStore, options: Any, start_step: int) -> Any:
+        """At train start, after ``place_run`` chose the durable location ``store``: the engine of this fit's local
+        location (``engine`` itself when it already writes there).
 
         The local tier continues in ``local_dirpath`` (or a version folder of it) where no generation is newer than
         the step training starts from; otherwise (a damaged or branched-off newer local generation) the fit writes
         a new local version, so nothing there is overwritten.
         """
-        engine = callback.checkpointer
         if engine is None:
-            return
+            return None
         target = self._local_location(start_step)
-        moved = engine.store is not self.local_store or self.local_store is None or target != self.local_store.uri
-        if self.promoter is not None and self.promoter.target is not callback.store:
-            moved = True
-        if moved:
+        local = self.local_store
+        promoter = self.promoter
+        if (
+            engine.store is not local
+            or local is None
+            or target != local.uri
+            or promoter is None
+            or promoter.target is not store
+        ):
             engine.close()  # nothing was saved yet: place_run may have opened one on the durable store
-            if self.promoter is not None:
-                self.promoter.close()
-            callback.checkpointer = self.checkpointer(callback, target)
+            if promoter is not None:
+                promoter.close()
+            engine = self.checkpointer(store, options, target)
             _log.info("local tier of this run: %s", target)
         assert self.local_store is not None
-        self.local_store.run_id = callback.run_id
+        self.local_store.run_id = store.run_id
+        return engine
 
     def _local_location(self, start_step: int) -> str:
         locations = run_locations(self.local_dirpath)
@@ -170,6 +173,11 @@ class Tiers:
         self.flush()
         return self.promoter is None or self.promoter.drain(timeout)
 
+    def finish(self, engine: Any) -> None:
+        """At the end of training: the local commits, then their promotions (errors queued in ``engine``)."""
+        engine.drain_quietly(None)
+        self.close(None)
+
     def close(self, timeout: float | None) -> bool:
         """Finish the promotions (within ``timeout``) and stop the promotion thread."""
         self.flush()
@@ -181,8 +189,18 @@ class Tiers:
         return None if self.promoter is None else self.promoter.promoted_step
 
 
-def emergency_drain(engine: Any, tiers: Tiers | None, grace_s: float | None) -> str:
-    """After the emergency cut: the local commit, then its promotion, within ``grace_s``; what landed where."""
+def open_checkpointer(store: CheckpointStore, options: Any, tiers: Tiers | None) -> AsyncCheckpointer:
+    """The callback's engine: writing ``store``, or with ``tiers`` the local tier promoted to ``store``."""
+    if tiers is not None:
+        return tiers.checkpointer(store, options)
+    engine = AsyncCheckpointer(store, options)
+    engine.declare_fences({Fence.BATCH_START, Fence.OPTIMIZER_STEP})
+    return engine
+
+
+def emergency_drain(engine: Any, tiers: Tiers | None, grace_s: float | None, step: int) -> None:
+    """After the emergency cut at ``step``: the local commit, then its promotion, within ``grace_s``; the log says
+    what landed where."""
     deadline = None if grace_s is None else time.monotonic() + grace_s
 
     def left() -> float | None:
@@ -197,7 +215,7 @@ def emergency_drain(engine: Any, tiers: Tiers | None, grace_s: float | None) -> 
         where += f"; promoted step {tiers.promoted_step} to {tiers.promoter.target.uri if tiers.promoter else '?'}"
         if not promoted_in_time:
             where += " (a promotion was still running after the grace period)"
-    return where
+    _log.warning("emergency checkpoint at step %d: %s; training stops", step, where)
 
 
 # -- resuming across tiers ---------------------------------------------------------------------------------
