@@ -63,6 +63,13 @@ class PreemptionHandler:
         self._previous: Any = None
         self._installed = False
 
+    def __getstate__(self) -> dict[str, Any]:
+        # A pickled callback carries the signal to handle, not this process's handler state.
+        return {"signum": self.signum}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["signum"])  # type: ignore[misc]
+
     def install(self) -> None:
         """Handle ``signum`` from now on (main thread only; elsewhere a warning says it is not handled)."""
         if self._installed:

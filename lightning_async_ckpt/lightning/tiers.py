@@ -76,6 +76,16 @@ class Tiers:
         self._delivered: set[int] = set()
         self._tracked: list[tuple[Any, bool]] = []
 
+    def __getstate__(self) -> dict[str, Any]:
+        # A pickled callback (LightningCLI, deepcopy) carries the configuration, not the stores and threads.
+        state = dict(self.__dict__)
+        state.update(local_store=None, promoter=None, _lock=None, _delivered=set(), _tracked=[])
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
     # -- setup -------------------------------------------------------------------------------------------
     def checkpointer(self, store: CheckpointStore, options: Any, local_uri: str | None = None) -> AsyncCheckpointer:
         """The engine writing the local tier, and the promoter from it to ``store`` (the durable tier)."""
@@ -147,6 +157,9 @@ class Tiers:
         if handle is None:
             return
         with self._lock:
+            # Handed over ones are dropped, so a long run keeps only the saves still in flight.
+            self._tracked = [(h, d) for h, d in self._tracked if h.step not in self._delivered]
+            self._delivered &= {h.step for h, _ in self._tracked}
             self._tracked.append((handle, durable))
         handle.committed.add_done_callback(lambda _: self._deliver(handle, durable))
 

@@ -285,3 +285,35 @@ def test_a_stalled_promotion_never_blocks_training_nor_shows_as_committed(tmp_pa
     _fit([_AtStep8(), ours], max_steps=8)
     assert seen == [(False, [], [2, 4, 6])]
     assert _steps(tmp_path / "durable") == [4, 8]
+
+
+def test_promotion_to_s3_and_resume_from_it_when_the_node_was_lost(s3_uri, tmp_path, monkeypatch):
+    uri, options = s3_uri
+
+    def callback():
+        return _tiered(tmp_path, dirpath=uri, storage_options=options, local_every_n_train_steps=2)
+
+    _fit([callback()], max_steps=8)
+    durable = CheckpointStore(uri, options, check_writable=False)
+    local = CheckpointStore(str(tmp_path / "local"), check_writable=False)
+    assert [g.step for g in durable.generations()] == [4, 8]
+    for step in (4, 8):
+        with durable.open(step, "checkpoint.ckpt") as a, local.open(step, "checkpoint.ckpt") as b:
+            assert a.read() == b.read()
+    shutil.rmtree(tmp_path / "local")
+    trainer, _ = _fit([callback()], max_steps=10, ckpt_path="last")
+    assert str(trainer.ckpt_path).startswith("s3://") and str(trainer.ckpt_path).endswith("step=8.ckpt")
+    assert trainer.global_step == 10
+    assert [g.step for g in durable.generations()] == [4, 8, 10]
+
+
+def test_a_tiered_callback_with_preemption_pickles(tmp_path):
+    import copy
+    import pickle
+    import signal
+
+    ours = _tiered(tmp_path, preemption_signal=signal.SIGUSR1)
+    clone = pickle.loads(pickle.dumps(ours))
+    assert clone.tiers.local_dirpath == ours.tiers.local_dirpath
+    assert clone.preemption.signum == signal.SIGUSR1
+    assert copy.deepcopy(ours).local_dirpath == ours.local_dirpath
