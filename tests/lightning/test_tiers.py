@@ -317,3 +317,20 @@ def test_a_tiered_callback_with_preemption_pickles(tmp_path):
     assert clone.tiers.local_dirpath == ours.tiers.local_dirpath
     assert clone.preemption.signum == signal.SIGUSR1
     assert copy.deepcopy(ours).local_dirpath == ours.local_dirpath
+
+
+def test_a_damaged_newer_local_generation_is_never_overwritten_the_run_writes_a_new_local_version(tmp_path):
+    def callback():
+        return _tiered(tmp_path, local_every_n_train_steps=2, save_on_train_end=False)
+
+    _fit([callback()], max_steps=10)
+    with open(_file(tmp_path / "local", 10), "r+b") as f:
+        f.seek(100)
+        f.write(b"\x00\x01\x02")
+    with pytest.warns(UserWarning, match="step-00000010"):
+        trainer, _ = _fit([callback()], max_steps=12, ckpt_path="last")
+    assert str(trainer.ckpt_path) == _file(tmp_path / "local", 8)  # local 8 is intact and as new as dirpath's 8
+    assert _steps(tmp_path / "local" / "v1") == [10, 12]  # step 10 of v0 (damaged) was left as it is
+    assert _steps(tmp_path / "durable") == [4, 8, 12]
+    found = latest_checkpoint(str(tmp_path / "durable"), local_dirpath=str(tmp_path / "local"))
+    assert found == _file(tmp_path / "local" / "v1", 12)
