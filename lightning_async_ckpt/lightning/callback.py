@@ -267,6 +267,8 @@ class AsyncCheckpointCallback(CallbackArguments):
         # preemption_grace_s, then training stops (lightning/preemption.py).
         if not self._skip(trainer):
             self._cut(trainer, pl_module, trainer.global_step, final=True)
+        elif self.tiers is not None and self._last_cut_step == trainer.global_step:
+            self.tiers.promote(trainer.global_step)  # this step was cut already (a micro-batch since), maybe locally
         if self.checkpointer is not None:
             emergency_drain(self.checkpointer, self.tiers, self.preemption_grace_s, trainer.global_step)
         trainer.should_stop = True

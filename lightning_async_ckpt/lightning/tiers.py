@@ -74,12 +74,13 @@ class Tiers:
         self.promoter: Promoter | None = None
         self._lock = threading.Lock()
         self._delivered: set[int] = set()
-        self._tracked: list[tuple[Any, bool]] = []
+        self._tracked: list[Any] = []
+        self._durable: dict[int, bool] = {}
 
     def __getstate__(self) -> dict[str, Any]:
         # A pickled callback (LightningCLI, deepcopy) carries the configuration, not the stores and threads.
         state = dict(self.__dict__)
-        state.update(local_store=None, promoter=None, _lock=None, _delivered=set(), _tracked=[])
+        state.update(local_store=None, promoter=None, _lock=None, _delivered=set(), _tracked=[], _durable={})
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -100,8 +101,7 @@ class Tiers:
             source_keep_last=self.local_keep_last,
             on_error=engine.report_error,
         )
-        self._delivered.clear()
-        self._tracked.clear()
+        self._delivered, self._tracked, self._durable = set(), [], {}
         return engine
 
     def place(self, engine: Any, store: CheckpointStore, options: Any, start_step: int) -> Any:
@@ -158,12 +158,23 @@ class Tiers:
             return
         with self._lock:
             # Handed over ones are dropped, so a long run keeps only the saves still in flight.
-            self._tracked = [(h, d) for h, d in self._tracked if h.step not in self._delivered]
-            self._delivered &= {h.step for h, _ in self._tracked}
-            self._tracked.append((handle, durable))
-        handle.committed.add_done_callback(lambda _: self._deliver(handle, durable))
+            self._tracked = [h for h in self._tracked if h.step not in self._delivered]
+            self._delivered &= {h.step for h in self._tracked}
+            self._durable = {h.step: self._durable.get(h.step, False) for h in self._tracked}
+            self._tracked.append(handle)
+            self._durable[handle.step] = durable
+        handle.committed.add_done_callback(lambda _: self._deliver(handle))
 
-    def _deliver(self, handle: Any, durable: bool) -> None:
+    def promote(self, step: int) -> None:
+        """Make the save of ``step`` (already requested) due on ``dirpath`` too (the emergency save of a step the
+        local cadence had just cut)."""
+        with self._lock:
+            handed_over = step in self._delivered and not self._durable.get(step, False)
+            self._durable[step] = True
+        if handed_over and self.promoter is not None:
+            self.promoter.committed(step, promote=True)
+
+    def _deliver(self, handle: Any) -> None:
         future = handle.committed
         if future.cancelled() or future.exception() is not None or self.promoter is None:
             return
@@ -171,15 +182,16 @@ class Tiers:
             if handle.step in self._delivered:
                 return
             self._delivered.add(handle.step)
+            durable = self._durable.get(handle.step, False)
         self.promoter.committed(handle.step, promote=durable)
 
     def flush(self) -> None:
         """Hand every local commit seen so far to the promoter (a waiter may wake before a future's callbacks)."""
         with self._lock:
-            tracked, self._tracked = self._tracked, [(h, d) for h, d in self._tracked if not h.committed.done()]
-        for handle, durable in tracked:
+            tracked = list(self._tracked)
+        for handle in tracked:
             if handle.committed.done():
-                self._deliver(handle, durable)
+                self._deliver(handle)
 
     def drain(self, timeout: float | None) -> bool:
         """Hand over the local commits, then wait for the promotions asked for; whether they ended in time."""

@@ -24,11 +24,13 @@ from tests.helpers.models import (
 class _SignalAt(Callback):
     """Sends ``signum`` to this process at the end of batch ``step`` (before the checkpoint callback's hook)."""
 
-    def __init__(self, step: int, signum: int) -> None:
-        self.step, self.signum = step, signum
+    def __init__(self, step: int, signum: int, batch_idx: int | None = None) -> None:
+        self.step, self.signum, self.batch_idx = step, signum, batch_idx
+        self.sent = False
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        if trainer.global_step == self.step:
+        if trainer.global_step == self.step and self.batch_idx in (None, batch_idx) and not self.sent:
+            self.sent = True
             os.kill(os.getpid(), self.signum)
 
 
@@ -134,3 +136,19 @@ def test_without_preemption_signal_no_handler_is_installed(tmp_path):
 def test_bad_preemption_arguments_name_the_argument(kwargs, match):
     with pytest.raises(ConfigError, match=match):
         AsyncCheckpointCallback(**kwargs)
+
+
+def test_a_signal_in_the_micro_batch_after_a_local_cut_promotes_that_cut(tmp_path):
+    ours = AsyncCheckpointCallback(
+        dirpath=str(tmp_path / "durable"),
+        every_n_train_steps=8,
+        local_dirpath=str(tmp_path / "local"),
+        local_every_n_train_steps=2,
+        preemption_signal=signal.SIGUSR1,
+    )
+    # accumulate_grad_batches=2: batch 7 ends optimizer step 4 (a local cut), batch 8 is the next micro-batch, still
+    # at step 4: the emergency checkpoint is that cut, promoted now.
+    trainer = _fit(tmp_path, [_SignalAt(4, signal.SIGUSR1, batch_idx=8), ours])
+    assert trainer.global_step == 4
+    assert _steps(tmp_path / "local") == [2, 4]
+    assert _steps(tmp_path / "durable") == [4]
