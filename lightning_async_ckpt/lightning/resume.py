@@ -64,7 +64,9 @@ def latest_checkpoint(dirpath: str, storage_options: dict[str, Any] | None = Non
     its size and checksum, so a truncated file or a flipped bit is never resumed from. A generation that fails
     is skipped with a warning naming the problem and the next older one is tried. ``dirpath``'s version folders
     (``<dirpath>/v1``, ..., written by re-runs of a script, see :mod:`~lightning_async_ckpt.lightning.rerun`) are
-    included; the most recently committed checkpoint wins. Use it as
+    included: the newest version holding one wins, and within a folder the highest step, never the writers' clocks
+    (a job resumed on a node whose clock is behind stays the latest). A generation that retention removes while it
+    is read is not "no checkpoint": the folder is listed again. Use it as
     ``trainer.fit(model, ckpt_path=latest_checkpoint(dirpath, storage_options))`` with an
     ``AsyncCheckpointCallback`` for the same ``dirpath`` in the Trainer: the callback opens the path with the
     same ``storage_options``. Verifying reads the checkpoint once more than loading does (see
@@ -82,6 +84,7 @@ def latest_checkpoint(dirpath: str, storage_options: dict[str, Any] | None = Non
     Raises:
         StoreUnavailableError: ``dirpath`` cannot be listed (missing bucket, unreachable endpoint, no
             permission): a typo never silently restarts training from scratch.
+        StorageError: Generations kept vanishing under the reader (a writer's retention outran every relisting).
     """
     path = _newest_verified(dirpath, storage_options)
     if path is None:

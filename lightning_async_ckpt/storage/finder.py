@@ -4,25 +4,56 @@ A generation's step is in its folder name (``step-NNNNNNNN``), so a listing alon
 newest intact one costs one manifest read (plus its verification) when it is intact, whatever the number of
 generations. Older manifests are read only while newer ones fail (uncommitted, torn, another run's, damaged).
 
-:func:`list_steps` is the one listing (it raises when the location cannot be listed, so "no checkpoint" is only
-ever said of a fresh listing that holds none); :func:`newest_first` reads manifests lazily, newest step first;
-:func:`newest_intact` picks across ``dirpath`` and its version folders (``v1``, ``v2``, ... written by re-runs).
+Which generation is "latest" never depends on a clock: within one folder generations rank by step (a run only
+continues a folder where no newer step exists, so a higher step was written later); across ``dirpath`` and its
+version folders (``v1``, ``v2``, ..., each created by a later placement of a run, :mod:`lightning.rerun`) the
+highest version holding an acceptable generation wins. ``committed_at`` is the writer's wall clock and is only shown.
+
+Readers race retention: a writer with ``keep_last=1`` removes the generation a reader has just listed (manifest
+first, then data). When the generation a walk chose vanishes under it, or a walk ends with nothing while some listed
+folder had no manifest, the folder is listed again (at most :data:`RELISTS` times): "no checkpoint" is only said
+when two walks over the same listing saw the same thing, so a commit that retired what a reader listed is found.
+
+:func:`list_steps` is the one listing (it raises when the location cannot be listed, and names non-regular entries
+such as a FIFO without opening them); :func:`newest_in` finds one folder's newest acceptable intact generation;
+:func:`newest_intact` picks across ``dirpath`` and its version folders.
 """
 
 from __future__ import annotations
 
+import stat
+import warnings
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from lightning_async_ckpt.errors import StoreUnavailableError
+from lightning_async_ckpt.errors import StorageError, StoreUnavailableError
 from lightning_async_ckpt.storage.generation import VERSION_RE, GenerationInfo, Skipped, parse_generation_name
 from lightning_async_ckpt.storage.manifest import Manifest
 
 if TYPE_CHECKING:
     from lightning_async_ckpt.storage.store import CheckpointStore
 
-__all__ = ["Found", "StepListing", "list_steps", "newest_first", "newest_intact"]
+__all__ = [
+    "RELISTS",
+    "Found",
+    "StepListing",
+    "describe_entry",
+    "list_steps",
+    "newest_first",
+    "newest_in",
+    "newest_intact",
+    "warn_skip",
+]
+
+#: How many times a reader lists a folder again while generations vanish under it (retention of a live writer).
+RELISTS = 32
+_KINDS = (
+    (stat.S_ISFIFO, "a FIFO (named pipe)"),
+    (stat.S_ISSOCK, "a socket"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+)
 
 
 @dataclass(frozen=True)
@@ -55,8 +86,19 @@ class Found:
         return self.info.manifest
 
 
+def describe_entry(entry: dict[str, Any]) -> str:
+    """What a listed entry is, in words (``"a FIFO (named pipe)"``, ``"a file"``), from its stat mode when known."""
+    mode = entry.get("mode")
+    if isinstance(mode, int):
+        for test, words in _KINDS:
+            if test(mode):
+                return words
+    kind = entry.get("type")
+    return "a file" if kind == "file" else f"a {kind or 'non-folder'} entry"
+
+
 def list_steps(store: CheckpointStore) -> StepListing:
-    """List ``store``'s folder once (names only; no manifest is read).
+    """List ``store``'s folder once (names only; no manifest is read, no entry is opened).
 
     Raises:
         StoreUnavailableError: The location cannot be listed (missing bucket, unreachable endpoint, no
@@ -84,9 +126,11 @@ def list_steps(store: CheckpointStore) -> StepListing:
         if step is None:
             if name.startswith("step-"):
                 skipped.append(Skipped(name, "not a canonical generation name (step- and 8+ ASCII digits)"))
+            elif entry.get("type") not in ("directory", "file", None):
+                skipped.append(Skipped(name, f"{describe_entry(entry)}, not a regular file or folder: not opened"))
             continue
         if not is_folder:
-            skipped.append(Skipped(name, f"a {entry.get('type')}, not a folder"))
+            skipped.append(Skipped(name, f"{describe_entry(entry)}, not a folder: not opened"))
             continue
         if not store.backend.inside(store.generation_path(step), store.root):
             skipped.append(Skipped(name, "resolves outside the store root (symlink)"))
@@ -101,6 +145,77 @@ def newest_first(store: CheckpointStore, steps: Iterable[int]) -> Iterator[Gener
         yield store.read_generation(step)
 
 
+def _manifest_gone(store: CheckpointStore, step: int) -> bool:
+    """Whether generation ``step`` has no manifest now (retired, or never committed)."""
+    info = store.read_generation(step)
+    return not info.committed and info.error is None and not info.unreadable
+
+
+def newest_in(
+    store: CheckpointStore,
+    *,
+    accept: Callable[[GenerationInfo], bool],
+    check: Callable[[GenerationInfo], tuple[str, ...]],
+    on_skip: Callable[[str, tuple[str, ...]], None],
+    report_rejected: bool = False,
+    listing: StepListing | None = None,
+) -> GenerationInfo | None:
+    """The newest generation of ``store`` that ``accept`` takes and ``check`` finds intact, or ``None``.
+
+    Manifests are read newest step first; one that ``check`` (a verification returning problems) fails is reported
+    to ``on_skip`` once and the next older is tried, unless its manifest vanished meanwhile (retired by a writer's
+    retention): then, as when a walk ends with nothing while a listed folder had no manifest, the folder is listed
+    again (see the module docstring). ``None`` only when two walks over one listing saw the same generations.
+    ``report_rejected``: also report manifests that are rejected (torn, hostile). ``listing``: the folder's listing,
+    just taken (the first walk uses it instead of listing again).
+
+    Raises:
+        StoreUnavailableError: The folder cannot be listed.
+        StorageError: Generations kept vanishing through :data:`RELISTS` listings (retention outran the reader).
+    """
+    previous: tuple[Any, ...] | None = None
+    reported: set[int] = set()
+    for _ in range(RELISTS):
+        steps = (listing or list_steps(store)).steps
+        listing = None
+        seen: list[tuple[int, str]] = []
+        for info in newest_first(store, steps):
+            if not info.committed or info.manifest is None:
+                seen.append((info.step, "uncommitted" if info.error is None and not info.unreadable else "rejected"))
+                if report_rejected and info.error and info.step not in reported:
+                    reported.add(info.step)
+                    on_skip(info.path, (info.error,))
+                continue
+            if not accept(info):
+                seen.append((info.step, "not accepted"))
+                continue
+            problems = check(info)
+            if not problems:
+                return info
+            if _manifest_gone(store, info.step):
+                seen.append((info.step, "vanished"))  # retired while being read: never reported as damage
+                continue
+            seen.append((info.step, "damaged"))
+            if info.step not in reported:
+                reported.add(info.step)
+                on_skip(info.path, problems)
+        if not any(what in ("uncommitted", "vanished") for _, what in seen):
+            return None  # every listed generation has a lasting reason: nothing vanished under this walk
+        signature = (tuple(steps), tuple(seen))
+        if signature == previous:
+            return None
+        previous = signature
+    raise StorageError(
+        f"{store.uri}: generations kept vanishing while they were read ({RELISTS} listings): a writer's retention "
+        "removed each generation this reader chose; try again"
+    )
+
+
+def warn_skip(url: str, problems: tuple[str, ...]) -> None:
+    """The default ``on_skip``: a warning naming the generation and its problems."""
+    warnings.warn(f"skipping generation {url}: {'; '.join(problems)}", stacklevel=4)
+
+
 def newest_intact(
     dirpath: str,
     storage_options: dict[str, Any] | None,
@@ -108,41 +223,36 @@ def newest_intact(
     accept: Callable[[Manifest], bool],
     on_skip: Callable[[str, tuple[str, ...]], None],
 ) -> Found | None:
-    """The most recently committed intact generation of ``dirpath`` and its version folders that ``accept`` takes.
+    """The newest intact generation of ``dirpath`` and its version folders that ``accept`` takes.
 
-    Within one folder generations rank by step (a re-run that would not continue a folder's run writes to a new
-    version); across folders the newest ``committed_at`` wins (ties: higher version, then step). ``dirpath`` is
-    listed once and each version folder once; manifests are read newest first, so an intact newest generation
-    costs one manifest read and its verification (every object re-read against its checksum), at any number of
-    generations. One that fails verification is reported to ``on_skip`` with its problems and the next is tried.
+    The highest version folder holding one wins (``dirpath`` itself is version 0); within a folder, the highest step
+    (never the writers' clocks, see the module docstring). Each folder is listed once (again when generations vanish
+    under the reader) and its manifests are read newest first, so an intact newest generation costs one manifest read
+    and its verification (every object re-read against its checksum). One that fails verification is reported to
+    ``on_skip`` with its problems and the next is tried.
 
     Raises:
         StoreUnavailableError: ``dirpath`` or a version folder cannot be listed.
+        StorageError: Generations kept vanishing under the reader (:func:`newest_in`).
     """
     from lightning_async_ckpt.storage.store import CheckpointStore
 
     root = CheckpointStore(dirpath, storage_options, check_writable=False)
     listing = list_steps(root)
-    heads: dict[int, tuple[CheckpointStore, Iterator[GenerationInfo], GenerationInfo | None]] = {}
-    places = [(0, root, listing.steps)]
-    for version in listing.versions:
-        uri = f"{dirpath.rstrip('/')}/v{version}"
-        store = CheckpointStore(uri, storage_options, check_writable=False)
-        places.append((version, store, list_steps(store).steps))
-    for version, store, steps in places:
-        infos = (i for i in newest_first(store, steps) if i.manifest is not None and accept(i.manifest))
-        heads[version] = (store, infos, next(infos, None))
-    while True:
-        live = [(v, h) for v, h in heads.items() if h[2] is not None]
-        if not live:
-            return None
-        version, (store, infos, info) = max(
-            live,
-            key=lambda vh: (vh[1][2].manifest.committed_at, vh[0], vh[1][2].step),  # type: ignore[union-attr]
+    for version in sorted(listing.versions, reverse=True) + [0]:
+        uri = f"{dirpath.rstrip('/')}/v{version}" if version else dirpath
+        store = CheckpointStore(uri, storage_options, check_writable=False) if version else root
+
+        def check(info: GenerationInfo, store: CheckpointStore = store) -> tuple[str, ...]:
+            return store.verify(info.step, manifest=info.manifest).problems
+
+        info = newest_in(
+            store,
+            accept=lambda i: i.manifest is not None and accept(i.manifest),
+            check=check,
+            on_skip=on_skip,
+            listing=None if version else listing,
         )
-        assert info is not None and info.manifest is not None
-        result = store.verify(info.step, manifest=info.manifest)
-        if result.ok:
+        if info is not None:
             return Found(store, info, version)
-        on_skip(store.url(info.step), result.problems)
-        heads[version] = (store, infos, next(infos, None))
+    return None

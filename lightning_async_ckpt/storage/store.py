@@ -17,7 +17,6 @@ import functools
 import logging
 import threading
 import uuid
-import warnings
 from collections.abc import Iterator
 from typing import IO, Any
 
@@ -334,29 +333,30 @@ class CheckpointStore:
 
         Saves this process has in flight here end first (bounded and logged, :func:`.inflight.wait_for`).
 
+        A generation removed while it is read (a writer's retention) is neither reported nor skipped as damaged: the
+        folder is listed again (bounded), so ``None`` means a fresh listing holds no intact committed generation.
+
         Raises:
             StoreUnavailableError: The location cannot be listed (never reported as "no checkpoint").
+            StorageError: Generations kept vanishing under the reader through every relisting.
             CheckpointError: A save of this process was still in flight here after the bounded wait.
         """
         inflight.wait_for(self.uri, self.storage_options, doing="latest()")
-        # One listing, then manifests newest first: an intact newest generation costs one manifest read.
-        for info in finder.newest_first(self, finder.list_steps(self).steps):
-            if not info.committed or info.manifest is None:
-                if info.error:
-                    warnings.warn(f"skipping generation {info.path}: {info.error}", stacklevel=2)
-                continue
-            if run_id is not None and info.run_id != run_id:
-                continue
-            problems = (
-                self.verify(info.step, manifest=info.manifest).problems
-                if verify
-                else tuple(self.check_sizes(info.manifest))
-            )
-            if problems:
-                warnings.warn(f"skipping generation {info.path}: {'; '.join(problems)}", stacklevel=2)
-                continue
-            return info
-        return None
+
+        def check(info: GenerationInfo) -> tuple[str, ...]:
+            assert info.manifest is not None
+            if verify:
+                return self.verify(info.step, manifest=info.manifest).problems
+            return tuple(self.check_sizes(info.manifest))
+
+        # One listing, then manifests newest first; listed again when what it chose vanished (retention).
+        return finder.newest_in(
+            self,
+            accept=lambda info: run_id is None or info.run_id == run_id,
+            check=check,
+            on_skip=finder.warn_skip,
+            report_rejected=True,
+        )
 
     def resume(self, step: int | None = None, *, verify: bool = True) -> GenerationInfo | None:
         """The generation to resume from, and continue its run: this store's run id becomes the generation's.

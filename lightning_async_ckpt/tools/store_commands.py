@@ -102,7 +102,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
         names = ", ".join(f"v{v}/" for v in versions)
         print(
             f"version folders {names} hold re-runs of the script; latest_checkpoint(dirpath) and "
-            "ckpt_path='last' pick the most recently committed checkpoint of dirpath and all of them"
+            "ckpt_path='last' pick the newest step of the highest version that holds an intact checkpoint"
         )
     return 0
 
