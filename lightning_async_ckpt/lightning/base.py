@@ -199,7 +199,7 @@ class CallbackArguments(ModelCheckpoint):
             )
         )
         signum, self.preemption_grace_s = check_preemption(preemption_signal, preemption_grace_s)
-        self.preemption = None if signum is None else PreemptionHandler(signum)  # lightning/preemption.py
+        self.preemption = PreemptionHandler(signum)  # the emergency save's signal, or none (lightning/preemption.py)
         self.store: CheckpointStore | None = None
         self.checkpointer: TrainingCheckpointer | None = None
         self.run_id: str | None = None

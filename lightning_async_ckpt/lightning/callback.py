@@ -103,8 +103,7 @@ class AsyncCheckpointCallback(CallbackArguments):
             # One run id across ranks and across fit() calls of this callback, so retention sees one run.
             run_id = CheckpointStore.new_run_id()
             self.run_id = trainer.strategy.broadcast(run_id, src=0) if self._distributed else run_id
-        if self.preemption is not None:
-            self.preemption.install()  # the emergency save's signal (lightning/preemption.py)
+        self.preemption.install()  # the emergency save's signal, when one is configured (lightning/preemption.py)
         if setup_sharded(self, trainer):  # sharded strategies: a writer on every rank (lightning/sharded.py)
             if self.tiers is not None:
                 raise ConfigError("local_dirpath is not supported with sharded or sliced (DCP) checkpoints yet")
@@ -113,8 +112,7 @@ class AsyncCheckpointCallback(CallbackArguments):
         if trainer.is_global_zero and (self.checkpointer is None or self.checkpointer.closed):
             try:
                 self.store = CheckpointStore(self.dirpath, self.storage_options, run_id=self.run_id)
-                # With local_dirpath: every cut to the local tier, promoted to dirpath (lightning/tiers.py).
-                self.checkpointer = open_checkpointer(self.store, self.options, self.tiers)
+                self.checkpointer = open_checkpointer(self.store, self.options, self.tiers)  # tiers.py: local_dirpath
                 self._committed_before = {g.step for g in self.store.generations()}
             except Exception as exc:  # noqa: BLE001 - raised below on every rank
                 error = exc
@@ -144,8 +142,7 @@ class AsyncCheckpointCallback(CallbackArguments):
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         remove_reader(self)
-        if self.preemption is not None:
-            self.preemption.remove()
+        self.preemption.remove()
         if stage == "fit":
             self._close(trainer, raise_errors=True)
 
@@ -154,8 +151,7 @@ class AsyncCheckpointCallback(CallbackArguments):
         # teardown is not called on exceptions: drain here so the in-flight save lands, within a bound. With
         # save_on_exception, ModelCheckpoint's exception file is copied first and written last (on_exception.py).
         snapshot = capture_exception_checkpoint(self, trainer)
-        if self.preemption is not None:
-            self.preemption.remove()  # teardown does not run after an exception
+        self.preemption.remove()  # teardown does not run after an exception
         if self.checkpointer is not None:
             try:
                 if self.tiers is not None:
@@ -207,7 +203,7 @@ class AsyncCheckpointCallback(CallbackArguments):
             # Training progress beside the checkpoint events, for `lightning-async-ckpt timeline` (only when an
             # event log is configured: one JSON line per batch).
             self.checkpointer.events.emit("train_step", step=trainer.global_step, batch_idx=batch_idx)
-        if self.preemption is not None and self.preemption.due(trainer):
+        if self.preemption.due(trainer):
             return self._emergency(trainer, pl_module)
         if self._skip(trainer):
             return

@@ -54,10 +54,10 @@ class PreemptionHandler:
     Thread-safety: the handler runs on the main thread between bytecodes; it only sets an event.
 
     Args:
-        signum: The signal to handle.
+        signum: The signal to handle; ``None``: none (every method does nothing, :meth:`due` is always false).
     """
 
-    def __init__(self, signum: signal.Signals) -> None:
+    def __init__(self, signum: signal.Signals | None) -> None:
         self.signum = signum
         self.requested = threading.Event()
         self._previous: Any = None
@@ -72,7 +72,7 @@ class PreemptionHandler:
 
     def install(self) -> None:
         """Handle ``signum`` from now on (main thread only; elsewhere a warning says it is not handled)."""
-        if self._installed:
+        if self._installed or self.signum is None:
             return
         if threading.current_thread() is not threading.main_thread():
             _log.warning("preemption_signal=%s not installed: setup does not run on the main thread", self.signum.name)
@@ -84,7 +84,7 @@ class PreemptionHandler:
 
     def remove(self) -> None:
         """Restore the handler ``install`` replaced (unless someone replaced ours since)."""
-        if not self._installed:
+        if not self._installed or self.signum is None:
             return
         self._installed = False
         if signal.getsignal(self.signum) == self._handle:
@@ -92,7 +92,7 @@ class PreemptionHandler:
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         previous = self._previous
-        if not self._installed:
+        if not self._installed and self.signum is not None:
             # Reinstalled after remove() (Lightning restores the handlers it found at its own setup, which include
             # this one, after an exception): act as the previous handler, and give it its place back.
             signal.signal(self.signum, previous if previous is not None else signal.SIG_DFL)
@@ -103,13 +103,15 @@ class PreemptionHandler:
             return
         first = not self.requested.is_set()
         self.requested.set()
-        if first:
+        if first and self.signum is not None:
             _log.warning("received %s: an emergency checkpoint is taken at the next batch end", self.signum.name)
         if callable(previous) and previous not in (signal.SIG_DFL, signal.SIG_IGN):
             previous(signum, frame)
 
     def due(self, trainer: Any) -> bool:
         """Whether the emergency cut is due now (agreed across ranks: any rank's signal counts); consumes it."""
+        if self.signum is None:
+            return False  # no collective either: a run without preemption_signal is unchanged
         flag = self.requested.is_set()
         self.requested.clear()
         if trainer.world_size > 1:
