@@ -144,8 +144,8 @@ for k in range(1, len(CUTS) + 1):
     # faulty:// puts are not atomic: a kill halfway through leaves a torn manifest (seen once in CI, by timing).
     POINTS.append(("manifest", f"torn-put#{k}", _fault("pipe_file", k, path="manifest.json", torn=True)))
 for k in (1, 2):
-    POINTS.append(("retention", f"before-manifest-rm#{k}", _fault("rm_file", k)))
-    POINTS.append(("retention", f"after-manifest-rm#{k}", _fault("rm_file", k, after=True)))
+    POINTS.append(("retention", f"before-manifest-rm#{k}", _fault("rm_file", k, path="manifest.json")))
+    POINTS.append(("retention", f"after-manifest-rm#{k}", _fault("rm_file", k, path="manifest.json", after=True)))
 POINTS.append(("retention", "before-data-rm#1", _fault("rm", 1)))
 POINTS.append(("retention", "before-data-rm#2", _fault("rm", 2)))
 POINTS.append(("retention", "after-data-rm#1", _fault("rm", 1, after=True)))
