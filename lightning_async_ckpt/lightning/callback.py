@@ -35,6 +35,7 @@ from lightning_async_ckpt.lightning.collective import agree_on
 from lightning_async_ckpt.lightning.hooks import FINAL_PROOF, is_last_batch, lightning_proof, training_ends_here
 from lightning_async_ckpt.lightning.naming import CHECKPOINT_NAME, checkpoint_key, loadable_path, planned_path
 from lightning_async_ckpt.lightning.on_exception import capture_exception_checkpoint, write_exception_checkpoint
+from lightning_async_ckpt.lightning.preemption import preemption_due
 from lightning_async_ckpt.lightning.progress import (
     estimate_checkpoint_bytes,
     log_commit,
@@ -203,7 +204,7 @@ class AsyncCheckpointCallback(CallbackArguments):
             # Training progress beside the checkpoint events, for `lightning-async-ckpt timeline` (only when an
             # event log is configured: one JSON line per batch).
             self.checkpointer.events.emit("train_step", step=trainer.global_step, batch_idx=batch_idx)
-        if self.preemption.due(trainer):
+        if preemption_due(self.preemption, trainer):
             return self._emergency(trainer, pl_module)
         if self._skip(trainer):
             return

@@ -1,119 +1,29 @@
-"""The emergency save: a signal (SLURM ``--signal=USR1@90``, Kubernetes' SIGTERM) asks for a checkpoint now.
+"""The emergency save in Lightning: a signal asks for a checkpoint at the next batch end (``docs/tiers.md``).
 
-The handler only records the request (a signal handler must not touch the training state). At the next batch end
-the callback takes a cut copied at the cut (no deferral: no training follows), commits it to the local tier first
-(or to ``dirpath``, the only tier), then waits for its promotion while ``preemption_grace_s`` allows, logs what was
-committed where, and stops training (``trainer.should_stop``).
-
-The handler is installed on the main thread in ``setup`` and chains to the handler it replaced when that one is a
-Python callable (Lightning's own SIGTERM handler is installed after ``setup`` and calls this one in turn); the
-default action (``SIG_DFL``: end the process) is not chained, since it would end the process before the save. The
-previous handler is restored at ``teardown`` (and in ``on_exception``: if Lightning puts this one back while it
-restores its own, it hands the signal to the previous handler and reinstalls it).
+At the next batch end after the signal (:func:`preemption_due`, agreed across ranks) the callback takes a cut copied
+at the cut (no deferral: no training follows), commits it to the local tier first (or to ``dirpath``, the only
+tier), waits for its promotion while ``preemption_grace_s`` allows, logs what was committed where, and stops
+training (``trainer.should_stop``). The handler itself is :class:`~lightning_async_ckpt.core.preemption.PreemptionHandler`.
 """
 
 from __future__ import annotations
 
-import logging
-import os
-import signal
-import threading
-from types import FrameType
 from typing import Any
 
-from lightning_async_ckpt.errors import ConfigError
+from lightning_async_ckpt.core.preemption import PreemptionHandler, check_preemption
 
-__all__ = ["PreemptionHandler", "check_preemption"]
-
-_log = logging.getLogger("lightning_async_ckpt")
+__all__ = ["PreemptionHandler", "check_preemption", "preemption_due"]
 
 
-def check_preemption(signum: Any, grace_s: Any) -> tuple[signal.Signals | None, float | None]:
-    """Validate ``preemption_signal`` and ``preemption_grace_s``.
+def preemption_due(handler: PreemptionHandler, trainer: Any) -> bool:
+    """Whether the emergency cut is due now (any rank's signal counts); consumes the request.
 
-    Raises:
-        ConfigError: Naming the argument and what it accepts.
+    Without a configured signal this is false without any collective: a run without ``preemption_signal`` is
+    unchanged.
     """
-    if signum is not None:
-        try:
-            signum = signal.Signals(signum)
-        except (ValueError, TypeError) as exc:
-            raise ConfigError(
-                f"preemption_signal must be None or a signal such as signal.SIGUSR1 or signal.SIGTERM, got {signum!r}"
-            ) from exc
-        if signum in (signal.SIGKILL, signal.SIGSTOP):
-            raise ConfigError(f"preemption_signal={signum.name} cannot be caught; use SIGUSR1 or SIGTERM")
-    if grace_s is not None and (isinstance(grace_s, bool) or not isinstance(grace_s, int | float) or grace_s < 0):
-        raise ConfigError(f"preemption_grace_s must be None (no bound) or a number of seconds >= 0, got {grace_s!r}")
-    return signum, None if grace_s is None else float(grace_s)
-
-
-class PreemptionHandler:
-    """Records that ``signum`` arrived; installed in ``setup``, removed in ``teardown``.
-
-    Thread-safety: the handler runs on the main thread between bytecodes; it only sets an event.
-
-    Args:
-        signum: The signal to handle; ``None``: none (every method does nothing, :meth:`due` is always false).
-    """
-
-    def __init__(self, signum: signal.Signals | None) -> None:
-        self.signum = signum
-        self.requested = threading.Event()
-        self._previous: Any = None
-        self._installed = False
-
-    def __getstate__(self) -> dict[str, Any]:
-        # A pickled callback carries the signal to handle, not this process's handler state.
-        return {"signum": self.signum}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(state["signum"])  # type: ignore[misc]
-
-    def install(self) -> None:
-        """Handle ``signum`` from now on (main thread only; elsewhere a warning says it is not handled)."""
-        if self._installed or self.signum is None:
-            return
-        if threading.current_thread() is not threading.main_thread():
-            _log.warning("preemption_signal=%s not installed: setup does not run on the main thread", self.signum.name)
-            return
-        self.requested.clear()
-        self._previous = signal.getsignal(self.signum)
-        signal.signal(self.signum, self._handle)
-        self._installed = True
-
-    def remove(self) -> None:
-        """Restore the handler ``install`` replaced (unless someone replaced ours since)."""
-        if not self._installed or self.signum is None:
-            return
-        self._installed = False
-        if signal.getsignal(self.signum) == self._handle:
-            signal.signal(self.signum, self._previous if self._previous is not None else signal.SIG_DFL)
-
-    def _handle(self, signum: int, frame: FrameType | None) -> None:
-        previous = self._previous
-        if not self._installed and self.signum is not None:
-            # Reinstalled after remove() (Lightning restores the handlers it found at its own setup, which include
-            # this one, after an exception): act as the previous handler, and give it its place back.
-            signal.signal(self.signum, previous if previous is not None else signal.SIG_DFL)
-            if callable(previous) and previous not in (signal.SIG_DFL, signal.SIG_IGN):
-                previous(signum, frame)
-            elif previous in (None, signal.SIG_DFL):
-                os.kill(os.getpid(), signum)  # the default action, as if this handler had never been installed
-            return
-        first = not self.requested.is_set()
-        self.requested.set()
-        if first and self.signum is not None:
-            _log.warning("received %s: an emergency checkpoint is taken at the next batch end", self.signum.name)
-        if callable(previous) and previous not in (signal.SIG_DFL, signal.SIG_IGN):
-            previous(signum, frame)
-
-    def due(self, trainer: Any) -> bool:
-        """Whether the emergency cut is due now (agreed across ranks: any rank's signal counts); consumes it."""
-        if self.signum is None:
-            return False  # no collective either: a run without preemption_signal is unchanged
-        flag = self.requested.is_set()
-        self.requested.clear()
-        if trainer.world_size > 1:
-            flag = bool(trainer.strategy.reduce_boolean_decision(flag, all=False))
-        return flag
+    if handler.signum is None:
+        return False
+    flag = handler.take()
+    if trainer.world_size > 1:
+        flag = bool(trainer.strategy.reduce_boolean_decision(flag, all=False))
+    return flag

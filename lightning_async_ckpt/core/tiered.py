@@ -1,0 +1,209 @@
+"""Two tiers for plain loops: every save committed to a local store, the due ones promoted to a durable store.
+
+:class:`TieredCheckpointer` wraps an :class:`~lightning_async_ckpt.core.engine.AsyncCheckpointer` writing the local
+tier and a :class:`~lightning_async_ckpt.storage.promote.Promoter` copying committed local generations to the
+durable tier in the background (verified, manifest last; ``docs/tiers.md``). With ``preemption_signal`` it records
+the signal; the loop asks :attr:`TieredCheckpointer.preempted` and calls :meth:`TieredCheckpointer.emergency_save`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import replace
+from typing import Any
+
+from lightning_async_ckpt.core.engine import AsyncCheckpointer
+from lightning_async_ckpt.core.handle import SaveHandle
+from lightning_async_ckpt.core.options import CheckpointOptions
+from lightning_async_ckpt.core.preemption import PreemptionHandler, check_preemption
+from lightning_async_ckpt.errors import ConfigError
+from lightning_async_ckpt.storage.promote import Promoter
+from lightning_async_ckpt.storage.store import CheckpointStore
+
+__all__ = ["TieredCheckpointer"]
+
+_log = logging.getLogger("lightning_async_ckpt")
+
+
+class TieredCheckpointer:
+    """Asynchronous checkpoints to a local tier, promoted to a durable tier every ``promote_every_n_steps``.
+
+    Thread-safety: like :class:`AsyncCheckpointer`, called from one training thread; promotions run on the thread
+    ``lightning_async_ckpt-promote``. Their errors are raised once at the next ``save``/``wait``/``poll``/``drain``.
+
+    Args:
+        local: The node-local store (or a path).
+        durable: The durable store (or a URL).
+        promote_every_n_steps: Saves at multiples of this step are promoted (``None``: only those asked with
+            ``save(..., promote=True)`` and the emergency save).
+        keep_last: Retention of the durable tier.
+        local_keep_last: Retention of the local tier (the newest generation due on the durable tier is kept until
+            its promotion committed).
+        preemption_signal: A signal that sets :attr:`preempted` (handler installed here, on the main thread,
+            removed by :meth:`close`).
+        options: Engine options for the local tier (``keep_last`` there is ignored: retention is per tier).
+        **overrides: Any :class:`CheckpointOptions` field.
+
+    Example::
+
+        ckpt = TieredCheckpointer("/local_nvme/run", "s3://bucket/run", promote_every_n_steps=500,
+                                  local_keep_last=2, keep_last=3, preemption_signal=signal.SIGUSR1)
+        ckpt.attach(model, optimizer)
+        for step in range(1, steps + 1):
+            train_step()
+            if ckpt.preempted:
+                ckpt.emergency_save(step, state(), grace_s=60)
+                break
+            if step % 50 == 0:
+                ckpt.save(step, state(), modules=[model], optimizers=[optimizer])
+        ckpt.close()
+    """
+
+    def __init__(
+        self,
+        local: CheckpointStore | str,
+        durable: CheckpointStore | str,
+        *,
+        promote_every_n_steps: int | None = None,
+        keep_last: int | None = None,
+        local_keep_last: int | None = None,
+        preemption_signal: int | None = None,
+        options: CheckpointOptions | None = None,
+        **overrides: Any,
+    ) -> None:
+        for name, value in (
+            ("promote_every_n_steps", promote_every_n_steps),
+            ("keep_last", keep_last),
+            ("local_keep_last", local_keep_last),
+        ):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ConfigError(f"{name} must be None or an int >= 1, got {value!r}")
+        signum, _ = check_preemption(preemption_signal, None)
+        self.local = CheckpointStore(local) if isinstance(local, str) else local
+        self.durable = CheckpointStore(durable, run_id=self.local.run_id) if isinstance(durable, str) else durable
+        if options is None:
+            options = CheckpointOptions(**overrides)
+        elif overrides:
+            options = replace(options, **overrides)
+        self.engine = AsyncCheckpointer(self.local, replace(options, keep_last=None))
+        self.promoter = Promoter(
+            self.local,
+            self.durable,
+            keep_last=keep_last,
+            source_keep_last=local_keep_last,
+            on_error=self.engine.report_error,
+        )
+        self.promote_every_n_steps = promote_every_n_steps
+        self.preemption = PreemptionHandler(signum)
+        self.preemption.install()
+        self._lock = threading.Lock()
+        self._handles: list[tuple[SaveHandle, bool]] = []
+        self._delivered: set[int] = set()
+
+    @property
+    def preempted(self) -> bool:
+        """Whether ``preemption_signal`` arrived (stays true once it did)."""
+        return self.preemption.requested.is_set()
+
+    @property
+    def committed_step(self) -> int | None:
+        """The newest step committed on the local tier."""
+        return self.engine.committed_step
+
+    @property
+    def promoted_step(self) -> int | None:
+        """The newest step committed on the durable tier by a promotion."""
+        return self.promoter.promoted_step
+
+    def attach(self, model: Any, optimizer: Any) -> TieredCheckpointer:
+        """Install the plain-loop fences (:meth:`AsyncCheckpointer.attach`)."""
+        self.engine.attach(model, optimizer)
+        return self
+
+    def save(self, step: int, state: Any, *, promote: bool | None = None, **kwargs: Any) -> SaveHandle:
+        """:meth:`AsyncCheckpointer.save` to the local tier; promoted when ``promote`` (default: on the cadence)."""
+        every = self.promote_every_n_steps
+        due = promote if promote is not None else (every is not None and step % every == 0)
+        handle = self.engine.save(step, state, **kwargs)
+        with self._lock:
+            # Handed over ones are dropped, so a long loop keeps only the saves still in flight.
+            self._handles = [(h, d) for h, d in self._handles if id(h) not in self._delivered]
+            self._delivered &= {id(h) for h, _ in self._handles}
+            self._handles.append((handle, due))
+        handle.committed.add_done_callback(lambda _: self._deliver(handle, due))
+        return handle
+
+    def _deliver(self, handle: SaveHandle, due: bool) -> None:
+        future = handle.committed
+        if future.cancelled() or future.exception() is not None:
+            return
+        with self._lock:
+            if id(handle) in self._delivered:
+                return
+            self._delivered.add(id(handle))
+        self.promoter.committed(handle.step, promote=due)
+
+    def _flush(self) -> None:
+        # A waiter may wake before a future's callbacks ran: hand over every commit seen so far.
+        with self._lock:
+            handles = list(self._handles)
+        for handle, due in handles:
+            if handle.committed.done():
+                self._deliver(handle, due)
+
+    def wait(self, fence: Any, *, raise_errors: bool = True) -> float:
+        """:meth:`AsyncCheckpointer.wait`."""
+        return self.engine.wait(fence, raise_errors=raise_errors)
+
+    def poll(self) -> None:
+        """Raise a pending error of a save or a promotion."""
+        self.engine.poll()
+
+    def drain(self, timeout: float | None = None) -> bool:
+        """Wait for the saves, then their promotions; re-raise a background error. Whether both ended in time."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        saved = self.engine.drain_quietly(timeout)
+        self._flush()
+        promoted = self.promoter.drain(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        self.engine.raise_pending()
+        return saved and promoted
+
+    def emergency_save(self, step: int, state: Any, *, grace_s: float | None = None, **kwargs: Any) -> str:
+        """Save ``state`` copied at the cut, commit it locally, promote it within ``grace_s``; say where it landed.
+
+        Returns:
+            What was committed where (also logged at WARNING).
+        """
+        self.preemption.requested.clear()
+        deadline = None if grace_s is None else time.monotonic() + grace_s
+        self.save(step, state, promote=True, final=True, **kwargs)
+        saved = self.engine.drain_quietly(grace_s)
+        self._flush()
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        promoted = self.promoter.drain(left)
+        where = f"committed step {self.committed_step} to {self.local.uri}" + ("" if saved else " (not in time)")
+        where += f"; promoted step {self.promoted_step} to {self.durable.uri}" + ("" if promoted else " (not in time)")
+        _log.warning("emergency checkpoint at step %d: %s", step, where)
+        return where
+
+    def close(self, timeout: float | None = None) -> None:
+        """Drain the saves and promotions (within ``timeout``), stop the threads, restore the signal handler.
+
+        Raises:
+            CheckpointError: A save or promotion error not raised yet.
+        """
+        self.preemption.remove()
+        try:
+            self.engine.drain_quietly(timeout)
+            self._flush()
+            self.promoter.close(timeout)
+        finally:
+            self.engine.close(timeout)
+
+    def __enter__(self) -> TieredCheckpointer:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

@@ -1,0 +1,68 @@
+"""Two tiers in a plain loop: ``TieredCheckpointer`` saves locally and promotes the due generations."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import torch
+from torch import nn
+
+from lightning_async_ckpt import CheckpointStore
+from lightning_async_ckpt.core.tiered import TieredCheckpointer
+
+
+def _steps(path):
+    return [g.step for g in CheckpointStore(str(path), check_writable=False).generations()]
+
+
+def _loop(ckpt, steps, *, signal_at=None):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    ckpt.attach(model, opt)
+    for step in range(1, steps + 1):
+        loss = model(torch.randn(4, 8)).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if step == signal_at:
+            os.kill(os.getpid(), signal.SIGUSR1)
+        state = {"model": model.state_dict(), "optim": opt.state_dict(), "step": step}
+        if ckpt.preempted:
+            ckpt.emergency_save(step, state, grace_s=60)
+            return step
+        if step % 2 == 0:
+            ckpt.save(step, state, modules=[model], optimizers=[opt])
+    return steps
+
+
+def test_plain_loop_promotes_every_due_generation_byte_for_byte_with_retention_per_tier(tmp_path):
+    ckpt = TieredCheckpointer(
+        str(tmp_path / "local"), str(tmp_path / "durable"), promote_every_n_steps=4, local_keep_last=2, keep_last=2
+    )
+    _loop(ckpt, 12)
+    ckpt.close()
+    assert _steps(tmp_path / "local") == [10, 12]
+    assert _steps(tmp_path / "durable") == [8, 12]
+    local = CheckpointStore(str(tmp_path / "local"), check_writable=False)
+    durable = CheckpointStore(str(tmp_path / "durable"), check_writable=False)
+    for step in (12,):
+        assert [(o.name, o.size, o.checksum) for o in local.manifest(step).objects] == [
+            (o.name, o.size, o.checksum) for o in durable.manifest(step).objects
+        ]
+        assert durable.verify(step).ok
+
+
+def test_plain_loop_emergency_save_under_a_real_signal(tmp_path):
+    before = signal.getsignal(signal.SIGUSR1)
+    ckpt = TieredCheckpointer(
+        str(tmp_path / "local"), str(tmp_path / "durable"), promote_every_n_steps=8, preemption_signal=signal.SIGUSR1
+    )
+    stopped = _loop(ckpt, 20, signal_at=5)
+    ckpt.close()
+    assert stopped == 5
+    assert _steps(tmp_path / "local") == [2, 4, 5]
+    assert _steps(tmp_path / "durable") == [5]
+    assert ckpt.promoted_step == 5
+    assert signal.getsignal(signal.SIGUSR1) == before
