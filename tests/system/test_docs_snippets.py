@@ -4,6 +4,10 @@ The blocks of one page run in order in one fresh interpreter (like a notebook: a
 one defined), from an empty temporary folder, with a moto S3 server behind ``AWS_ENDPOINT_URL`` (and dummy
 credentials) holding the empty buckets the docs name, under a time budget per page.
 
+Each page's interpreter is forked from a zygote that imported torch, Lightning, Accelerate, s3fs and this package
+once (that import took 5-17 s of every page's 15-22 s on the 2-core machine); it has run nothing, and every page
+starts with an empty namespace, so a snippet still has to import what it uses.
+
 A block may opt out only with the first line ``# snippet: skip (needs ...)`` naming a resource this machine lacks
 (GPUs, more processes, a real cloud account); :data:`JUSTIFIED` is the list of accepted reasons. Every fenced block
 must name its language, so that Python cannot hide in an untagged block.
@@ -11,11 +15,13 @@ must name its language, so that Python cannot hide in an untagged block.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
 import sys
 import textwrap
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -56,19 +62,85 @@ def _python_pages() -> list[Path]:
     return [p for p in PAGES if any(lang == "python" for _, lang, _ in _blocks(p))]
 
 
-_RUNNER = """
-import sys, traceback
-namespace = {"__name__": "__main__"}
-for label, path in zip(sys.argv[1::2], sys.argv[2::2]):
-    print(f"--- running {label}", flush=True)
-    code = open(path).read()
-    try:
-        exec(compile(code, label, "exec"), namespace)
-    except BaseException:
-        traceback.print_exc()
-        print(f"--- FAILED {label}", flush=True)
-        sys.exit(1)
+_ZYGOTE = """
+import gc, json, os, signal, sys, traceback
+
+import torch, lightning.pytorch, lightning.pytorch.demos.boring_classes, s3fs, fsspec  # noqa
+import torch.distributed.checkpoint  # noqa
+import lightning_async_ckpt, lightning_async_ckpt.lightning, lightning_async_ckpt.testing  # noqa
+try:
+    import lightning_async_ckpt.accelerate  # noqa
+except ImportError:
+    pass
+
+
+def run(args):
+    namespace = {"__name__": "__main__"}
+    for label, path in zip(args[0::2], args[1::2]):
+        print(f"--- running {label}", flush=True)
+        code = open(path).read()
+        try:
+            exec(compile(code, label, "exec"), namespace)
+        except BaseException:
+            traceback.print_exc()
+            print(f"--- FAILED {label}", flush=True)
+            sys.exit(1)
+
+
+gc.freeze()
+print("READY", flush=True)
+for line in sys.stdin:
+    job = json.loads(line)
+    pid = os.fork()
+    if pid == 0:
+        signal.alarm(job["budget"])  # SIGALRM ends a page past its budget
+        os.chdir(job["cwd"])
+        os.environ.clear()
+        os.environ.update(job["env"])
+        for fd, name, flags in (
+            (0, os.devnull, os.O_RDONLY),
+            (1, job["out"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC),
+            (2, job["err"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC),
+        ):
+            os.dup2(os.open(name, flags, 0o644), fd)
+        sys.argv = ["-c", *job["args"]]
+        run(job["args"])
+        sys.exit(0)  # through interpreter finalization, like the interpreter it stands for
+    _, status = os.waitpid(pid, 0)
+    print(json.dumps({"rc": os.waitstatus_to_exitcode(status)}), flush=True)
 """
+
+
+def _page_env(s3_endpoint: str) -> dict[str, str]:
+    env = {
+        **os.environ,
+        "AWS_ENDPOINT_URL": s3_endpoint,
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    }
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    return env
+
+
+@pytest.fixture(scope="module")
+def zygote(s3_endpoint: str) -> Iterator[subprocess.Popen]:
+    """One interpreter with the docs' imports done; it forks one child per page."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _ZYGOTE],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        env=_page_env(s3_endpoint),
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "READY", "the snippet zygote died"
+        yield proc
+    finally:
+        if proc.stdin is not None:
+            proc.stdin.close()
+        proc.wait(timeout=60)
 
 
 def test_every_block_names_its_language() -> None:
@@ -91,7 +163,7 @@ def test_opt_outs_are_rare_and_justified() -> None:
 
 
 @pytest.mark.parametrize("page", _python_pages(), ids=lambda p: str(p.relative_to(ROOT)))
-def test_python_snippets_run(page: Path, s3_endpoint: str, tmp_path: Path) -> None:
+def test_python_snippets_run(page: Path, s3_endpoint: str, zygote: subprocess.Popen, tmp_path: Path) -> None:
     import s3fs
 
     admin = s3fs.S3FileSystem(skip_instance_cache=True, endpoint_url=s3_endpoint, key="testing", secret="testing")
@@ -109,27 +181,17 @@ def test_python_snippets_run(page: Path, s3_endpoint: str, tmp_path: Path) -> No
         script = tmp_path / f"block-{line}.py"
         script.write_text(code)
         args += [f"{page.relative_to(ROOT)}:{line}", str(script)]
-    env = {
-        **os.environ,
-        "AWS_ENDPOINT_URL": s3_endpoint,
-        "AWS_ACCESS_KEY_ID": "testing",
-        "AWS_SECRET_ACCESS_KEY": "testing",
-        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-    }
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
+    out, err = tmp_path / "stdout.txt", tmp_path / "stderr.txt"
+    job = {"cwd": str(work), "env": _page_env(s3_endpoint), "args": args, "out": str(out), "err": str(err)}
+    assert zygote.stdin is not None and zygote.stdout is not None
     try:
-        proc = subprocess.run(
-            [sys.executable, "-c", _RUNNER, *args],
-            cwd=work,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=PAGE_BUDGET_S,
-        )
-    except subprocess.TimeoutExpired as exc:
-        pytest.fail(f"{page.name}: snippets ran past {PAGE_BUDGET_S}s\n{exc.stdout}\n{exc.stderr}")
+        zygote.stdin.write(json.dumps({**job, "budget": PAGE_BUDGET_S}) + "\n")
+        zygote.stdin.flush()
+        rc = json.loads(zygote.stdout.readline())["rc"]
     finally:
         for bucket in BUCKETS:
             admin.rm(bucket, recursive=True)
-    assert proc.returncode == 0, f"{page.name}: a snippet failed\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
+    stdout, stderr = out.read_text(), err.read_text()
+    if rc == -14:  # SIGALRM
+        pytest.fail(f"{page.name}: snippets ran past {PAGE_BUDGET_S}s\n{stdout}\n{stderr}")
+    assert rc == 0, f"{page.name}: a snippet failed\n{stdout[-4000:]}\n{stderr[-8000:]}"
