@@ -26,15 +26,14 @@ nested keys as strings: the optimizer state's integer parameter ids are restored
 
 from __future__ import annotations
 
-import io
 import logging
 import os
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from lightning_async_ckpt.errors import ConfigError
+from lightning_async_ckpt.storage.dcp_metadata import load_dcp_folder
 
 __all__ = [
     "DDP_LAYOUTS",
@@ -95,21 +94,30 @@ def is_dcp_folder(path: Any) -> bool:
     )
 
 
-def load_lightning_dcp(folder: str, weights_only: bool | None = None) -> dict[str, Any]:
+def load_lightning_dcp(
+    folder: str, weights_only: bool | None = None, *, trust_pickled_objects: bool = False
+) -> dict[str, Any]:
     """Read a Lightning DCP checkpoint folder, without a process group, into Lightning's single-file checkpoint dict.
+
+    Never runs code from the folder by default: DCP's ``.metadata`` is read through an allow-listed unpickler (DCP's
+    metadata classes only) and its byte items with ``torch.load(weights_only=True)``
+    (:mod:`~lightning_async_ckpt.storage.dcp_metadata`); DCP's own reader would unpickle both without limits.
 
     Args:
         folder: A local generation folder (``__<rank>_0.distcp``, ``.metadata``, ``meta.pt``).
         weights_only: Passed to ``torch.load`` of ``meta.pt`` (as Lightning does).
+        trust_pickled_objects: Unpickle DCP's files as DCP does (runs any code they name): only when every writer of
+            the folder is trusted.
 
     Returns:
         ``meta.pt``'s dict plus ``state_dict`` and ``optimizer_states`` (a list, optimizer ``i`` from
         ``optimizer_<i>``), equal to what ``ModelCheckpoint`` writes under DDP.
+
+    Raises:
+        UntrustedPickleError: A DCP file needs more than the restricted unpicklers allow (nothing of it was run); the
+            message names ``trust_pickled_objects=True``.
     """
-    buffer = io.BytesIO()
-    dcp_to_torch_save(folder, buffer)
-    buffer.seek(0)
-    state = torch.load(buffer, weights_only=False)  # written by dcp_to_torch_save just now, from DCP's own files
+    state = load_dcp_folder(folder, trust=trust_pickled_objects)
     checkpoint = torch.load(os.path.join(folder, _META), weights_only=weights_only)
     checkpoint["state_dict"] = state.pop("state_dict")
     count = sum(1 for key in state if key.startswith("optimizer_"))
@@ -132,7 +140,9 @@ def _int_param_ids(osd: dict[str, Any]) -> dict[str, Any]:
 def install_dcp_loader(strategy: Any) -> None:
     """Let a file-based strategy (DDP, single device) load Lightning DCP folders through its checkpoint IO.
 
-    Every other path goes to the checkpoint IO's own loader unchanged. Idempotent.
+    Every other path goes to the checkpoint IO's own loader unchanged. Idempotent. DCP's files are read without
+    running code (:func:`load_lightning_dcp`) unless Lightning passes ``weights_only=False``
+    (``trainer.fit(..., weights_only=False)``: the caller's explicit trust, as for Lightning's own loader).
     """
     checkpoint_io = strategy.checkpoint_io
     if getattr(checkpoint_io, _INSTALLED, False):
@@ -144,7 +154,9 @@ def install_dcp_loader(strategy: Any) -> None:
             return original(path, *args, **kwargs)
         weights_only = kwargs.get("weights_only", args[1] if len(args) > 1 else None)
         _log.info("loading the DCP checkpoint folder %s without a process group", path)
-        return load_lightning_dcp(os.fspath(path), weights_only=weights_only)
+        return load_lightning_dcp(
+            os.fspath(path), weights_only=weights_only, trust_pickled_objects=weights_only is False
+        )
 
     checkpoint_io.load_checkpoint = load_checkpoint
     setattr(checkpoint_io, _INSTALLED, True)
