@@ -274,12 +274,22 @@ def latest_checkpoint(
 def find_last_across(callback: Any, trainer: Any) -> set[str]:
     """``ckpt_path="last"`` of a callback with ``local_dirpath``: :func:`latest_checkpoint`'s rule, resumable
     generations only (never ``save_weights_only`` ones)."""
-    local = _newest_local(callback.local_dirpath, resumable=True)
+    local = _agreed(trainer, _newest_local(callback.local_dirpath, resumable=True))
     dirpath = resolve_dirpath(callback.dirpath, trainer.default_root_dir)
     if local is not None and not _durable_newer(dirpath, callback.storage_options, local.step):
         _log.info("ckpt_path='last' resumes from the local tier: %s", local.path)
         return {local.path}
     return _pick(local, resume.find_last(callback, trainer), single=False)
+
+
+def _agreed(trainer: Any, local: _Local | None) -> _Local | None:
+    """Every rank must resume from the same generation, and Lightning resolves ``"last"`` on each rank before any
+    collective exists. On one node the ranks read the same node-local folder, so they agree; across nodes only rank
+    0's node holds the local generations (no peer replicas yet), so every rank resumes from ``dirpath`` together."""
+    if local is not None and trainer.num_nodes > 1:
+        _log.info("ckpt_path='last': %d nodes; resuming from dirpath, not from the node-local tier", trainer.num_nodes)
+        return None
+    return local
 
 
 def _pick(local: _Local | None, durable: set[str], *, single: bool) -> Any:
