@@ -38,7 +38,7 @@ def _lightning_dcp_folder(tmp_path: Path, *, extra: dict[str, Any] | None = None
     """A Lightning DCP folder as ``ddp_layout="sliced"`` writes it: DCP's files for the model and optimizer state,
     ``meta.pt`` for the rest, from a real two-step fit."""
     pl.seed_everything(7)
-    trainer = pl.Trainer(max_steps=2, **trainer_kwargs())
+    trainer = pl.Trainer(max_steps=2, **trainer_kwargs(enable_checkpointing=False))  # no files in the cwd
     trainer.fit(BNDropoutModel(), make_loader())
     trainer.save_checkpoint(tmp_path / "full.ckpt")
     full = torch.load(tmp_path / "full.ckpt", weights_only=False)
