@@ -10,10 +10,12 @@ Fixtures:
 from __future__ import annotations
 
 import logging
+import shutil
 import threading
 import time
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -55,6 +57,22 @@ def no_leaked_threads() -> Iterator[None]:
             "close() or drain every checkpointer the test starts",
             pytrace=False,
         )
+
+
+# Folders Lightning creates in the working directory when a test forgets its own dirpath / default_root_dir.
+_CWD_ARTIFACTS = ("checkpoints", "lightning_logs")
+
+
+@pytest.fixture(autouse=True)
+def no_files_in_the_working_directory() -> Iterator[None]:
+    """Fail a test that leaves Lightning's default output folders in the working directory (the checkout)."""
+    cwd = Path.cwd()
+    before = {name for name in _CWD_ARTIFACTS if (cwd / name).exists()}
+    yield
+    created = [name for name in _CWD_ARTIFACTS if name not in before and (cwd / name).exists()]
+    for name in created:
+        shutil.rmtree(cwd / name, ignore_errors=True)
+    assert not created, f"the test wrote {created} into {cwd}: give its Trainer a dirpath / default_root_dir"
 
 
 @pytest.fixture(scope="session")
