@@ -155,8 +155,8 @@ class AsyncCheckpointCallback(CallbackArguments):
         self.preemption.remove()  # teardown does not run after an exception
         if self.checkpointer is not None:
             try:
-                if self.tiers is not None:
-                    self.tiers.close(self.options.drain_timeout_s)
+                if self.tiers is not None:  # the save in flight lands locally, then its promotion, within the bound
+                    self.tiers.finish(self.checkpointer, self.options.drain_timeout_s)
                 self.checkpointer.close(timeout=self.options.drain_timeout_s)
             except Exception:  # noqa: BLE001 - the training exception is the one that propagates
                 _log.warning("checkpoint error while handling a training exception", exc_info=True)

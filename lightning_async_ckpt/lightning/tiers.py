@@ -198,10 +198,12 @@ class Tiers:
         self.flush()
         return self.promoter is None or self.promoter.drain(timeout)
 
-    def finish(self, engine: Any) -> None:
-        """At the end of training: the local commits, then their promotions (errors queued in ``engine``)."""
-        engine.drain_quietly(None)
-        self.close(None)
+    def finish(self, engine: Any, timeout: float | None = None) -> bool:
+        """At the end of training (or at an exception, bounded by ``timeout``): the local commits, then their
+        promotions (errors queued in ``engine``); whether both ended in time."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        saved = engine.drain_quietly(timeout)
+        return self.close(None if deadline is None else max(0.0, deadline - time.monotonic())) and saved
 
     def close(self, timeout: float | None) -> bool:
         """Finish the promotions (within ``timeout``) and stop the promotion thread."""

@@ -334,3 +334,15 @@ def test_a_damaged_newer_local_generation_is_never_overwritten_the_run_writes_a_
     assert _steps(tmp_path / "durable") == [4, 8, 12]
     found = latest_checkpoint(str(tmp_path / "durable"), local_dirpath=str(tmp_path / "local"))
     assert found == _file(tmp_path / "local" / "v1", 12)
+
+
+def test_an_exception_in_training_lands_the_save_in_flight_locally_then_promotes_it(tmp_path):
+    class _Boom(pl.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if trainer.global_step == 4:
+                raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError, match="boom"):
+        _fit([_Boom(), _tiered(tmp_path, local_every_n_train_steps=2)], max_steps=8)
+    assert _steps(tmp_path / "local") == [2, 4]
+    assert _steps(tmp_path / "durable") == [4]
