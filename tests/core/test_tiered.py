@@ -8,7 +8,7 @@ import signal
 import torch
 from torch import nn
 
-from lightning_async_ckpt import CheckpointStore
+from lightning_async_ckpt import CheckpointStore, latest_checkpoint
 from lightning_async_ckpt.core.tiered import TieredCheckpointer
 
 
@@ -52,6 +52,8 @@ def test_plain_loop_promotes_every_due_generation_byte_for_byte_with_retention_p
             (o.name, o.size, o.checksum) for o in durable.manifest(step).objects
         ]
         assert durable.verify(step).ok
+    found = latest_checkpoint(str(tmp_path / "durable"), local_dirpath=str(tmp_path / "local"))
+    assert found == local.object_url(12, "checkpoint.ckpt")
 
 
 def test_plain_loop_emergency_save_under_a_real_signal(tmp_path):
