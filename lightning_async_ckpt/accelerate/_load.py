@@ -30,6 +30,7 @@ from lightning_async_ckpt.errors import CheckpointError
 from lightning_async_ckpt.storage import inflight
 from lightning_async_ckpt.storage.io import read_verified
 from lightning_async_ckpt.storage.manifest import MANIFEST_NAME, Manifest
+from lightning_async_ckpt.storage.regular import url_to_regular_fs
 
 _log = logging.getLogger("lightning_async_ckpt")
 _CUSTOM_RE = re.compile(r"^custom_checkpoint_(\d+)\.pkl$")
@@ -81,7 +82,6 @@ def load_state(
             ``trust_pickled_objects=True``; also no ``uri`` without automatic checkpoint naming.
         ManifestError: ``step`` is not a committed generation, or an object does not match its manifest.
     """
-    import fsspec
     from fsspec.implementations.local import LocalFileSystem
 
     options = dict(storage_options or {})
@@ -97,7 +97,7 @@ def load_state(
     # The attached checkpointer's exchange is bounded (a call on some processes only raises instead of hanging).
     attached = checkpointer is not None and not checkpointer.closed
     collective = checkpointer._collective_group if attached else collective_for(accelerator)
-    fs, root = fsspec.core.url_to_fs(uri, **options)
+    fs, root = url_to_regular_fs(uri, **options)
     root = root.rstrip("/") or "/"
     if checkpointer is not None and not checkpointer.closed:
         # Hook-path saves into this folder (or below it) end first, so the choice sees them committed or failed.
@@ -173,10 +173,9 @@ class _Prepared:
 
 
 def _prepare(choice: Choice, options: dict[str, Any], rank: int, trusted: bool) -> _Prepared:
-    import fsspec
     from fsspec.implementations.local import LocalFileSystem
 
-    fs, folder = fsspec.core.url_to_fs(choice.url, **options)
+    fs, folder = url_to_regular_fs(choice.url, **options)
     folder = folder.rstrip("/")
     manifest = Manifest.from_json(fs.cat_file(f"{folder}/{MANIFEST_NAME}"), where=f"{choice.url}/{MANIFEST_NAME}")
     rng = next((o.name for o in manifest.objects if o.name == f"random_states_{rank}.pkl"), None)

@@ -17,12 +17,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import fsspec
-
 from lightning_async_ckpt.accelerate._choose import _ACCELERATE_FILES, _automatic_folders, _url, folder_manifest
 from lightning_async_ckpt.accelerate._layout import INCOMPLETE_MARKER
 from lightning_async_ckpt.errors import ManifestError, StoreUnavailableError
 from lightning_async_ckpt.storage.manifest import MANIFEST_NAME, Manifest
+from lightning_async_ckpt.storage.regular import url_to_regular_fs
 
 __all__ = ["AccelerateFolder", "accelerate_folders", "verify_accelerate_folder"]
 
@@ -77,7 +76,7 @@ def accelerate_folders(uri: str, storage_options: dict[str, Any] | None = None) 
     Raises:
         StoreUnavailableError: ``uri`` exists but cannot be listed.
     """
-    fs, root = fsspec.core.url_to_fs(uri, **(storage_options or {}))
+    fs, root = url_to_regular_fs(uri, **(storage_options or {}))
     root = root.rstrip("/") or root
     try:
         if not fs.isdir(root):
@@ -102,7 +101,7 @@ def verify_accelerate_folder(folder: AccelerateFolder, storage_options: dict[str
     """
     if folder.state != "committed":
         return [f"{folder.name}: not committed ({folder.error or folder.state})"]
-    fs, path = fsspec.core.url_to_fs(folder.url, **(storage_options or {}))
+    fs, path = url_to_regular_fs(folder.url, **(storage_options or {}))
     try:
         folder_manifest(fs, path, verify=True)
     except ManifestError as exc:

@@ -23,6 +23,7 @@ from fsspec.implementations.local import LocalFileSystem
 
 from lightning_async_ckpt.errors import ConfigError
 from lightning_async_ckpt.storage.io import exclusive_local_write, fsync_dir, open_local_write
+from lightning_async_ckpt.storage.regular import NotRegularFileError, RegularLocalFileSystem
 
 __all__ = ["Backend", "backend_for", "open_filesystem", "protocols"]
 
@@ -153,7 +154,7 @@ class Backend:
         """Read at most ``limit + 1`` bytes of ``path`` (so a caller can tell an oversized file without reading it)."""
         try:
             return self.fs.cat_file(path, start=0, end=limit + 1)
-        except FileNotFoundError:
+        except (FileNotFoundError, NotRegularFileError):
             raise
         except Exception as exc:
             # Object stores refuse a range on an empty object: that one is read as empty.
@@ -292,7 +293,7 @@ _INSTALL = {
 
 
 def open_filesystem(uri: str, options: dict[str, Any]) -> tuple[fsspec.AbstractFileSystem, str]:
-    """The filesystem and root path of ``uri``.
+    """The filesystem and root path of ``uri`` (local paths: a :class:`RegularLocalFileSystem`).
 
     Raises:
         ConfigError: Unknown scheme, a backend that is not installed (names what to install), or bad options.
@@ -314,4 +315,6 @@ def open_filesystem(uri: str, options: dict[str, Any]) -> tuple[fsspec.AbstractF
         raise ConfigError(f"uri {uri!r} needs an fsspec backend that is not installed: {hint} ({exc})") from exc
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"could not open {uri!r} with storage_options {sorted(options)}: {exc}") from exc
+    if type(fs) is LocalFileSystem:
+        fs = RegularLocalFileSystem(**fs.storage_options)  # never opens a FIFO, socket or device
     return fs, path

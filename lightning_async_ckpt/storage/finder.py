@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 from lightning_async_ckpt.errors import StorageError, StoreUnavailableError
 from lightning_async_ckpt.storage.generation import VERSION_RE, GenerationInfo, Skipped, parse_generation_name
 from lightning_async_ckpt.storage.manifest import Manifest
+from lightning_async_ckpt.storage.regular import describe_mode
 
 if TYPE_CHECKING:
     from lightning_async_ckpt.storage.store import CheckpointStore
@@ -48,12 +49,6 @@ __all__ = [
 
 #: How many times a reader lists a folder again while generations vanish under it (retention of a live writer).
 RELISTS = 32
-_KINDS = (
-    (stat.S_ISFIFO, "a FIFO (named pipe)"),
-    (stat.S_ISSOCK, "a socket"),
-    (stat.S_ISCHR, "a character device"),
-    (stat.S_ISBLK, "a block device"),
-)
 
 
 @dataclass(frozen=True)
@@ -89,10 +84,8 @@ class Found:
 def describe_entry(entry: dict[str, Any]) -> str:
     """What a listed entry is, in words (``"a FIFO (named pipe)"``, ``"a file"``), from its stat mode when known."""
     mode = entry.get("mode")
-    if isinstance(mode, int):
-        for test, words in _KINDS:
-            if test(mode):
-                return words
+    if isinstance(mode, int) and not stat.S_ISREG(mode) and not stat.S_ISDIR(mode):
+        return describe_mode(mode)
     kind = entry.get("type")
     return "a file" if kind == "file" else f"a {kind or 'non-folder'} entry"
 

@@ -13,7 +13,6 @@ what differs per filesystem :mod:`~lightning_async_ckpt.storage.backend`.
 
 from __future__ import annotations
 
-import functools
 import logging
 import threading
 import uuid
@@ -28,7 +27,7 @@ from lightning_async_ckpt.errors import (
     ManifestVersionError,
     StorageError,
 )
-from lightning_async_ckpt.storage import finder, inflight, retention
+from lightning_async_ckpt.storage import finder, inflight, multipart, retention, verification
 from lightning_async_ckpt.storage.backend import backend_for, open_filesystem
 from lightning_async_ckpt.storage.generation import (
     GenerationInfo,
@@ -44,7 +43,6 @@ from lightning_async_ckpt.storage.io import (
     Checksum,
     crc32c_module,
     fsync_dir,
-    read_verified,
 )
 from lightning_async_ckpt.storage.ledger import Ledger
 from lightning_async_ckpt.storage.manifest import (
@@ -54,6 +52,7 @@ from lightning_async_ckpt.storage.manifest import (
     ObjectEntry,
     validate_object_name,
 )
+from lightning_async_ckpt.storage.regular import NotRegularFileError
 from lightning_async_ckpt.storage.writer import GenerationWriter, claim_step
 
 # Old private names, kept while callers move to the public ones in ``storage.io``.
@@ -140,6 +139,8 @@ class CheckpointStore:
         self._lock = threading.Lock()
         self._writing: set[int] = set()
         self.ledger = Ledger()  # what retention knows between passes (reads O(1) manifests per save)
+        # Aborts S3 multipart uploads that killed writers left open (from begin and retain; nothing elsewhere).
+        self.upload_sweeper = multipart.Sweeper()
         if check_writable:
             self.backend.check_writable(self.root, uri)
 
@@ -172,7 +173,8 @@ class CheckpointStore:
 
         A torn manifest (never recoverable) is removed. If another writer claims the step (alive, or crashed
         on another host), this writer's objects go under ``w-<token>/`` so neither overwrites the other; the
-        exclusive manifest decides which commits.
+        exclusive manifest decides which commits. On S3, multipart uploads that killed writers left open under this
+        store are aborted first (:mod:`.multipart`: on the first ``begin``, then at most every 10 minutes).
 
         Raises:
             ConfigError: If ``step`` is not a non-negative int.
@@ -192,6 +194,7 @@ class CheckpointStore:
                     f"generation step {step} is already committed at {self.url(step)}; committed checkpoints are "
                     "never overwritten: use another dirpath, or remove it with `lightning-async-ckpt gc`"
                 )
+            self.upload_sweeper.maybe(self)
             return claim_step(self, step)
         except GenerationExistsError:
             self.end_write(step)
@@ -260,6 +263,8 @@ class CheckpointStore:
             data = self.backend.read_capped(f"{path}/{MANIFEST_NAME}", MAX_MANIFEST_BYTES)
         except FileNotFoundError:
             return GenerationInfo(step=step, path=url, committed=False, mtime=self.backend.mtime(path))
+        except NotRegularFileError as exc:  # a FIFO or device is never a manifest: rejected, never opened
+            return GenerationInfo(step=step, path=url, committed=False, error=f"{MANIFEST_NAME} is {exc.strerror}")
         except Exception as exc:  # noqa: BLE001 - an unreadable manifest makes the generation untrusted, not fatal
             # Present but unreadable right now (a transient storage error): never treated as a leftover.
             error = f"unreadable manifest: {exc}"
@@ -289,35 +294,11 @@ class CheckpointStore:
         return info.manifest
 
     def _object_path(self, step: int, obj: ObjectEntry) -> str:
-        path = f"{self.generation_path(step)}/{obj.key}"
-        if not self.backend.inside(path, self.root):
-            raise ManifestError(f"{obj.name}: resolves outside the store root {self.uri!r} (symlink); refused")
-        return path
+        return verification.object_path(self, step, obj)
 
     def check_sizes(self, manifest: Manifest) -> list[str]:
-        """Return problems with the objects' existence, location and sizes (empty when all match)."""
-        return self._stat_objects(manifest)[0]
-
-    def _stat_objects(self, manifest: Manifest) -> tuple[list[str], dict[str, dict]]:
-        """Problems with the objects' existence, location and sizes, and the stat of each object that matched."""
-        problems, stats = [], {}
-        for obj in manifest.objects:
-            try:
-                info = self.fs.info(self._object_path(manifest.step, obj))
-            except ManifestError as exc:
-                problems.append(str(exc))
-                continue
-            except FileNotFoundError:
-                problems.append(f"{obj.name}: missing")
-                continue
-            except Exception as exc:  # noqa: BLE001 - reported as a problem of this generation
-                problems.append(f"{obj.name}: cannot stat ({exc})")
-                continue
-            if info.get("size") != obj.size:
-                problems.append(f"{obj.name}: size {info.get('size')}, manifest says {obj.size}")
-            else:
-                stats[obj.name] = info
-        return problems, stats
+        """Return problems with the objects' existence, location, kind and sizes (empty when all match)."""
+        return verification.stat_objects(self, manifest)[0]
 
     def latest(self, *, verify: bool = True, run_id: str | None = None) -> GenerationInfo | None:
         """The newest committed generation that is intact, for resuming.
@@ -410,19 +391,7 @@ class CheckpointStore:
                 manifest = self.manifest(step)
             except ManifestError as exc:
                 return VerifyResult(step=step, ok=False, problems=(str(exc),))
-        problems, stats = self._stat_objects(manifest)
-        for obj in manifest.objects:
-            if obj.name not in stats:
-                continue
-            path = self._object_path(step, obj)
-            try:
-                opener = functools.partial(self.backend.open_read, path, stats[obj.name])  # stat just taken
-                read_verified(self.fs, path, obj, into=_Discard(), opener=opener)
-            except ManifestError as exc:
-                problems.append(obj.name + str(exc).removeprefix(path))
-            except Exception as exc:  # noqa: BLE001 - reported as a problem of this generation
-                problems.append(f"{obj.name}: unreadable ({exc})")
-        return VerifyResult(step=step, ok=not problems, problems=tuple(problems))
+        return verification.verify_generation(self, step, manifest)
 
     def open(self, step: int, name: str) -> IO[bytes]:
         """Open object ``name`` of committed generation ``step`` for reading.
@@ -470,11 +439,16 @@ class CheckpointStore:
             min_leftover_age_s: With ``all_runs``, leave other runs' uncommitted leftovers younger than this.
             protect: Steps kept whatever their age (``gc --keep-best``: the best-k generations by score).
             generations: This folder's ``generations(include_uncommitted=True)``, just read: not listed again.
+
+        Unless ``dry_run``, S3 multipart uploads left open by killed writers are aborted first (:mod:`.multipart`;
+        always with ``all_runs``, else at most every 10 minutes); ``upload_sweeper.last`` reports it.
         """
         if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1:
             raise ConfigError(
                 f"keep_last must be an int >= 1 (the newest committed generation is kept), got {keep_last!r}"
             )
+        if not dry_run:
+            self.upload_sweeper.maybe(self, force=all_runs)  # before retention removes the claims it reads
         return retention.execute(
             self,
             keep_last,
@@ -506,8 +480,3 @@ class CheckpointStore:
 
     def __repr__(self) -> str:
         return f"CheckpointStore({self.uri!r}, run_id={self.run_id!r})"
-
-
-class _Discard:
-    def write(self, data: bytes) -> int:
-        return len(data)

@@ -206,7 +206,9 @@ def cmd_gc(args: argparse.Namespace) -> int:
             "retention (ProjectConfiguration(total_limit=K)); `ls` and `verify` read them"
         )
     store = open_store(args, run_id=args.run_id)
-    gens = store.generations(include_uncommitted=True)
+    listing = store.scan(include_uncommitted=True)
+    _print_skipped(listing.skipped, to_stderr=False)  # never opened, never removed: named
+    gens = listing.generations
     runs = sorted({g.run_id for g in gens if g.committed and g.run_id})
     if args.run_id is None and not args.all_runs and len(runs) > 1:
         raise UsageError(
@@ -226,6 +228,11 @@ def cmd_gc(args: argparse.Namespace) -> int:
         protect=frozenset(best),
         generations=gens,  # each manifest read once, not listed and read again
     )
+    swept = store.upload_sweeper.last if not args.dry_run else None
+    for upload in swept.aborted if swept is not None else []:
+        print(f"aborted the open multipart upload of {upload.key} (step {upload.step}): no live writer owns it")
+    for upload, why in swept.kept if swept is not None else []:
+        print(f"kept the open multipart upload of {upload.key} (step {upload.step}): {why}")
     by_step = {g.step: g for g in gens}
     reasons = {r.step: r.reason for r in report.plan.remove}
     verb = "would remove" if args.dry_run else "removed"
