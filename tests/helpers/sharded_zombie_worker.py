@@ -55,6 +55,7 @@ def _same(a: Any, b: Any) -> bool:
 
 def main(out: str) -> None:
     from lightning_async_ckpt.sharded import ShardedCheckpointer
+    from lightning_async_ckpt.storage.claims import claim_liveness, read_claim
     from lightning_async_ckpt.storage.store import CheckpointStore
     from lightning_async_ckpt.testing import Fault
     from tests.helpers.sharded_worker import _state, _train_step, make_model
@@ -88,12 +89,16 @@ def main(out: str) -> None:
     expected = _map(state, lambda t: t.detach().clone())
     attempt_b = ShardedCheckpointer(f"{out}/store", timeout_s=GROUP_TIMEOUT_S, run_id="run")
     result["b"] = attempt_b.save(2, state).result(timeout=GROUP_TIMEOUT_S).step
+    store = CheckpointStore(f"{out}/store", check_writable=False)
     if rank == 1:
+        # The held rank still holds its own leased claim on the step (B's commit did not remove it).
+        folder = f"{out}/store/step-00000002"
+        mine = [n for n in os.listdir(folder) if n.startswith(".writer-") and n.endswith("-r1.json")]
+        result["a_rank1_claim_live"] = [claim_liveness(read_claim(store.fs, f"{folder}/{n}")).value for n in mine]
         held.set()  # A's stalled write wakes up after B committed
         result["a"] = type(save_a.committed.exception(timeout=GROUP_TIMEOUT_S)).__name__
     dist.barrier()  # A's write ran to its end
 
-    store = CheckpointStore(f"{out}/store", check_writable=False)
     info = store.latest()
     result["latest"] = info.step if info else None
     result["verify_ok"] = store.verify(2).ok

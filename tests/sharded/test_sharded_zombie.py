@@ -26,6 +26,7 @@ def test_a_stalled_rank_of_a_failed_attempt_never_writes_into_the_next_attempts_
         lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
         assert proc.returncode == 0 and lines, proc.stderr[-3000:]
         results.append(json.loads(lines[-1].removeprefix("RESULT ")))
+    assert results[1]["a_rank1_claim_live"] == ["live"]  # every rank of an attempt holds its own leased claim
     for result in results:
         assert result["a"] == "ShardedSaveError"  # attempt A failed on both ranks, never committed
         assert result["b"] == 2

@@ -182,3 +182,35 @@ def test_a_zombie_that_opens_late_cannot_replace_a_committed_object(tmp_path: Pa
 def test_claim_bodies_carry_a_lease() -> None:
     body = json.loads(claim_body("run", 2, "abc", rank=3))
     assert body["rank"] == 3 and body["expires"] > body["started"]
+
+
+def test_a_lease_renewal_pushes_the_expiry_and_a_removed_claim_is_never_recreated(tmp_path: Path) -> None:
+    from lightning_async_ckpt.storage.claims import Liveness, token_liveness
+
+    store = CheckpointStore(str(tmp_path))
+    writer = store.begin(2)
+    folder = tmp_path / "step-00000002"
+    lease_file = folder / f".writer-{writer.token}-r0.json"
+    lease_file.write_text(json.dumps({**json.loads(lease_file.read_text()), "expires": time.time() - 3600}))
+    step_claim = json.loads((folder / CLAIM_NAME).read_text())
+    (folder / CLAIM_NAME).write_text(json.dumps({**step_claim, "expires": time.time() - 3600}))
+    assert token_liveness(store, str(folder), writer.token) is Liveness.EXPIRED
+    writer.lease.renew(force=True)  # what a write does once RENEW_S passed
+    assert token_liveness(store, str(folder), writer.token) is Liveness.LIVE
+    lease_file.unlink()  # e.g. removed by an operator's gc
+    writer.lease.renew(force=True)
+    assert writer.lease.lost and not lease_file.exists()
+    writer.abort()
+
+
+def test_on_an_object_store_an_expired_claim_is_never_taken_over(s3_uri: tuple[str, dict]) -> None:
+    uri, options = s3_uri
+    store = CheckpointStore(uri, options)
+    old = json.loads(claim_body("other", 2, "0123456789ab"))
+    store.fs.pipe_file(f"{store.generation_path(2)}/{CLAIM_NAME}", json.dumps({**old, "expires": 0}).encode())
+    writer = store.begin(2)
+    # A frozen writer's multipart upload could still complete at a plain key: only unique keys are safe there.
+    assert writer.prefix.startswith("w-")
+    writer.write_bytes(CKPT, b"data")
+    writer.commit()
+    assert store.manifest(2).object(CKPT).key.startswith("w-") and store.verify(2).ok
