@@ -3,7 +3,8 @@
 Modules:
 
 - :mod:`~lightning_async_ckpt.sharded.dcp_writer`: a DCP ``StorageWriter`` that writes one generation folder
-  (``__<rank>_<n>.distcp`` data files and ``.metadata``), checksumming every object as its bytes pass, and reports
+  (``__<rank>_<n>.distcp.<token>`` data files, created once per attempt, and ``.metadata``), checksumming every
+  object as its bytes pass, and reports
   each rank's objects to the coordinator inside DCP's own gather of write results.
 - :mod:`~lightning_async_ckpt.sharded.commit`: the coordinator's commit: ``manifest.json`` written last, listing
   every rank's objects.
