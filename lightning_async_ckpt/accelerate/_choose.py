@@ -21,6 +21,7 @@ from typing import Any
 
 from lightning_async_ckpt.accelerate._layout import INCOMPLETE_MARKER
 from lightning_async_ckpt.errors import CheckpointError, ManifestError
+from lightning_async_ckpt.storage.finder import RELISTS
 from lightning_async_ckpt.storage.generation import subfolders_holding_checkpoints
 from lightning_async_ckpt.storage.io import read_verified
 from lightning_async_ckpt.storage.manifest import MANIFEST_NAME, Manifest
@@ -144,27 +145,43 @@ def _automatic_folders(fs: Any, root: str) -> list[tuple[int, str]]:
 
 
 def _choose_automatic(fs: Any, root: str, autos: list[tuple[int, str]], step: int | None) -> Choice | None:
-    skipped: list[str] = []
-    damaged = 0
-    for _, folder in autos:
-        try:
-            manifest = folder_manifest(fs, folder, verify=step is None or _folder_step(fs, folder) == step)
-        except (FileNotFoundError, ManifestError) as exc:
-            if step is None:
-                why = _why(fs, folder, exc)
-                damaged += not why.endswith("no manifest")
-                skipped.append(f"{folder.rsplit('/', 1)[-1]} ({why})")
-            continue
-        if step is not None and manifest.step != step:
-            continue
-        if skipped:
-            _log.warning(
-                "load_state: skipping newer checkpoint folder(s) that are not committed: %s; loading %s (step %d)",
-                ", ".join(skipped),
-                folder,
-                manifest.step,
-            )
-        return Choice(url=_url(fs, folder), step=manifest.step)
+    """The newest committed intact ``checkpoint_N`` (or the one holding ``step``).
+
+    A folder removed while it is read (accelerate's ``total_limit`` retention after a newer save) is neither
+    skipped as uncommitted nor counted as damaged: the folders are listed again (bounded by ``RELISTS``), so
+    "nothing to load" is said only of a listing whose folders all stayed while they were read.
+    """
+    for _ in range(RELISTS):
+        skipped: list[str] = []
+        damaged = 0
+        vanished = False
+        for _, folder in autos:
+            try:
+                manifest = folder_manifest(fs, folder, verify=step is None or _folder_step(fs, folder) == step)
+            except (FileNotFoundError, ManifestError) as exc:
+                if _gone(fs, folder, exc):
+                    vanished = True
+                    continue
+                if step is None:
+                    why = _why(fs, folder, exc)
+                    damaged += not why.endswith("no manifest")
+                    skipped.append(f"{folder.rsplit('/', 1)[-1]} ({why})")
+                continue
+            if step is not None and manifest.step != step:
+                continue
+            if skipped:
+                _log.warning(
+                    "load_state: skipping newer checkpoint folder(s) that are not committed: %s; loading %s (step %d)",
+                    ", ".join(skipped),
+                    folder,
+                    manifest.step,
+                )
+            return Choice(url=_url(fs, folder), step=manifest.step)
+        if not vanished:
+            break
+        autos = _automatic_folders(fs, root)
+    else:
+        raise CheckpointError(f"checkpoint folders under {root} kept vanishing while they were read; try again")
     if step is not None:
         raise ManifestError(f"no committed checkpoint_N folder under {root} holds step {step}")
     if damaged:
@@ -172,6 +189,16 @@ def _choose_automatic(fs: Any, root: str, autos: list[tuple[int, str]], step: in
     if skipped:
         _log.warning("load_state: no checkpoint_N folder under %s is committed: %s", root, ", ".join(skipped))
     return None
+
+
+def _gone(fs: Any, folder: str, exc: BaseException) -> bool:
+    """Whether a folder that failed to read was removed meanwhile (gone, or its manifest gone after it was read)."""
+    try:
+        if not fs.exists(folder):
+            return True
+        return isinstance(exc, ManifestError) and not fs.exists(f"{folder}/{MANIFEST_NAME}")
+    except Exception:  # noqa: BLE001 - cannot tell: judged as it was read
+        return False
 
 
 def _folder_step(fs: Any, folder: str) -> int | None:

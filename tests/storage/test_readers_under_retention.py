@@ -17,9 +17,9 @@ import pytest
 
 from lightning_async_ckpt import latest_checkpoint
 from lightning_async_ckpt.storage.store import CheckpointStore
+from tests.helpers.gate import JOIN_S, Gate
 
 Location = tuple[str, dict[str, Any] | None]
-JOIN_S = 60.0
 
 
 @pytest.fixture(params=["local", "s3"])
@@ -34,48 +34,6 @@ def _commit(store: CheckpointStore, step: int) -> None:
     writer.write_bytes("checkpoint.ckpt", f"step {step}".encode() * 64)
     writer.commit()
     store.gc(1)
-
-
-class Gate:
-    """Stop the reader thread once at a filesystem call (after ``ls`` of the root, or before ``info`` of an
-    object), until the test releases it; every other thread passes through.
-
-    A local filesystem instance is cached per thread (the reader's stores get their own), so its class is patched;
-    an async one (S3) is shared by every thread, and its sync methods are attributes of the instance.
-    """
-
-    def __init__(self, monkeypatch: pytest.MonkeyPatch, fs: Any, method: str, match: Callable[[str], bool]) -> None:
-        self.reached = threading.Event()
-        self.release = threading.Event()
-        self.reader: threading.Thread | None = None
-        on_instance = getattr(type(fs), "async_impl", False)
-        target = fs if on_instance else type(fs)
-        original = getattr(target, method)
-        after = method == "ls"
-
-        def call(path: Any, *args: Any, **kwargs: Any) -> Any:
-            mine = threading.current_thread() is self.reader and match(str(path)) and not self.reached.is_set()
-            if mine and not after:
-                self._hold()
-            out = original(path, *args, **kwargs)
-            if mine and after:
-                self._hold()
-            return out
-
-        def _bound(instance: Any, path: Any, *args: Any, **kwargs: Any) -> Any:
-            mine = threading.current_thread() is self.reader and match(str(path)) and not self.reached.is_set()
-            if mine and not after:
-                self._hold()
-            out = original(instance, path, *args, **kwargs)
-            if mine and after:
-                self._hold()
-            return out
-
-        monkeypatch.setattr(target, method, call if on_instance else _bound)
-
-    def _hold(self) -> None:
-        self.reached.set()
-        assert self.release.wait(JOIN_S), "the test never released the reader"
 
 
 def _run_gated(gate: Gate, read: Callable[[], Any], writer: CheckpointStore, step: int) -> Any:
