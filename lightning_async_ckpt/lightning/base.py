@@ -11,6 +11,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal
 
+import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ModelCheckpoint
 from typing_extensions import override
 
@@ -18,8 +19,16 @@ from lightning_async_ckpt.core.engine import CheckpointOptions
 from lightning_async_ckpt.core.interfaces import TrainingCheckpointer
 from lightning_async_ckpt.lightning.arguments import check_arguments, check_selection, check_tiers, normalize_dirpath
 from lightning_async_ckpt.lightning.preemption import PreemptionHandler, check_preemption
+from lightning_async_ckpt.lightning.rerun import seed_committed_step
+from lightning_async_ckpt.lightning.resume import name_loaded_checkpoint
+from lightning_async_ckpt.lightning.rng import collect_portable_rng, restore_rng
 from lightning_async_ckpt.lightning.schedule import CutSchedule
-from lightning_async_ckpt.lightning.selection import Selection
+from lightning_async_ckpt.lightning.selection import (
+    Selection,
+    load_selection_state,
+    model_checkpoint_best_k,
+    selection_state,
+)
 from lightning_async_ckpt.lightning.sliced import check_ddp_layout
 from lightning_async_ckpt.lightning.tiers import Tiers
 from lightning_async_ckpt.lightning.triggers import Triggers
@@ -29,7 +38,8 @@ __all__ = ["CallbackArguments"]
 
 
 class CallbackArguments(ModelCheckpoint):
-    """``AsyncCheckpointCallback``'s constructor and ``state_key``: its arguments and ``ModelCheckpoint``'s attributes.
+    """``AsyncCheckpointCallback``'s constructor and checkpoint state: its arguments, ``ModelCheckpoint``'s attributes,
+    ``state_key``, and the state it writes into each checkpoint and restores from one.
 
     ``ModelCheckpoint``'s own saving never runs: the callback overrides every hook it implements.
 
@@ -244,3 +254,30 @@ class CallbackArguments(ModelCheckpoint):
             every_n_epochs=self.every_n_epochs,
             **ranking,
         )
+
+    # -- checkpoint state --------------------------------------------------------------------------------
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        # RNG states at the cut, in a form torch.load(weights_only=True) accepts.
+        # The run id travels with the checkpoint, so a resumed run keeps it and keep_last reaches across restarts.
+        return {"rng_states": collect_portable_rng(), "run_id": self.run_id, **selection_state(self)}
+
+    @override
+    def on_load_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        self._model_checkpoint_best = model_checkpoint_best_k(checkpoint, self.monitor, self.dirpath)
+        name_loaded_checkpoint(self, trainer)  # the real URL, not the "last" marker (resume.py)
+        seed_committed_step(self, trainer.ckpt_path)  # the generation resumed is recoverable progress already
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        load_selection_state(self, state_dict)
+        run_id = state_dict.get("run_id")
+        if isinstance(run_id, str) and run_id:
+            self.run_id = run_id
+            if self.store is not None:
+                self.store.run_id = run_id
+        rng_states = state_dict.get("rng_states")
+        if self.restore_rng and rng_states:
+            restore_rng(rng_states)

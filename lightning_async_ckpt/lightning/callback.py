@@ -44,15 +44,11 @@ from lightning_async_ckpt.lightning.progress import (
     log_stopped,
     preallocate,
 )
-from lightning_async_ckpt.lightning.rerun import place_run, seed_committed_step
-from lightning_async_ckpt.lightning.resume import find_last, install_reader, name_loaded_checkpoint, remove_reader
-from lightning_async_ckpt.lightning.rng import collect_portable_rng, restore_rng
+from lightning_async_ckpt.lightning.rerun import place_run
+from lightning_async_ckpt.lightning.resume import find_last, install_reader, remove_reader
 from lightning_async_ckpt.lightning.selection import (
     after_model_checkpoints,
-    load_selection_state,
-    model_checkpoint_best_k,
     rebuild_best_k,
-    selection_state,
 )
 from lightning_async_ckpt.lightning.sharded import setup_sharded
 from lightning_async_ckpt.lightning.tiers import emergency_drain, find_last_across, latest_checkpoint, open_checkpointer
@@ -406,30 +402,3 @@ class AsyncCheckpointCallback(CallbackArguments):
             if self.log_metrics:
                 ck, logged = self.checkpointer, self._logged
                 self._logged = log_progress(pl_module, ck, self.requested_step, self.skipped, logged)
-
-    # -- checkpoint state --------------------------------------------------------------------------------
-    @override
-    def state_dict(self) -> dict[str, Any]:
-        # RNG states at the cut, in a form torch.load(weights_only=True) accepts.
-        # The run id travels with the checkpoint, so a resumed run keeps it and keep_last reaches across restarts.
-        return {"rng_states": collect_portable_rng(), "run_id": self.run_id, **selection_state(self)}
-
-    @override
-    def on_load_checkpoint(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
-    ) -> None:
-        self._model_checkpoint_best = model_checkpoint_best_k(checkpoint, self.monitor, self.dirpath)
-        name_loaded_checkpoint(self, trainer)  # the real URL, not the "last" marker (resume.py)
-        seed_committed_step(self, trainer.ckpt_path)  # the generation resumed is recoverable progress already
-
-    @override
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        load_selection_state(self, state_dict)
-        run_id = state_dict.get("run_id")
-        if isinstance(run_id, str) and run_id:
-            self.run_id = run_id
-            if self.store is not None:
-                self.store.run_id = run_id
-        rng_states = state_dict.get("rng_states")
-        if self.restore_rng and rng_states:
-            restore_rng(rng_states)
