@@ -346,3 +346,24 @@ def test_an_exception_in_training_lands_the_save_in_flight_locally_then_promotes
         _fit([_Boom(), _tiered(tmp_path, local_every_n_train_steps=2)], max_steps=8)
     assert _steps(tmp_path / "local") == [2, 4]
     assert _steps(tmp_path / "durable") == [4]
+
+
+@pytest.mark.parametrize("stage", ["object", "manifest"])
+def test_a_process_killed_while_promoting_leaves_no_durable_generation_and_resumes(tmp_path, stage):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    worker = Path(__file__).resolve().parents[1] / "helpers" / "promotion_kill_worker.py"
+    proc = subprocess.run(
+        [sys.executable, str(worker), str(tmp_path), stage], capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 17, proc.stderr[-3000:]
+    assert _steps(tmp_path / "durable") == []  # killed before or while step 4's manifest was written: none
+    local = _steps(tmp_path / "local")
+    assert 4 in local
+    found = latest_checkpoint(str(tmp_path / "durable"), local_dirpath=str(tmp_path / "local"))
+    assert found == _file(tmp_path / "local", max(local))
+    trainer, _ = _fit([_tiered(tmp_path, local_every_n_train_steps=2)], max_steps=8, ckpt_path="last")
+    assert trainer.global_step == 8
+    assert _steps(tmp_path / "durable") == [8]
