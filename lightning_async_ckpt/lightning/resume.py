@@ -30,14 +30,14 @@ from collections.abc import Callable
 from pathlib import PurePosixPath
 from typing import Any
 
-from lightning_async_ckpt.errors import ManifestError
+from lightning_async_ckpt.errors import CheckpointError, ManifestError
 from lightning_async_ckpt.lightning.arguments import resolve_dirpath
 from lightning_async_ckpt.lightning.last import stand_in_for_last, warn_if_weights_only, weights_only
 from lightning_async_ckpt.lightning.naming import CHECKPOINT_NAME, loadable_path
 from lightning_async_ckpt.lightning.rerun import VERSION_RE, version_uri
 from lightning_async_ckpt.lightning.sharded import is_lightning_dcp_generation
 from lightning_async_ckpt.storage import inflight
-from lightning_async_ckpt.storage.finder import newest_intact
+from lightning_async_ckpt.storage.finder import RELISTS, newest_intact
 from lightning_async_ckpt.storage.generation import parse_generation_name, subfolders_holding_checkpoints
 from lightning_async_ckpt.storage.store import CheckpointStore
 
@@ -139,6 +139,7 @@ class StoreReader:
         self._aliases: dict[str, str] = {}
         self._io: Any = None
         self.loaded: str | None = None  # the store URL of the last checkpoint loaded through this reader
+        self.offered: set[str] = set()  # what ckpt_path="last" was answered with (re-chosen when it vanishes)
         self.last_name = _LAST_PREFIX  # ModelCheckpoint.CHECKPOINT_NAME_LAST of the callback
         self.last_extension = ".ckpt"  # ModelCheckpoint.FILE_EXTENSION of the callback
 
@@ -175,13 +176,11 @@ class StoreReader:
         self.loaded = None
         original = checkpoint_io.load_checkpoint
 
-        def load_checkpoint(path: Any, *args: Any, **kwargs: Any) -> Any:
-            stand_in = stand_in_for_last(self._root.fs, self.dirpath, path, newest)
-            path = path if stand_in is None else stand_in
+        def load_once(path: Any, replaced: str | None, args: Any, kwargs: Any) -> Any:
             url = self.resolve(path) if self.remote else None
             if url is None:
                 checkpoint = original(path, *args, **kwargs)
-                self.loaded = None if stand_in is None else stand_in
+                self.loaded = replaced
                 return checkpoint
             map_location = kwargs.get("map_location", args[0] if args else _keep_storage)
             weights_only = kwargs.get("weights_only", args[1] if len(args) > 1 else None)
@@ -191,6 +190,29 @@ class StoreReader:
                 self._forget(str(path))
             self.loaded = url
             return checkpoint
+
+        def load_checkpoint(path: Any, *args: Any, **kwargs: Any) -> Any:
+            stand_in = stand_in_for_last(self._root.fs, self.dirpath, path, newest)
+            path = path if stand_in is None else stand_in
+            if stand_in is not None:
+                self.offered.add(stand_in)
+            for _ in range(RELISTS):
+                try:
+                    return load_once(path, stand_in, args, kwargs)
+                except (FileNotFoundError, ManifestError) as exc:
+                    # What "last" chose was retired (another writer's retention) before Lightning read it: the
+                    # newest one now, never a fresh start or an error.
+                    if newest is None or str(path) not in self.offered:
+                        raise
+                    again = newest()
+                    if again is None or again == self.resolve(path) or again == str(path):
+                        raise
+                    _log.warning("ckpt_path='last': %s vanished before it was read (%s); loading %s", path, exc, again)
+                    self.offered.add(again)
+                    path = stand_in = again
+            raise CheckpointError(
+                f"ckpt_path='last' in {self.dirpath}: every checkpoint chosen vanished before it was read"
+            )
 
         checkpoint_io.load_checkpoint = load_checkpoint
         self._io = (checkpoint_io, load_checkpoint)
@@ -298,8 +320,11 @@ def find_last(callback: Any, trainer: Any) -> set[str]:
     if newest is None:
         return set()
     reader = _reader(callback, _dirpath(callback, trainer))
+    reader.offered.add(newest)
     if reader.remote:
-        return {reader.alias(newest)}
+        alias = reader.alias(newest)
+        reader.offered.add(alias)
+        return {alias}
     # Local: every candidate, like ModelCheckpoint's lookup; Lightning resumes from the most recently written one,
     # which is `newest` (the same rule).
     return {newest, *reader.model_checkpoint_last_files()}
