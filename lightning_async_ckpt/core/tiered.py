@@ -94,6 +94,7 @@ class TieredCheckpointer:
             keep_last=keep_last,
             source_keep_last=local_keep_last,
             on_error=self.engine.report_error,
+            on_event=self.engine.events.emit,
         )
         self.promote_every_n_steps = promote_every_n_steps
         self.preemption = PreemptionHandler(signum)

@@ -100,6 +100,7 @@ class Tiers:
             keep_last=options.keep_last,
             source_keep_last=self.local_keep_last,
             on_error=engine.report_error,
+            on_event=engine.events.emit,  # promoted / promotion_failed / promotion_skipped in the event log
         )
         self._delivered, self._tracked, self._durable = set(), [], {}
         return engine

@@ -138,6 +138,8 @@ class Promoter:
         source_keep_last: Retention of ``source`` after each source commit (``None``: keep all).
         on_error: Receives each promotion failure (on the promotion thread), e.g. to raise it on the training
             thread later.
+        on_event: Called with an event name and fields (an ``EventLog.emit``): ``promoted`` (``step``,
+            ``promote_s``, ``target``), ``promotion_failed`` (``step``, ``error``), ``promotion_skipped`` (``step``).
     """
 
     def __init__(
@@ -148,12 +150,14 @@ class Promoter:
         keep_last: int | None = None,
         source_keep_last: int | None = None,
         on_error: Callable[[BaseException], None] | None = None,
+        on_event: Callable[..., None] | None = None,
     ) -> None:
         self.source = source
         self.target = target
         self.keep_last = keep_last
         self.source_keep_last = source_keep_last
         self.on_error = on_error
+        self.on_event = on_event
         self.promoted_step: int | None = None
         self.skipped = 0
         self.failed: list[int] = []
@@ -174,6 +178,7 @@ class Promoter:
                     if self._pending is not None and self._pending < step:
                         self.skipped += 1
                         _log.info("promotion of step %d skipped: step %d is newer", self._pending, step)
+                        self._event("promotion_skipped", step=self._pending)
                     if self._pending is None or self._pending < step:
                         self._pending = step
                     self._newest_due = max(step, self._newest_due or step)
@@ -255,12 +260,21 @@ class Promoter:
                     self._in_flight = None
                     self._cond.notify_all()
 
+    def _event(self, name: str, **fields: Any) -> None:
+        if self.on_event is not None:
+            try:
+                self.on_event(name, **fields)
+            except Exception:  # noqa: BLE001 - telemetry never fails a promotion
+                _log.debug("promotion event %s not recorded", name, exc_info=True)
+
     def _promote(self, step: int) -> None:
+        started = time.monotonic()
         try:
             manifest = promote_generation(self.source, self.target, step)
         except BaseException as exc:  # noqa: BLE001 - handed to on_error, raised on the training thread
             self.failed.append(step)
             _log.warning("promotion of step %d to %s failed: %s", step, self.target.uri, exc)
+            self._event("promotion_failed", step=step, error=f"{type(exc).__name__}: {exc}")
             if self.on_error is not None:
                 self.on_error(exc)
             return
@@ -268,6 +282,7 @@ class Promoter:
             if self.promoted_step is None or manifest.step > self.promoted_step:
                 self.promoted_step = manifest.step
         _log.info("step %d promoted from %s to %s", step, self.source.uri, self.target.uri)
+        self._event("promoted", step=step, promote_s=time.monotonic() - started, target=self.target.uri)
         self._retain(self.target, self.keep_last)
         self._retain(self.source, self.source_keep_last, protect=self.protected())
 

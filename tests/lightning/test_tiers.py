@@ -78,6 +78,8 @@ def test_every_cut_is_local_and_every_durable_due_one_is_promoted_equal_to_model
         assert durable.verify(step).ok
         with open(_file(tmp_path / "local", step), "rb") as a, durable.open(step, "checkpoint.ckpt") as b:
             assert a.read() == b.read()
+    promoted = [e["step"] for e in ours.checkpointer.events.events if e["event"] == "promoted"]
+    assert promoted == [4, 8]  # in the event log beside the saves
     for step in range(1, 9):
         theirs = without_model_checkpoint_state(load_checkpoint(str(tmp_path / "sync" / f"step={step}.ckpt")))
         mine = without_model_checkpoint_state(load_checkpoint(_file(tmp_path / "local", step)))
