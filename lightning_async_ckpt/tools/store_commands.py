@@ -153,6 +153,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
                 + (f" (only uncommitted leftovers: {skipped})" if skipped else "; check the path")
             )
     results = [store.verify(step) for step in targets]
+    # A committed generation whose manifest is gone now was retired by a running writer while it was read: not damage.
+    removed = {r.step for r in results if not r.ok and gens[r.step].committed and _gone(store, r.step)}
+    results = [r for r in results if r.step not in removed]
     failed = [r for r in results if not r.ok]
     if args.json:
         body = [
@@ -168,7 +171,13 @@ def cmd_verify(args: argparse.Namespace) -> int:
         entries = [{"name": e.name, "reason": e.reason} for e in listing.skipped]
         print(
             json.dumps(
-                {"ok": not failed, "results": body, "skipped_uncommitted": skipped, "skipped_entries": entries},
+                {
+                    "ok": not failed,
+                    "results": body,
+                    "skipped_uncommitted": skipped,
+                    "skipped_entries": entries,
+                    "removed_while_verified": sorted(removed),
+                },
                 indent=1,
             )
         )
@@ -184,6 +193,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
                 print(f"step {r.step}: FAILED ({_on_disk(store, g)})")
                 for problem in r.problems:
                     print(f"  {one_line(_problem_on_disk(store, g, problem))}")
+        for step in sorted(removed):
+            print(f"step {step}: removed while it was verified (a writer's retention): not checked")
         if skipped:
             print(f"skipped uncommitted (no manifest; in progress or a crashed write): steps {skipped}")
         print(f"{len(results) - len(failed)} ok, {len(failed)} failed")
@@ -260,6 +271,12 @@ def cmd_gc(args: argparse.Namespace) -> int:
         print(f"{PROG} gc: could not remove steps {[s for s, _ in report.failed]}; run gc again", file=sys.stderr)
         return 1
     return 0
+
+
+def _gone(store: Any, step: int) -> bool:
+    """Whether generation ``step`` has no manifest now (removed since it was listed)."""
+    info = store.read_generation(step)
+    return not info.committed and info.error is None and not info.unreadable
 
 
 def _on_disk(store: Any, g: Any) -> str:
