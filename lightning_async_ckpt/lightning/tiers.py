@@ -109,8 +109,8 @@ class Tiers:
         """At train start, after ``place_run`` chose the durable location ``store``: the engine of this fit's local
         location (``engine`` itself when it already writes there).
 
-        The local tier continues in ``local_dirpath`` (or a version folder of it) where no generation is newer than
-        the step training starts from; otherwise (a damaged or branched-off newer local generation) the fit writes
+        The local tier continues in the newest of ``local_dirpath`` and its version folders where no generation is
+        newer than the step training starts from; otherwise (a damaged or branched-off newer local generation) the fit writes
         a new local version, so nothing there is overwritten.
         """
         if engine is None:
@@ -135,8 +135,10 @@ class Tiers:
         return engine
 
     def _local_location(self, start_step: int) -> str:
+        # The newest version where this fit can continue: a run that moved to v1 once keeps writing (and retaining)
+        # there instead of going back to the older folder.
         locations = run_locations(self.local_dirpath)
-        for loc in locations:
+        for loc in reversed(locations):
             steps = [g.step for g in loc.store.scan(include_uncommitted=True).generations if g.holds_step]
             if not steps or max(steps) <= start_step:
                 return version_uri(self.local_dirpath, loc.version)

@@ -369,3 +369,18 @@ def test_a_process_killed_while_promoting_leaves_no_durable_generation_and_resum
     trainer, _ = _fit([_tiered(tmp_path, local_every_n_train_steps=2)], max_steps=8, ckpt_path="last")
     assert trainer.global_step == 8
     assert _steps(tmp_path / "durable") == [8]
+
+
+def test_a_run_that_moved_to_a_new_local_version_keeps_writing_there(tmp_path):
+    def callback():
+        return _tiered(tmp_path, local_every_n_train_steps=2, local_keep_last=1, save_on_train_end=False)
+
+    _fit([callback()], max_steps=10)
+    with open(_file(tmp_path / "local", 10), "r+b") as f:
+        f.seek(100)
+        f.write(b"\x00\x01\x02")
+    with pytest.warns(UserWarning, match="step-00000010"):
+        _fit([callback()], max_steps=12, ckpt_path="last")  # from dirpath's 8 (local 10 damaged): local v1
+    _fit([callback()], max_steps=14, ckpt_path="last")  # from local v1's 12: continues in v1, not in v0
+    assert _steps(tmp_path / "local" / "v1") == [14]  # local_keep_last=1 in the folder it writes
+    assert not (tmp_path / "local" / "v2").exists()
