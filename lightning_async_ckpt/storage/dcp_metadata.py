@@ -24,7 +24,14 @@ from typing import IO, Any
 
 from lightning_async_ckpt.errors import CheckpointError
 
-__all__ = ["TRUST_HINT", "UntrustedPickleError", "allowed_globals", "load_dcp_folder", "load_metadata"]
+__all__ = [
+    "TRUST_HINT",
+    "UntrustedPickleError",
+    "allowed_globals",
+    "check_dcp_folder",
+    "load_dcp_folder",
+    "load_metadata",
+]
 
 #: How a caller that trusts every writer of the store lets DCP unpickle (named in every refusal).
 TRUST_HINT = "trust_pickled_objects=True (through Lightning: trainer.fit(..., weights_only=False))"
@@ -174,3 +181,48 @@ def load_dcp_folder(folder: str, *, trust: bool = False) -> dict[str, Any]:
             raise refused[0] from exc
         raise
     return state
+
+
+def check_dcp_folder(folder: str) -> None:
+    """Refuse a local DCP folder that another loader (``dcp.load``, Lightning's sharded strategies) would run code
+    from: ``.metadata`` through the allow-listed unpickler, every byte item through ``torch.load(weights_only=True)``.
+
+    Call it before handing the folder to a loader that unpickles without limits; it reads ``.metadata`` and the byte
+    items (small: non-tensor values), never the tensors.
+
+    Raises:
+        UntrustedPickleError: ``.metadata`` or a byte item needs more than the restricted unpicklers allow, or a byte
+            item is stored with a transform this check cannot undo (nothing of it was run).
+    """
+    import os
+
+    import torch
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    from lightning_async_ckpt.storage.regular import check_regular
+
+    path = os.path.join(folder, ".metadata")
+    check_regular(path)  # a FIFO is never opened
+    with open(path, "rb") as f:
+        metadata = load_metadata(f, where=path)
+    storage = metadata.storage_data or {}
+    for index, info in storage.items():
+        if not isinstance(metadata.state_dict_metadata.get(index.fqn), BytesStorageMetadata):
+            continue
+        where = f"{folder}: item {index.fqn!r}"
+        if getattr(info, "transform_descriptors", None):
+            raise UntrustedPickleError(f"{where} is stored transformed ({info.transform_descriptors}); cannot check it")
+        path = os.path.realpath(os.path.join(folder, info.relative_path))
+        if not path.startswith(os.path.realpath(folder) + os.sep):
+            raise UntrustedPickleError(f"{where} is stored outside the folder ({info.relative_path!r}); refused")
+        check_regular(path)
+        with open(path, "rb") as f:
+            f.seek(info.offset)
+            data = f.read(info.length)
+        try:
+            torch.load(io.BytesIO(data), weights_only=True)
+        except Exception as exc:
+            raise UntrustedPickleError(
+                f"{where} is a pickle that torch.load(weights_only=True) refuses ({type(exc).__name__}); pass "
+                f"{TRUST_HINT} only when every writer of the store is trusted"
+            ) from exc

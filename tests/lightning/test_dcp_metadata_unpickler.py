@@ -21,6 +21,7 @@ import torch.distributed.checkpoint as dcp
 from lightning_async_ckpt import AsyncCheckpointCallback
 from lightning_async_ckpt.errors import CheckpointError
 from lightning_async_ckpt.lightning.sliced import load_lightning_dcp
+from lightning_async_ckpt.storage.dcp_metadata import check_dcp_folder
 from tests.helpers.models import BNDropoutModel, make_loader, trainer_kwargs
 
 
@@ -120,3 +121,18 @@ def test_a_lightning_resume_from_a_clean_folder_continues(tmp_path: Path) -> Non
     trainer = pl.Trainer(max_steps=4, callbacks=[callback], **trainer_kwargs())
     trainer.fit(Counting(), make_loader(), ckpt_path=str(folder))
     assert seen[0] == 2
+
+
+def test_check_dcp_folder_refuses_what_dcps_own_loader_would_run(tmp_path: Path) -> None:
+    """What a caller runs before handing a folder to ``dcp.load`` or Lightning's sharded strategies (they unpickle
+    ``.metadata`` and byte items without limits)."""
+    folder, _ = _lightning_dcp_folder(tmp_path / "clean")
+    check_dcp_folder(str(folder))
+    marker = tmp_path / "code-ran"
+    planted_item, _ = _lightning_dcp_folder(tmp_path / "item", extra={"planted": Planted(marker)})
+    with pytest.raises(CheckpointError, match="'planted'"):
+        check_dcp_folder(str(planted_item))
+    _plant_in_metadata(folder, marker)
+    with pytest.raises(CheckpointError, match="posix.mkdir"):
+        check_dcp_folder(str(folder))
+    assert not marker.exists()
