@@ -44,7 +44,8 @@ class AccelerateFolder:
         index: ``N`` of an automatically named ``checkpoint_N`` folder, else ``None``.
         manifest: The parsed manifest when committed.
         error: Why the manifest was rejected (``state == "invalid"``).
-        mtime: The folder's or manifest's modification time, when the filesystem reports one.
+        mtime: The folder's modification time when the filesystem reports one, else the manifest's ``committed_at``
+            (the writer's clock); shown as an age, never used to choose a folder (they rank by ``N``).
     """
 
     name: str
@@ -143,7 +144,7 @@ def _read_folder(fs: Any, path: str, index: int | None) -> AccelerateFolder:
         step=manifest.step,
         index=index,
         manifest=manifest,
-        mtime=manifest.committed_at or _mtime(fs, path),
+        mtime=_mtime(fs, path) or manifest.committed_at,  # the storage's clock first: committed_at is the writer's
     )
 
 
