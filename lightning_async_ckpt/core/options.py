@@ -71,8 +71,12 @@ def _save_without_zip_crc(state: Any, stream: Any) -> bool:
         zip_writer = writer_type(stream, False, alignment())
     except TypeError:  # another signature: no per-writer CRC switch in this torch
         return False
-    save(state, zip_writer, serialization.pickle, serialization.DEFAULT_PROTOCOL, False)
-    zip_writer.write_end_of_file()
+    try:
+        save(state, zip_writer, serialization.pickle, serialization.DEFAULT_PROTOCOL, False)
+    finally:
+        # As torch.save's own writer context does, even when the save failed: a writer left unfinished would write
+        # its end record from its C++ destructor, whose error (the stream failed) terminates the process.
+        zip_writer.write_end_of_file()
     return True
 
 
