@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: install run test test-fast lint bench clean
+.PHONY: install run test test-fast test-crash-long lint bench clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -26,6 +26,10 @@ test: $(STAMP)
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow"
+
+## The shutdown-crash test's long matrix: 50 forked runs per path (`make test` runs 8; docs/reliability.md).
+test-crash-long: $(STAMP)
+	LAC_CRASH_RUNS=50 $(BIN)/python -m pytest -q tests/system/test_shutdown_crash.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check lightning_async_ckpt tests examples benchmarks
