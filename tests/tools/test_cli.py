@@ -395,7 +395,7 @@ def test_gc_on_s3_reads_each_manifest_once(
     s3_uri: tuple[str, dict[str, Any]], capsys: pytest.CaptureFixture[str]
 ) -> None:
     """``gc`` lists and reads the folder once (it used to list and read every manifest twice; issue 27)."""
-    from _s3_requests import s3_requests
+    from tests.helpers.s3_requests import s3_requests
 
     uri, options = s3_uri
     store = CheckpointStore(uri, options, run_id="s3-run")
