@@ -72,6 +72,12 @@ class PreemptionHandler:
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__init__(state["signum"])  # type: ignore[misc]
 
+    def __eq__(self, other: object) -> bool:
+        # Configuration equality (what a pickled callback carries), like the callback's other arguments.
+        return isinstance(other, PreemptionHandler) and other.signum == self.signum
+
+    __hash__ = None  # type: ignore[assignment]
+
     def install(self) -> None:
         """Handle ``signum`` from now on (main thread only; elsewhere a warning says it is not handled)."""
         if self._installed or self.signum is None:

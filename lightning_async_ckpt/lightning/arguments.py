@@ -31,7 +31,7 @@ class ModelCheckpointConfigError(ConfigError, MisconfigurationException):
     ``ModelCheckpoint``'s wording followed by the fix."""
 
 
-def normalize_dirpath(dirpath: Any) -> str | None:
+def normalize_dirpath(dirpath: Any, name: str = "dirpath") -> str | None:
     """``dirpath`` as ``ModelCheckpoint`` keeps it: a ``str``; a local path with ``~`` expanded, made absolute and
     its links resolved (``os.path.realpath``); a URL (``s3://...``, ``file://...``) untouched; ``""`` stays ``""``
     (names relative to the working directory, resolved at setup by :func:`resolve_dirpath`).
@@ -43,12 +43,12 @@ def normalize_dirpath(dirpath: Any) -> str | None:
         return None
     if not isinstance(dirpath, (str, os.PathLike)):
         raise ConfigError(
-            f"dirpath must be None, a path (str or os.PathLike such as pathlib.Path) or an fsspec URL string, "
+            f"{name} must be None, a path (str or os.PathLike such as pathlib.Path) or an fsspec URL string, "
             f"got {type(dirpath).__name__} {dirpath!r}"
         )
     path = os.fspath(dirpath)
     if not isinstance(path, str):  # a bytes path
-        raise ConfigError(f"dirpath must be a text path, not bytes: pass {os.fsdecode(path)!r}")
+        raise ConfigError(f"{name} must be a text path, not bytes: pass {os.fsdecode(path)!r}")
     if not path or "://" in path:
         return path
     return os.path.realpath(os.path.expanduser(path))
@@ -239,7 +239,7 @@ def check_tiers(
     for name, value in (("local_every_n_train_steps", local_every_n_train_steps), ("local_keep_last", local_keep_last)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ConfigError(f"{name} must be None or an int >= 1, got {value!r}")
-    local = normalize_dirpath(local_dirpath)
+    local = normalize_dirpath(local_dirpath, "local_dirpath")
     if local is None:
         if local_every_n_train_steps is not None or local_keep_last is not None:
             raise ConfigError(

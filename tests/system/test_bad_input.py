@@ -163,6 +163,13 @@ CALLBACK_CASES = [
     ("save_on_exception", "yes"),
     ("ddp_layout", "columns"),
     ("log_metrics", "yes"),
+    # The local tier and the emergency save (docs/tiers.md)
+    ("local_dirpath", 5),
+    ("local_dirpath", ""),
+    ("local_every_n_train_steps", 0),
+    ("local_keep_last", -1),
+    ("preemption_signal", "USR1"),
+    ("preemption_grace_s", -1.0),
 ]
 
 
