@@ -70,8 +70,11 @@ def choose(fs: Any, root: str, uri: str, options: dict[str, Any], step: int | No
     store = CheckpointStore(uri, options, check_writable=False)
     if step is None:
         info = store.latest()  # checksums verified; damaged or uncommitted generations are skipped with a warning
+        committed = store.generations() if info is None else []
+        if committed:
+            info = store.latest()  # committed since the first look (a save that was in flight): not damage
         if info is None:
-            damaged = [g.step for g in store.generations()]
+            damaged = [g.step for g in committed]
             if damaged:
                 raise CheckpointError(
                     f"no intact committed generation under {uri}: steps {damaged} are committed but damaged (see "
