@@ -49,7 +49,13 @@ from lightning_async_ckpt.core.telemetry import EventLog
 from lightning_async_ckpt.errors import ConfigError
 from lightning_async_ckpt.lightning.collective import agree_on
 from lightning_async_ckpt.lightning.hooks import override_failures
-from lightning_async_ckpt.lightning.sliced import DDP_LAYOUTS, install_dcp_loader, is_ddp, replicated_only
+from lightning_async_ckpt.lightning.sliced import (
+    DDP_LAYOUTS,
+    guard_strategy_dcp_loads,
+    install_dcp_loader,
+    is_ddp,
+    replicated_only,
+)
 from lightning_async_ckpt.sharded import DCP_FORMAT, ShardedCheckpointer, ShardedSaveError
 from lightning_async_ckpt.storage.manifest import Manifest
 from lightning_async_ckpt.storage.store import CheckpointStore
@@ -372,6 +378,8 @@ def setup_sharded(callback: Any, trainer: pl.Trainer) -> bool:
         if not replicated:
             return False
         model_key = "state_dict"
+    if not replicated:
+        guard_strategy_dcp_loads(trainer.strategy)  # its own loader unpickles DCP files without limits
     options = callback.options
     if options.admission != "wait" or options.max_outstanding != 1:
         raise ConfigError(

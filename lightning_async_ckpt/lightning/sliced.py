@@ -33,11 +33,12 @@ from typing import Any
 import torch
 
 from lightning_async_ckpt.errors import ConfigError
-from lightning_async_ckpt.storage.dcp_metadata import load_dcp_folder
+from lightning_async_ckpt.storage.dcp_metadata import check_dcp_folder, load_dcp_folder
 
 __all__ = [
     "DDP_LAYOUTS",
     "check_ddp_layout",
+    "guard_strategy_dcp_loads",
     "replicated_only",
     "install_dcp_loader",
     "is_ddp",
@@ -52,6 +53,7 @@ DDP_LAYOUTS = ("single", "sliced")
 _META = "meta.pt"
 _DCP_METADATA = ".metadata"
 _INSTALLED = "_lightning_async_ckpt_dcp_loader"
+_GUARDED = "_lightning_async_ckpt_dcp_guard"
 
 
 def check_ddp_layout(ddp_layout: Any) -> str:
@@ -135,6 +137,30 @@ def _int_param_ids(osd: dict[str, Any]) -> dict[str, Any]:
         ordered = {p: state.pop(p) for p in params if p in state}
         osd["state"] = {**ordered, **state}
     return osd
+
+
+def guard_strategy_dcp_loads(strategy: Any) -> None:
+    """Check a DCP folder before a sharded strategy's own loader (FSDP, ``ModelParallelStrategy``) unpickles it.
+
+    Those loaders read ``.metadata`` and every byte item with plain ``pickle`` / ``torch.load(weights_only=False)``:
+    anyone who can write the store could run code in the training job. Before delegating, the folder is read
+    through the allow-listed unpicklers (:func:`~lightning_async_ckpt.storage.dcp_metadata.check_dcp_folder`, which
+    never runs what it refuses) unless Lightning passes ``weights_only=False`` (``trainer.fit(...,
+    weights_only=False)``: the caller's explicit trust). Idempotent; paths that are not local DCP folders pass.
+    """
+    if getattr(strategy, _GUARDED, False):
+        return
+    original = strategy.load_checkpoint
+
+    def load_checkpoint(checkpoint_path: Any, *args: Any, **kwargs: Any) -> Any:
+        weights_only = kwargs.get("weights_only", args[0] if args else None)
+        path = os.fspath(checkpoint_path) if isinstance(checkpoint_path, str | os.PathLike) else None
+        if weights_only is not False and path is not None and os.path.isfile(os.path.join(path, _DCP_METADATA)):
+            check_dcp_folder(path)
+        return original(checkpoint_path, *args, **kwargs)
+
+    strategy.load_checkpoint = load_checkpoint
+    setattr(strategy, _GUARDED, True)
 
 
 def install_dcp_loader(strategy: Any) -> None:

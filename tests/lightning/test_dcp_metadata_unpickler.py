@@ -136,3 +136,25 @@ def test_check_dcp_folder_refuses_what_dcps_own_loader_would_run(tmp_path: Path)
     with pytest.raises(CheckpointError, match="posix.mkdir"):
         check_dcp_folder(str(folder))
     assert not marker.exists()
+
+
+def test_a_sharded_strategy_s_own_loader_is_guarded_before_it_unpickles(tmp_path: Path) -> None:
+    # FSDP / ModelParallelStrategy load DCP folders with plain pickle: the callback checks the folder first.
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    from lightning_async_ckpt.lightning.sliced import guard_strategy_dcp_loads
+
+    folder, _ = _lightning_dcp_folder(tmp_path)
+    marker = tmp_path / "code-ran"
+    _plant_in_metadata(folder, marker)
+    strategy = ModelParallelStrategy()
+    reached: list[Any] = []
+    strategy.load_checkpoint = lambda path, weights_only=None: reached.append((path, weights_only))  # type: ignore
+    guard_strategy_dcp_loads(strategy)
+    guard_strategy_dcp_loads(strategy)  # idempotent
+    with pytest.raises(CheckpointError, match="trust_pickled_objects=True|posix.mkdir"):
+        strategy.load_checkpoint(folder)
+    assert not marker.exists() and not reached
+    strategy.load_checkpoint(folder, weights_only=False)  # the caller's explicit trust: handed on unchecked
+    strategy.load_checkpoint(tmp_path / "full.ckpt")  # not a DCP folder: handed on
+    assert reached == [(folder, False), (tmp_path / "full.ckpt", None)]
