@@ -20,7 +20,8 @@ resumed run id are known):
   generation's name is its step, so the version is a folder). Nothing of the earlier run is touched.
 
 ``ckpt_path="last"`` and :func:`~lightning_async_ckpt.lightning.resume.latest_checkpoint` look at ``dirpath`` and its
-versions and pick the most recently committed checkpoint, like ``ModelCheckpoint`` picks the newest ``last*.ckpt``.
+versions and pick the newest step of the highest version holding an intact generation (never by the writers'
+clocks), as ``ModelCheckpoint``'s newest ``last*.ckpt`` is the one of its latest version.
 """
 
 from __future__ import annotations

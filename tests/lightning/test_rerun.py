@@ -61,7 +61,7 @@ def test_last_picks_the_newest_version_and_continues_it(tmp_path):
     _fit(AsyncCheckpointCallback(dirpath=root, every_n_train_steps=2), max_steps=8)
     with pytest.warns(UserWarning, match="v1"):
         _fit(AsyncCheckpointCallback(dirpath=root, every_n_train_steps=2), max_steps=4)
-    # The most recently committed checkpoint is v1's step 4 (not the first run's higher step 8).
+    # The highest version's newest step is v1's step 4 (not the first run's higher step 8 in dirpath).
     assert latest_checkpoint(root).endswith("v1/step-00000004/epoch=0-step=4.ckpt")
     seen: list[int] = []
     _fit(AsyncCheckpointCallback(dirpath=root, every_n_train_steps=2), max_steps=6, ckpt_path="last", seen=seen)
