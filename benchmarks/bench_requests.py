@@ -4,7 +4,8 @@ Starts a moto S3 server on loopback, fills a bucket prefix with G tiny committed
 the library's ``Manifest``, in one batch) and counts every request the server answers (its request log) during:
 
 - ``latest_checkpoint(dirpath)`` and ``CheckpointStore.latest()`` (the newest generation intact);
-- one save with ``keep_last=2`` of another run in that folder: its first save (a new store) and a later one.
+- one save with ``keep_last=2`` of another run in that folder: its first save (a new store) and a later one;
+- a later save of ``OBJECTS`` objects (what the commit and retention check per object: one listing, no HEAD each).
 
 Run: ``python benchmarks/bench_requests.py [G ...]`` (default 10 1000). Prints a markdown table.
 """
@@ -21,6 +22,7 @@ import uuid
 from collections import Counter
 from typing import Any
 
+OBJECTS = 20  # objects of the many-object save (one per rank of a sharded save)
 _LINE = re.compile(r'"(?P<method>[A-Z]+) (?P<target>\S+) HTTP/[0-9.]+" \d{3}')
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
@@ -68,9 +70,12 @@ def _fill(store: Any, count: int) -> None:
     store.invalidate_cache()
 
 
-def _save(store: Any, step: int) -> None:
+def _save(store: Any, step: int, objects: int = 1) -> None:
     writer = store.begin(step)
-    writer.write_bytes("checkpoint.ckpt", b"y" * 16)
+    if objects == 1:
+        writer.write_bytes("checkpoint.ckpt", b"y" * 16)
+    for i in range(objects if objects > 1 else 0):
+        writer.write_bytes(f"shard-{i:03d}.bin", b"y" * 16)  # one object per rank of a sharded save
     writer.commit()
     store.gc(2)
 
@@ -114,6 +119,9 @@ def main(sizes: list[int]) -> None:
             _save(store, g + 1)
             kinds, _ = _count(functools.partial(_save, store, g + 2))
             rows.setdefault("a later save, `keep_last=2`", []).append(_fmt(kinds))
+            _save(store, g + 3, OBJECTS)
+            kinds, _ = _count(functools.partial(_save, store, g + 4, OBJECTS))
+            rows.setdefault(f"a later save of {OBJECTS} objects, `keep_last=2`", []).append(_fmt(kinds))
     finally:
         server.stop()
     print("| operation | " + " | ".join(f"G = {g:,}" for g in sizes) + " |")

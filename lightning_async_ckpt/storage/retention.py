@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from lightning_async_ckpt.storage.claims import Liveness, claim_liveness, is_claim_name, read_claim
+from lightning_async_ckpt.storage.listing_check import check_listed
 from lightning_async_ckpt.storage.manifest import MANIFEST_NAME
 
 if TYPE_CHECKING:
@@ -213,7 +214,7 @@ def execute(
                 problems = tuple(
                     store.verify(info.step, manifest=info.manifest).problems
                     if cheap
-                    else store.check_sizes(info.manifest)
+                    else check_listed(store, info.manifest)  # one listing, not a HEAD per object
                 )
                 kept += not problems
         elif not info.unreadable and not info.newer_format:

@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import importlib.metadata
 import logging
-import os
 import time
 from typing import IO, TYPE_CHECKING, Any
 
 from lightning_async_ckpt.errors import GenerationExistsError, ManifestError, StorageError, WriterUsageError
 from lightning_async_ckpt.storage.claims import CLAIM_NAME, Lease, claim_body, claim_step, new_token, read_claim
 from lightning_async_ckpt.storage.io import Checksum, WriteOnlyStream, file_identity, same_file
+from lightning_async_ckpt.storage.listing_check import check_listed, replaced_files
 from lightning_async_ckpt.storage.manifest import MANIFEST_NAME, Manifest, ObjectEntry, validate_object_name
 
 if TYPE_CHECKING:
@@ -332,18 +332,12 @@ class GenerationWriter:
                 f"generation step {self.step} at {self.store.url(self.step)}: this writer's claim was taken over "
                 "(its lease expired while it was stalled); the step is NOT committed by this writer"
             )
-        changed = [obj.name for obj in manifest.objects if self._replaced(obj.key)]
+        changed = replaced_files(self.path, manifest, self._idents)
         if changed:
             raise StorageError(
                 f"generation step {self.step} at {self.store.url(self.step)}: objects {changed} were replaced by "
                 "another writer; the step is NOT committed by this writer"
             )
-
-    def _replaced(self, key: str) -> bool:
-        """Whether another file now sits where this writer created ``key`` (a missing one is reported later)."""
-        identity = self._idents.get(key)
-        path = f"{self.path}/{key}"
-        return identity is not None and os.path.exists(path) and not same_file(path, identity)
 
     def _owns(self, key: str) -> bool:
         """Whether the object at ``key`` is this attempt's (never remove or commit another attempt's)."""
@@ -354,7 +348,8 @@ class GenerationWriter:
         return self._claim is not None and self._holds_claim()
 
     def _check_objects(self, manifest: Manifest, when: str) -> None:
-        problems = self.store.check_sizes(manifest)
+        # One listing of the generation, not a HEAD per object (:mod:`.listing_check`).
+        problems = check_listed(self.store, manifest)
         if problems:
             raise StorageError(
                 f"generation step {self.step} at {self.store.url(self.step)}: objects changed {when} the manifest "
