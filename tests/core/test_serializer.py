@@ -54,3 +54,19 @@ def test_the_process_wide_torch_crc_option_is_never_changed(tmp_path, user_setti
         assert torch.serialization.get_crc32_options() is user_setting
     finally:
         torch.serialization.set_crc32_options(before)
+
+
+def test_a_replaced_torch_save_sees_every_save_like_model_checkpoint(tmp_path, monkeypatch):
+    # Lightning's own tests (and users) count checkpoints by patching torch.save.
+    calls = []
+    original = torch.save
+
+    def counting(obj, f, *args, **kwargs):
+        calls.append(f)
+        return original(obj, f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", counting)
+    path = _save(tmp_path)
+    assert len(calls) == 1
+    with zipfile.ZipFile(path) as z:
+        assert z.testzip() is None  # torch.save as it is, its CRC included
