@@ -28,6 +28,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from lightning_async_ckpt.core.capture import Category, Fence
 from lightning_async_ckpt.core.hooks import FenceHooks
+from lightning_async_ckpt.core.persist import RetryPolicy
 from lightning_async_ckpt.core.staging import BufferPool, StagingJob, resolve_budget
 from lightning_async_ckpt.errors import ConfigError
 from lightning_async_ckpt.sharded.capture import LocalCapture, capture_local
@@ -70,6 +71,9 @@ class ShardedCheckpointer:
             see :mod:`lightning_async_ckpt.core.guard`): a torn copy refuses the save on every rank.
         host_memory_budget: Bytes of pooled host buffers this rank may retain (``"auto"``: half the available host
             memory; ``None``: no limit).
+        write_retry: Retries of a write the object store throttled (503 SlowDown, 429, a reset connection), with
+            jittered backoff (default :data:`~lightning_async_ckpt.sharded.write_retry.DEFAULT_WRITE_RETRY`: 4
+            retries from 0.5 s); the manifest counts them per rank (``extra["write_retries"]``).
 
     Raises:
         ConfigError: A bad argument.
@@ -87,6 +91,7 @@ class ShardedCheckpointer:
         keep_last: int | None = None,
         guard: bool | str = True,
         host_memory_budget: int | str | None = None,
+        write_retry: RetryPolicy | None = None,
     ) -> None:
         if isinstance(timeout_s, bool) or not isinstance(timeout_s, int | float) or timeout_s <= 0:
             raise ConfigError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
@@ -97,6 +102,9 @@ class ShardedCheckpointer:
         self.timeout_s = float(timeout_s)
         self.thread_count = thread_count
         self.keep_last = keep_last
+        if write_retry is not None and not isinstance(write_retry, RetryPolicy):
+            raise ConfigError(f"write_retry must be a RetryPolicy or None, got {write_retry!r}")
+        self.write_retry = write_retry
         self._own_group = False
         if process_group is None and dist.is_available() and dist.is_initialized():
             process_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
@@ -318,6 +326,7 @@ class ShardedCheckpointer:
             on_plan=staged_ok,
             before_report=job.confirm,  # the guard's last word on this rank, before the coordinator may commit
             objects=objects,
+            retry=self.write_retry,
         )
         try:
             staged = capture.staged_state() if job.error is None else {}

@@ -8,7 +8,8 @@ manifest write, a retried write that landed counts as ours, the loser of a race 
 is the same schema as a single-writer generation's, so ``CheckpointStore.generations``, ``latest``, ``verify``
 and retention read sharded generations unchanged; ``extra["format"] == "torch_dcp"``, ``extra["ranks"]`` (rank ->
 object names) and ``extra["dcp_folder"]`` (where DCP's files are, relative to the generation folder: ``""``, or
-the writer's prefix when another writer held the step's claim) say what it is.
+the writer's prefix when another writer held the step's claim) say what it is; ``extra["write_retries"]`` (rank ->
+throttled writes it retried) says how hard the store pushed back.
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ def commit_generation(
         GenerationExistsError: Another writer committed the step first (this save's objects were removed).
     """
     ranks: dict[str, list[str]] = {}
+    retries: dict[str, int] = {}  # throttled writes each rank retried (:mod:`.write_retry`)
     seen: set[str] = set()
     for report in reports:
         for entry in report.objects:
@@ -66,10 +68,17 @@ def commit_generation(
             seen.add(entry.name)
         if report.rank >= 0:
             ranks[str(report.rank)] = [entry.name for entry in report.objects]
+            retries[str(report.rank)] = report.retries
     for report in reports:
         for entry in report.objects:
             claim.record(entry)
     return claim.commit(
         cut={"step": claim.step, "world_size": len(ranks), **(cut or {})},
-        extra={"format": DCP_FORMAT, "ranks": ranks, "dcp_folder": claim.prefix.rstrip("/"), **(extra or {})},
+        extra={
+            "format": DCP_FORMAT,
+            "ranks": ranks,
+            "dcp_folder": claim.prefix.rstrip("/"),
+            "write_retries": retries,
+            **(extra or {}),
+        },
     )

@@ -28,26 +28,24 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import re
-import threading
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import IO, TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any
 
 from torch.distributed.checkpoint import FileSystemWriter
-from torch.distributed.checkpoint.filesystem import FileSystemBase
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from lightning_async_ckpt.errors import StorageError
+from lightning_async_ckpt.sharded.dcp_files import StoreFileSystem
+from lightning_async_ckpt.sharded.write_retry import WriteRetries
 from lightning_async_ckpt.storage.claims import Lease, attempt_claim_name
-from lightning_async_ckpt.storage.io import Checksum, WriteOnlyStream, file_identity, fsync_dir, same_file
 from lightning_async_ckpt.storage.manifest import ObjectEntry, validate_object_name
 
 if TYPE_CHECKING:
+    from lightning_async_ckpt.core.persist import RetryPolicy
     from lightning_async_ckpt.storage.store import CheckpointStore
     from lightning_async_ckpt.storage.writer import GenerationWriter
 
@@ -57,8 +55,6 @@ __all__ = ["METADATA_NAME", "REPORT_FQN", "RankObjects", "StoreStorageWriter"]
 METADATA_NAME = ".metadata"
 #: The fully qualified name of the per-rank report results (never written into DCP's metadata).
 REPORT_FQN = "__lightning_async_ckpt_rank_objects__"
-# DCP's data files and temporary files: always written under a name that carries the attempt's token.
-_TOKENED_RE = re.compile(r"^(__[0-9]+_[0-9]+\.distcp|.*\.tmp)$")
 
 
 @dataclass(frozen=True)
@@ -76,153 +72,12 @@ class RankObjects:
     Attributes:
         rank: The rank in the checkpoint's process group.
         objects: The rank's data objects with sizes and checksums.
+        retries: Writes this rank retried because the store throttled it (:mod:`.write_retry`).
     """
 
     rank: int
     objects: tuple[ObjectEntry, ...]
-
-
-class _ChecksumStream(WriteOnlyStream):
-    """Write-only stream over a backend object: counts and checksums bytes; closing is left to the file system."""
-
-    def __init__(self, raw: IO[bytes], algorithm: str, renew: Callable[[], None]) -> None:
-        self.raw = raw
-        self.digest = Checksum(algorithm)
-        self.size = 0
-        self._renew = renew
-
-    def write(self, data: Any) -> int:
-        view = memoryview(data).cast("B")
-        self.raw.write(view)
-        self.digest.update(view)
-        self.size += len(view)
-        self._renew()
-        return len(view)
-
-    def flush(self) -> None:
-        # The backend flushes and syncs once at the end; a direct-I/O file must not flush its tail early.
-        pass
-
-    def close(self) -> None:
-        # DCP closes the stream inside its ``with``; the file system makes it durable after the block.
-        pass
-
-
-class _StoreFileSystem(FileSystemBase):
-    """DCP's file-system seam over a store's fsspec filesystem and backend; records every object written.
-
-    Objects are created exclusively; DCP's data and temporary files (and the names in :attr:`tokened`) get the
-    attempt's token appended to their file name (:meth:`physical`), the object's name stays DCP's.
-    """
-
-    def __init__(self, store: CheckpointStore, generation: str) -> None:
-        self.store = store
-        self.generation = generation.rstrip("/")
-        self.objects: dict[str, ObjectEntry] = {}
-        self.token: str | None = None
-        self.lease: Lease | None = None
-        self.tokened: set[str] = set()
-        self._created: dict[str, tuple[int, int] | None] = {}
-        self._lock = threading.Lock()
-
-    def physical(self, path: str) -> str:
-        """Where the object DCP calls ``path`` is written: its name with the token appended where it must be."""
-        name = path.rsplit("/", 1)[-1]
-        if self.token and (_TOKENED_RE.match(name) or name in self.tokened):
-            return f"{path}.{self.token}"
-        return path
-
-    def renew(self) -> None:
-        """Renew this rank's lease when due (at each write)."""
-        if self.lease is not None:
-            self.lease.renew()
-
-    def _entry(self, path: str, size: int, checksum: str, physical: str | None = None) -> ObjectEntry:
-        # Relative to the generation folder: a writer under another writer's claim writes below its own prefix.
-        physical = physical or path
-        name = validate_object_name(path.rsplit("/", 1)[-1])
-        gen = self.generation + "/"
-        rel = physical[len(gen) :] if physical.startswith(gen) else physical.rsplit("/", 1)[-1]
-        return ObjectEntry(name=name, size=size, checksum=checksum, path=rel if rel != name else None)
-
-    @contextmanager
-    def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[Any]:
-        path = str(path)
-        if "w" not in mode:
-            with self.store.fs.open(path, mode) as f:
-                yield f
-            return
-        physical = self.physical(path)
-        entry = self._entry(path, 0, "", physical)
-        backend = self.store.backend
-        try:
-            raw = backend.open_write(physical, direct_io=self.store.direct_io, subfolder="/" in entry.key)
-        except Exception as exc:
-            raise StorageError(f"could not create {physical!r} for writing: {exc}") from exc
-        with self._lock:
-            self._created[physical] = file_identity(raw) if self.store.is_local else None
-        stream = _ChecksumStream(raw, self.store.checksum, self.renew)
-        try:
-            yield stream
-        except BaseException:
-            backend.discard(raw)
-            raise
-        try:
-            backend.finish(raw)
-        except Exception as exc:
-            raise StorageError(f"could not finish {physical!r}: {exc}") from exc
-        with self._lock:
-            self.objects[entry.name] = self._entry(path, stream.size, stream.digest.hexdigest(), physical)
-
-    def concat_path(self, path: str | os.PathLike, suffix: str) -> str:
-        return f"{str(path).rstrip('/')}/{suffix}"
-
-    def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:
-        """Publish a written temporary object (DCP's ``.metadata``) exclusively: never replaces an existing one.
-
-        Raises:
-            StorageError: Something is at ``new_path`` already (another attempt published it).
-        """
-        source, new_path = self.physical(str(path)), str(new_path)
-        try:
-            if self.store.is_local:
-                os.link(source, new_path)
-                os.unlink(source)
-                fsync_dir(os.path.dirname(new_path))
-            else:
-                self.store.backend.create_claim(new_path, self.store.fs.cat_file(source))
-                self.store.fs.rm_file(source)
-        except FileExistsError as exc:
-            raise StorageError(f"{new_path!r} exists: another attempt published it; this one is not committed") from exc
-        old = str(path).rsplit("/", 1)[-1]
-        with self._lock:
-            self._created[new_path] = self._created.pop(source, None)
-            entry = self.objects.pop(old)
-            renamed = self._entry(new_path, entry.size, entry.checksum)
-            self.objects[renamed.name] = renamed
-
-    def init_path(self, path: str | os.PathLike) -> str:
-        return str(path)
-
-    def mkdir(self, path: str | os.PathLike) -> None:
-        self.store.backend.prepare_folder(str(path))
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
-        return True
-
-    def exists(self, path: str | os.PathLike) -> bool:
-        return self.store.fs.exists(str(path))
-
-    def rm_file(self, path: str | os.PathLike) -> None:
-        """Remove an object this attempt created; anything else (another attempt's ``.metadata``) is left."""
-        path = self.physical(str(path))
-        with self._lock:
-            if path not in self._created:
-                return
-            identity = self._created.pop(path)
-        if identity is None or same_file(path, identity):
-            self.store.fs.rm_file(path)
+    retries: int = 0
 
 
 class StoreStorageWriter(FileSystemWriter):
@@ -248,6 +103,9 @@ class StoreStorageWriter(FileSystemWriter):
             (e.g. this rank's staging failed).
         before_report: Called on every rank after its objects are durable and before they are reported to the
             coordinator; raising fails the save on every rank (e.g. the guard found a torn copy).
+        retry: Retries of a throttled write (503 SlowDown, 429, a reset connection): this rank's DCP data files
+            are written again from the start, each extra object alone (default
+            :data:`~lightning_async_ckpt.sharded.write_retry.DEFAULT_WRITE_RETRY`).
 
     Raises:
         StorageError: An extra object name is DCP's own or not a valid object name.
@@ -264,6 +122,7 @@ class StoreStorageWriter(FileSystemWriter):
         objects: Mapping[str, bytes] | None = None,
         on_plan: Callable[[], None] | None = None,
         before_report: Callable[[], None] | None = None,
+        retry: RetryPolicy | None = None,
     ) -> None:
         for name in objects or {}:
             if name.startswith("__") or name == METADATA_NAME or "/" in validate_object_name(name):
@@ -271,7 +130,7 @@ class StoreStorageWriter(FileSystemWriter):
         self._objects = dict(objects or {})
         path = store.generation_path(step)
         super().__init__(path, single_file_per_rank=True, sync_files=False, thread_count=thread_count)
-        self.fs = _StoreFileSystem(store, path)
+        self.fs = StoreFileSystem(store, path)
         self.path = path
         self.store = store
         self.step = step
@@ -282,6 +141,7 @@ class StoreStorageWriter(FileSystemWriter):
         self._on_commit = on_commit
         self._on_plan = on_plan
         self._before_report = before_report
+        self._retries = WriteRetries(retry)
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         """Start a save (DCP step 0); the location is fixed by the store and step."""
@@ -332,16 +192,16 @@ class StoreStorageWriter(FileSystemWriter):
             lease = self.fs.lease = Lease(self.store, self.fs.concat_path(folder, name), self.step, storage.token, rank)
             lease.create()
         try:
-            results = [self._located(wr) for wr in super().write_data(plan, planner).value()]
+            results = self._retried(lambda: super(StoreStorageWriter, self).write_data(plan, planner).value(), rank)
+            results = [self._located(wr) for wr in results]
             for name, data in self._objects.items():
-                with self.fs.create_stream(self.fs.concat_path(folder, name), "wb") as stream:
-                    stream.write(data)
+                self._retried(lambda name=name, data=data: self._write_object(folder, name, data), rank, name)
         finally:
             if lease is not None:
                 lease.release()  # this rank's part of the attempt ended: it writes nothing more
         with self.fs._lock:
             objects = tuple(sorted(self.fs.objects.values(), key=lambda e: e.name))
-        report = RankObjects(rank=rank, objects=objects)
+        report = RankObjects(rank=rank, objects=objects, retries=self._retries.count)
         if self._before_report is not None:
             self._before_report()
         if self._on_written is not None:
@@ -350,6 +210,16 @@ class StoreStorageWriter(FileSystemWriter):
         out: Future[list[WriteResult]] = Future()
         out.set_result([*results, WriteResult(index=index, size_in_bytes=0, storage_data=report)])
         return out
+
+    def _retried(self, write: Callable[[], Any], rank: int, name: str | None = None) -> Any:
+        """Run ``write`` with retries on throttling; a failed attempt's objects are removed before the next."""
+        keep = self.fs.created()
+        what = f"rank {rank}'s {'object ' + repr(name) if name else 'data files'} of step {self.step}"
+        return self._retries.run(write, undo=lambda: self.fs.undo(keep), what=what)
+
+    def _write_object(self, folder: str, name: str, data: bytes) -> None:
+        with self.fs.create_stream(self.fs.concat_path(folder, name), "wb") as stream:
+            stream.write(data)
 
     def _located(self, result: WriteResult) -> WriteResult:
         """DCP's write result with the file it really went to (the token appended), for ``.metadata``."""

@@ -1,0 +1,118 @@
+"""Retrying one rank's object writes when the object store throttles it: bounded, with jittered backoff.
+
+Every rank of a sharded save writes into one new ``step-N/`` prefix within seconds; an object store answers a burst
+with ``503 SlowDown`` (S3), ``429 Too Many Requests`` (GCS, Azure) or a reset connection. Without a retry, one
+throttled rank fails the whole save. :class:`WriteRetries` retries a write that failed that way after
+:meth:`RetryPolicy.delay <lightning_async_ckpt.core.persist.RetryPolicy.delay>` (a doubling backoff plus up to half
+again at random, so throttled ranks do not come back in lockstep), at most ``policy.retries`` times, and counts the
+retries (the coordinator records them in the manifest, ``extra["write_retries"]``). Anything else (a full disk, an
+I/O error, a usage error) fails at once, as before: a retry would not help, and the save's own error handling runs.
+
+Concurrency per process stays bounded by DCP's ``thread_count`` (one object per I/O thread at a time); a retry
+reuses the thread that failed.
+
+Thread-safety: one instance per rank's ``write_data``; :meth:`WriteRetries.run` may be called from several threads.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+from lightning_async_ckpt.core.persist import RetryPolicy
+from lightning_async_ckpt.errors import StorageError
+
+__all__ = ["DEFAULT_WRITE_RETRY", "WriteRetries", "is_throttled"]
+
+_log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+#: Four retries after 0.5, 1, 2 and 4 s (each up to half again longer): about 8-12 s of throttling ridden out.
+DEFAULT_WRITE_RETRY = RetryPolicy(retries=4, backoff_s=0.5)
+# How object stores and their clients word throttling (botocore's ClientError codes, HTTP statuses, s3fs's text).
+_THROTTLE_WORDS = (
+    "slowdown",
+    "slow down",
+    "throttl",
+    "toomanyrequests",
+    "too many requests",
+    "requestlimitexceeded",
+    "reduce your request rate",
+    "(503)",
+    "(429)",
+    " 503 ",
+    " 429 ",
+    "serviceunavailable",
+)
+
+
+def is_throttled(exc: BaseException) -> bool:
+    """Whether ``exc`` (or what caused it) is the store asking to slow down, or a dropped connection.
+
+    A full disk is never throttling, whatever else the chain says.
+    """
+    seen: set[int] = set()
+    cause: BaseException | None = exc
+    throttled = False
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        if isinstance(cause, OSError) and cause.errno == errno.ENOSPC:
+            return False
+        if isinstance(cause, ConnectionError | TimeoutError):
+            throttled = True
+        text = f"{type(cause).__name__} {cause}".lower()
+        if any(word in text for word in _THROTTLE_WORDS):
+            throttled = True
+        cause = cause.__cause__ or cause.__context__
+    return throttled
+
+
+class WriteRetries:
+    """Runs object writes with bounded retries on throttling, and counts the retries.
+
+    Args:
+        policy: How many retries and the backoff (``retries`` and ``backoff_s``; ``DEFAULT_WRITE_RETRY`` when
+            ``None``).
+        sleep: What waits out the backoff (``time.sleep``).
+    """
+
+    def __init__(self, policy: RetryPolicy | None = None, *, sleep: Callable[[float], None] = time.sleep) -> None:
+        self.policy = policy or DEFAULT_WRITE_RETRY
+        self._sleep = sleep
+        self._lock = threading.Lock()
+        self.count = 0
+
+    def run(self, write: Callable[[], T], *, undo: Callable[[], None], what: str) -> T:
+        """Run ``write``; when it fails throttled, ``undo`` its partial result, wait, and run it again.
+
+        Args:
+            write: One object write (or one rank's DCP data files), from the start.
+            undo: Removes what a failed ``write`` left (its partial objects), so the next attempt starts clean.
+            what: The object(s), for the log and the final error.
+
+        Raises:
+            Exception: The error of a write that is not throttling, unchanged.
+            StorageError: The last attempt was still throttled (chained from its error; says how many retries).
+        """
+        attempt = 0
+        while True:
+            try:
+                return write()
+            except Exception as exc:
+                if attempt >= self.policy.retries or not is_throttled(exc):
+                    if attempt:
+                        raise StorageError(
+                            f"{what}: {type(exc).__name__}: {exc} (after {attempt} retries of a throttled write)"
+                        ) from exc
+                    raise
+                attempt += 1
+                delay = self.policy.delay(attempt)
+                with self._lock:
+                    self.count += 1
+                _log.warning("%s: throttled (%s); retry %d in %.2fs", what, exc, attempt, delay)
+                undo()
+            self._sleep(delay)
