@@ -34,6 +34,7 @@ from lightning_async_ckpt.errors import ConfigError
 from lightning_async_ckpt.sharded.capture import LocalCapture, capture_local
 from lightning_async_ckpt.sharded.dcp_writer import RankObjects, StoreStorageWriter
 from lightning_async_ckpt.sharded.handle import ShardedSaveError, ShardedSaveHandle, describe_failure, is_torn
+from lightning_async_ckpt.sharded.plan_cache import caching_planner, new_cache_key, plan_caching_available
 from lightning_async_ckpt.storage.direct import release_buffers
 from lightning_async_ckpt.storage.manifest import Manifest
 from lightning_async_ckpt.storage.store import CheckpointStore
@@ -74,6 +75,8 @@ class ShardedCheckpointer:
         write_retry: Retries of a write the object store throttled (503 SlowDown, 429, a reset connection), with
             jittered backoff (default :data:`~lightning_async_ckpt.sharded.write_retry.DEFAULT_WRITE_RETRY`: 4
             retries from 0.5 s); the manifest counts them per rank (``extra["write_retries"]``).
+        plan_caching: Let DCP cache save plans where the installed torch can (:mod:`.plan_cache`): an unchanged
+            plan is not gathered and scattered again on every save.
 
     Raises:
         ConfigError: A bad argument.
@@ -92,6 +95,7 @@ class ShardedCheckpointer:
         guard: bool | str = True,
         host_memory_budget: int | str | None = None,
         write_retry: RetryPolicy | None = None,
+        plan_caching: bool = True,
     ) -> None:
         if isinstance(timeout_s, bool) or not isinstance(timeout_s, int | float) or timeout_s <= 0:
             raise ConfigError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
@@ -105,6 +109,7 @@ class ShardedCheckpointer:
         if write_retry is not None and not isinstance(write_retry, RetryPolicy):
             raise ConfigError(f"write_retry must be a RetryPolicy or None, got {write_retry!r}")
         self.write_retry = write_retry
+        self._plan_key = new_cache_key() if plan_caching and plan_caching_available() else None
         self._own_group = False
         if process_group is None and dist.is_available() and dist.is_initialized():
             process_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
@@ -333,6 +338,7 @@ class ShardedCheckpointer:
             dcp.save(
                 staged,
                 storage_writer=writer,
+                planner=caching_planner(self._plan_key) if self._plan_key else None,
                 process_group=self.process_group,
                 no_dist=self.process_group is None,
             )
