@@ -4,7 +4,8 @@
 measured persist throughput) and the backlog from the events :class:`~lightning_async_ckpt.core.telemetry.EventLog`
 writes, and evaluates the fluid-queue model of :mod:`lightning_async_ckpt.tools.backlog`. The model's names are
 re-exported here, so ``lightning_async_ckpt.tools.planner`` stays the one import for both; see
-``docs/backlog-model.md``.
+``docs/backlog-model.md``. So are the object-store request model's (:mod:`lightning_async_ckpt.tools.request_model`:
+requests and time per save and per resume for N ranks and G generations).
 """
 
 from __future__ import annotations
@@ -25,15 +26,19 @@ from lightning_async_ckpt.tools.backlog import (
     plan_from_rates,
 )
 from lightning_async_ckpt.tools.fmt import fmt_bytes
+from lightning_async_ckpt.tools.request_model import RequestPlan, predict_resume, predict_save
 
 __all__ = [
     "HEADROOM_UTILIZATION",
     "BacklogPlan",
+    "RequestPlan",
     "backlog_at",
     "drain_time",
     "plan_from_bytes",
     "plan_from_events",
     "plan_from_rates",
+    "predict_resume",
+    "predict_save",
     "read_events",
 ]
 

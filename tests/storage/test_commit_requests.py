@@ -81,3 +81,17 @@ def test_the_listing_still_refuses_an_object_that_vanished_or_changed(s3_uri: Lo
     assert expected in str(info.value)
     assert not store.fs.exists(f"{store.generation_path(1)}/{MANIFEST_NAME}")
     assert [g.step for g in store.generations()] == []
+
+
+@pytest.mark.parametrize("objects", [1, 20])
+def test_the_request_model_matches_a_measured_save_and_resume(s3_uri: Location, objects: int) -> None:
+    from lightning_async_ckpt.tools.request_model import predict_resume, predict_save
+
+    uri, options = s3_uri
+    measured_save = _counts_of_a_later_save(uri, options, objects)
+    # Retention listed 3 generations (steps 1, 2, 3) and kept 2.
+    assert measured_save == predict_save(objects=objects, generations=3, keep_last=2).requests
+    reader = CheckpointStore(uri, options, check_writable=False)
+    with s3_requests() as log:
+        assert reader.latest().step == 3
+    assert dict(log.counts()) == predict_resume(objects=objects, generations=2).requests, log.requests
