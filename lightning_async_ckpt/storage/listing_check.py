@@ -37,10 +37,17 @@ def list_generation(store: CheckpointStore, step: int) -> dict[str, dict[str, An
     except FileNotFoundError:
         return {}
     out = {}
+    marker = folder + "/"
     for name, info in found.items():
         name = str(name).rstrip("/")
-        if name.startswith(folder + "/"):
-            out[name[len(folder) + 1 :]] = info
+        if name.startswith(marker):
+            out[name[len(marker) :]] = info
+            continue
+        # A wrapping filesystem (faulty://, a relative local root) may list absolute names: match the folder as a
+        # whole path component inside them.
+        at = name.find("/" + marker)
+        if at >= 0:
+            out[name[at + 1 + len(marker) :]] = info
     return out
 
 

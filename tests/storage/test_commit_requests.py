@@ -95,3 +95,19 @@ def test_the_request_model_matches_a_measured_save_and_resume(s3_uri: Location, 
     with s3_requests() as log:
         assert reader.latest().step == 3
     assert dict(log.counts()) == predict_resume(objects=objects, generations=2).requests, log.requests
+
+
+def test_a_store_whose_listing_names_differ_from_its_paths_still_commits(tmp_path, monkeypatch):
+    # faulty:// over a relative local root lists absolute names; the one-listing check must still find the objects
+    # (docs/testing.md's first example: an injected write error, then the retry commits).
+    import torch
+
+    from lightning_async_ckpt import AsyncCheckpointer
+    from lightning_async_ckpt.testing import Fault
+
+    monkeypatch.chdir(tmp_path)
+    fault = Fault(op="write", path="checkpoint.ckpt", at=2, error="oserror")
+    store = CheckpointStore("faulty://ckpt-demo", {"target_protocol": "file", "faults": [fault]})
+    with AsyncCheckpointer(store, retries=2, retry_backoff_s=0.0) as ckpt:
+        assert ckpt.save(1, {"w": torch.ones(1000)}).result(timeout=60).step == 1
+    assert CheckpointStore("ckpt-demo").verify(1).ok
