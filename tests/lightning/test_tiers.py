@@ -274,7 +274,9 @@ def test_a_stalled_promotion_never_blocks_training_nor_shows_as_committed(tmp_pa
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             if trainer.global_step == 8:
                 assert entered.wait(60)
-                # Training went on from step 4 to 8 while step 4's upload is stalled in the store.
+                # Training went on from step 4 to 8 while step 4's upload is stalled in the store. Step 6's local
+                # commit may still be in flight here: wait for the local saves (not the promotion) before reading.
+                assert ours.checkpointer.drain_quietly(60)
                 seen.append((release.is_set(), _steps(tmp_path / "durable"), _steps(tmp_path / "local")))
                 release.set()
 
