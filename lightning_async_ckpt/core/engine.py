@@ -332,8 +332,10 @@ class AsyncCheckpointer(Completion, Lifecycle, DrainOnExit):
             Seconds blocked.
         """
         if fence is Fence.BATCH_START:  # once per step: the period since the last one, for StepClock
-            with self._lock:
-                in_flight = [h.record for h in self._inflight if not h.done]
+            in_flight: list[SaveRecord] = []
+            if self._inflight:  # most steps have none: no lock, no list
+                with self._lock:
+                    in_flight = [h.record for h in self._inflight if not h.done]
             self.step_clock.tick(time.perf_counter(), in_flight, started=self._cut_since_tick)
             self._cut_since_tick = False
         if raise_errors:
