@@ -27,7 +27,14 @@ from typing import NoReturn
 
 from lightning_async_ckpt.errors import CheckpointError, ConfigError
 from lightning_async_ckpt.tools.fmt import one_line
-from lightning_async_ckpt.tools.plan_commands import cmd_plan, cmd_timeline, exit_code, parse_size, run_bench
+from lightning_async_ckpt.tools.plan_commands import (
+    cmd_plan,
+    cmd_timeline,
+    exit_code,
+    parse_duration,
+    parse_size,
+    run_bench,
+)
 from lightning_async_ckpt.tools.store_commands import PROG, UsageError, cmd_gc, cmd_ls, cmd_verify
 
 __all__ = ["build_parser", "main"]
@@ -142,6 +149,12 @@ def build_parser() -> argparse.ArgumentParser:
             help="fsspec storage option (repeatable); VALUE is parsed as JSON when it can be "
             "(e.g. --storage-option endpoint_url=http://127.0.0.1:9000, anon=true)",
         )
+        p.add_argument(
+            "--local-dirpath",
+            metavar="PATH",
+            help="the node-local tier (the callback's local_dirpath): show, verify or collect it too, each "
+            "generation labelled with its tier and whether it was promoted to URI (storage options apply to URI only)",
+        )
 
     p = sub.add_parser(
         "ls", help="list generations (committed or not) with step, size and age; accelerate checkpoint_N folders too"
@@ -188,14 +201,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser(
         "plan",
-        help="backlog model: will storage keep up? (rates, bytes, or a measured event log)",
-        description="Fluid-queue backlog model. Give exactly one of: --arrival-rate/--drain-rate; "
-        "--bytes/--interval/--bandwidth; --events.",
+        help="models: will storage keep up (backlog)? requests per save/resume at scale? recovery and goodput?",
+        description="Give exactly one model's flags: the backlog model (--arrival-rate/--drain-rate; "
+        "--bytes/--interval/--bandwidth; --events), the request model (--ranks/--generations ...) or the "
+        "recovery model (--state-bytes ...). See docs/backlog-model.md.",
     )
-    rates = p.add_argument_group("rates (any unit)")
+    rates = p.add_argument_group("backlog model: rates (any unit)")
     rates.add_argument("--arrival-rate", type=float, metavar="L", help="lambda: units arriving per second")
     rates.add_argument("--drain-rate", type=float, metavar="M", help="mu: units drained per second")
-    sizes = p.add_argument_group("bytes (sizes accept units: 512MB, 4GiB, 200MB/s)")
+    sizes = p.add_argument_group("backlog model: bytes (sizes accept units: 512MB, 4GiB, 200MB/s)")
     sizes.add_argument("--bytes", type=parse_size, metavar="B", help="bytes per checkpoint")
     sizes.add_argument("--interval", type=float, metavar="S", help="seconds between checkpoint requests")
     sizes.add_argument("--bandwidth", type=parse_size, metavar="W", help="persist throughput, bytes per second")
@@ -204,6 +218,25 @@ def build_parser() -> argparse.ArgumentParser:
         "--backlog", type=parse_size, default=0.0, metavar="Q0", help="backlog now, in the rates' unit (default 0)"
     )
     p.add_argument("--horizon", type=float, metavar="T", help="also report the backlog after T seconds")
+    req = p.add_argument_group("request model: object-store requests and time per save and per resume")
+    req.add_argument("--ranks", type=int, metavar="N", help="ranks writing one sharded generation (default 1)")
+    req.add_argument("--generations", type=int, metavar="G", help="generations already in the folder")
+    req.add_argument("--keep-last", type=int, metavar="K", help="retention's keep_last (default 2)")
+    req.add_argument(
+        "--request-latency", type=parse_duration, metavar="T", help="time per request: 15ms, 0.015 (default 15ms)"
+    )
+    req.add_argument("--put-rate", type=float, metavar="R", help="PUT/POST/DELETE per second on the prefix (S3: 3500)")
+    req.add_argument("--get-rate", type=float, metavar="R", help="GET/HEAD/LIST per second on the prefix (S3: 5500)")
+    rec = p.add_argument_group("recovery model: restore time, lost work and goodput under preemptions")
+    rec.add_argument("--state-bytes", type=parse_size, metavar="B", help="bytes per checkpoint (10GiB)")
+    rec.add_argument("--local-bandwidth", type=parse_size, metavar="W", help="local tier read/write bytes/s (2GB/s)")
+    rec.add_argument("--durable-bandwidth", type=parse_size, metavar="W", help="durable tier bytes/s (200MB/s)")
+    rec.add_argument("--local-every", type=parse_duration, metavar="T", help="training time between local cuts")
+    rec.add_argument("--durable-every", type=parse_duration, metavar="T", help="training time between durable ones")
+    rec.add_argument("--preempt-every", type=parse_duration, metavar="T", help="mean time between preemptions")
+    rec.add_argument("--startup", type=parse_duration, metavar="T", help="restart time before the read (default 0)")
+    rec.add_argument("--node-loss", type=float, metavar="F", help="fraction of preemptions losing the local tier")
+    rec.add_argument("--blocking", type=parse_duration, metavar="T", help="training-thread time per async save")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(func=cmd_plan)
 
