@@ -34,15 +34,17 @@ from lightning_async_ckpt.errors import CheckpointError, ManifestError
 from lightning_async_ckpt.lightning.arguments import resolve_dirpath
 from lightning_async_ckpt.lightning.last import stand_in_for_last, warn_if_weights_only, weights_only
 from lightning_async_ckpt.lightning.naming import CHECKPOINT_NAME, loadable_path
-from lightning_async_ckpt.lightning.rerun import VERSION_RE, version_uri
+from lightning_async_ckpt.lightning.rerun import version_uri
 from lightning_async_ckpt.lightning.sharded import is_lightning_dcp_generation
+from lightning_async_ckpt.sharded.once import job_broadcast, lightning_broadcast, once
 from lightning_async_ckpt.storage import inflight
-from lightning_async_ckpt.storage.finder import RELISTS, newest_intact
-from lightning_async_ckpt.storage.generation import parse_generation_name, subfolders_holding_checkpoints
+from lightning_async_ckpt.storage.finder import RELISTS, newest_intact, warn_if_nested
+from lightning_async_ckpt.storage.generation import parse_generation_name
 from lightning_async_ckpt.storage.store import CheckpointStore
 
 __all__ = [
     "StoreReader",
+    "committed_steps_once",
     "find_last",
     "install_reader",
     "latest_checkpoint",
@@ -57,8 +59,16 @@ _READER_ATTR = "_lightning_async_ckpt_reader"
 _LAST_PREFIX = "last"  # ModelCheckpoint.CHECKPOINT_NAME_LAST
 
 
-def latest_checkpoint(dirpath: str, storage_options: dict[str, Any] | None = None) -> str | None:
+def latest_checkpoint(
+    dirpath: str, storage_options: dict[str, Any] | None = None, *, collective: bool = True
+) -> str | None:
     """Path of the newest committed, intact, Lightning-loadable checkpoint under ``dirpath``, or ``None``.
+
+    **Once per job.** Under an initialized ``torch.distributed`` group of more than one rank, only rank 0 lists the
+    store, reads manifests and verifies the choice; the path (or rank 0's error, raised on every rank) is
+    broadcast (:func:`~lightning_async_ckpt.sharded.once.once`). Every rank must therefore call it together, as a
+    script run on every rank does; with a non-gloo default group (NCCL) the first call creates a gloo group (a
+    collective). ``collective=False`` looks on this rank alone (a call made on some ranks only).
 
     The generation returned was verified: its manifest is valid and every object was read once and matched
     its size and checksum, so a truncated file or a flipped bit is never resumed from. A generation that fails
@@ -75,6 +85,7 @@ def latest_checkpoint(dirpath: str, storage_options: dict[str, Any] | None = Non
     Args:
         dirpath: The callback's ``dirpath`` (local folder or fsspec URL).
         storage_options: fsspec options for ``dirpath``.
+        collective: Under a process group, find on rank 0 and broadcast (``False``: every caller looks itself).
 
     Returns:
         The URL of the checkpoint object, or ``None`` when ``dirpath`` was listed and holds no intact
@@ -86,10 +97,15 @@ def latest_checkpoint(dirpath: str, storage_options: dict[str, Any] | None = Non
             permission): a typo never silently restarts training from scratch.
         StorageError: Generations kept vanishing under the reader (a writer's retention outran every relisting).
     """
-    path = _newest_verified(dirpath, storage_options)
-    if path is None:
-        _warn_if_a_parent_folder(dirpath, storage_options)
-    return path
+    inflight.wait_for(dirpath, storage_options, doing="latest checkpoint of")  # this process's saves land first
+
+    def find() -> str | None:
+        path = _newest_verified(dirpath, storage_options)
+        if path is None:
+            warn_if_nested(dirpath, storage_options, stacklevel=5)
+        return path
+
+    return once(find, broadcast=job_broadcast() if collective else None, doing=f"latest_checkpoint({dirpath!r})")
 
 
 def _newest_verified(dirpath: str, storage_options: dict[str, Any] | None, *, resumable: bool = False) -> str | None:
@@ -314,23 +330,40 @@ def find_last(callback: Any, trainer: Any) -> set[str]:
     """Lightning's ``ckpt_path="last"`` lookup for ``callback``: the newest committed checkpoint only.
 
     A store that cannot be listed raises (a typo must never restart training from scratch); "no checkpoint"
-    means it was listed and holds no committed generation it can resume training from.
+    means it was listed and holds no committed generation it can resume training from. Lightning asks on every
+    rank; with several, rank 0 alone lists and verifies and ``trainer.strategy.broadcast`` hands its answer (or its
+    error) to the others (:func:`~lightning_async_ckpt.sharded.once.once`).
     """
-    newest = _newest_for_last(callback, trainer)
+    reader = _reader(callback, _dirpath(callback, trainer))
+    find = lambda: _last_candidates(callback, trainer)  # noqa: E731 - rank 0 lists and verifies, the others receive
+    newest, legacy = once(find, broadcast=lightning_broadcast(trainer), doing="resolving ckpt_path='last'")
     if newest is None:
         return set()
-    reader = _reader(callback, _dirpath(callback, trainer))
     reader.offered.add(newest)
     if reader.remote:
-        alias = reader.alias(newest)
+        alias = reader.alias(newest)  # an in-memory marker: each process makes its own
         reader.offered.add(alias)
         return {alias}
     # Local: every candidate, like ModelCheckpoint's lookup; Lightning resumes from the most recently written one,
     # which is `newest` (the same rule).
-    return {newest, *reader.model_checkpoint_last_files()}
+    return {newest, *legacy}
 
 
-def _newest_for_last(callback: Any, trainer: Any) -> str | None:
+def committed_steps_once(store: CheckpointStore, trainer: Any) -> set[int]:
+    """The steps committed in ``store``, listed and read on rank 0 only and broadcast to every rank.
+
+    For a setup that runs on every rank (``setup_sharded``): one rank reads the manifests instead of all of them.
+    A collective through ``trainer.strategy.broadcast``: call it on every rank; rank 0's error is raised everywhere.
+    """
+    return once(
+        lambda: {g.step for g in store.generations()},
+        broadcast=lightning_broadcast(trainer),
+        doing=f"listing the committed steps of {store.uri}",
+    )
+
+
+def _last_candidates(callback: Any, trainer: Any) -> tuple[str | None, list[str]]:
+    """What "last" resumes from, and ``ModelCheckpoint``'s last files beside it (one listing of each folder)."""
     dirpath = _dirpath(callback, trainer)
     # The callback's own dirpath, not a guess at one: a nested callback's folder below it is not a mistake.
     path = _newest_verified(dirpath, callback.storage_options, resumable=True)
@@ -341,18 +374,18 @@ def _newest_for_last(callback: Any, trainer: Any) -> str | None:
     candidates = ([path] if path is not None else []) + legacy
     if not candidates:
         warn_if_weights_only(dirpath, callback.storage_options)  # only weights-only generations: say so (last.py)
-        return None
+        return None, []
     newest = max(candidates, key=reader.modified) if len(candidates) > 1 else candidates[0]
     if newest in legacy:
         _log.warning("ckpt_path='last' resumes from %s, written by ModelCheckpoint (no manifest verifies it)", newest)
-    return newest
+    return newest, legacy
 
 
 def install_reader(callback: Any, trainer: Any) -> None:
     """From ``setup``: load checkpoints inside the callback's ``dirpath`` through its store (remote stores), and a
     missing ``<dirpath>/last.ckpt`` as ``ckpt_path="last"`` (any store)."""
     reader = _reader(callback, _dirpath(callback, trainer))
-    reader.install(trainer.strategy.checkpoint_io, newest=lambda: _newest_for_last(callback, trainer))
+    reader.install(trainer.strategy.checkpoint_io, newest=lambda: _last_candidates(callback, trainer)[0])
 
 
 def name_loaded_checkpoint(callback: Any, trainer: Any) -> None:
@@ -376,21 +409,3 @@ def remove_reader(callback: Any) -> None:
     reader = getattr(callback, _READER_ATTR, None)
     if reader is not None:
         reader.remove()
-
-
-def _warn_if_a_parent_folder(dirpath: str, storage_options: dict[str, Any] | None) -> None:
-    """``dirpath`` holds no generation: warn when its subfolders (not its versions) do, since ``None`` starts
-    training from scratch when the path was given one level too high (a nested callback's folder is legitimate)."""
-    store = CheckpointStore(dirpath, storage_options, check_writable=False)
-    try:
-        nested = subfolders_holding_checkpoints(store.fs, store.root, exclude=VERSION_RE)
-    except FileNotFoundError:
-        return
-    if nested:
-        message = (
-            f"latest_checkpoint({dirpath!r}) found no checkpoint there, but these subfolders hold some: "
-            f"{', '.join(nested[:5])}; returning None (a fresh start). If the run wrote to one of them, pass it "
-            f"(e.g. {dirpath.rstrip('/')}/{nested[0]})"
-        )
-        _log.warning("%s", message)
-        warnings.warn(message, stacklevel=3)

@@ -21,6 +21,7 @@ such as a FIFO without opening them); :func:`newest_in` finds one folder's newes
 
 from __future__ import annotations
 
+import logging
 import stat
 import warnings
 from collections.abc import Callable, Iterable, Iterator
@@ -28,7 +29,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from lightning_async_ckpt.errors import StorageError, StoreUnavailableError
-from lightning_async_ckpt.storage.generation import VERSION_RE, GenerationInfo, Skipped, parse_generation_name
+from lightning_async_ckpt.storage.generation import (
+    VERSION_RE,
+    GenerationInfo,
+    Skipped,
+    parse_generation_name,
+    subfolders_holding_checkpoints,
+)
 from lightning_async_ckpt.storage.manifest import Manifest
 from lightning_async_ckpt.storage.regular import describe_mode
 
@@ -44,8 +51,11 @@ __all__ = [
     "newest_first",
     "newest_in",
     "newest_intact",
+    "warn_if_nested",
     "warn_skip",
 ]
+
+_log = logging.getLogger("lightning_async_ckpt")
 
 #: How many times a reader lists a folder again while generations vanish under it (retention of a live writer).
 RELISTS = 32
@@ -249,3 +259,26 @@ def newest_intact(
         if info is not None:
             return Found(store, info, version)
     return None
+
+
+def warn_if_nested(dirpath: str, storage_options: dict[str, Any] | None, *, stacklevel: int = 2) -> None:
+    """``dirpath`` holds no generation: warn when its subfolders (not its versions) do.
+
+    ``None`` from a lookup starts training from scratch when the path was given one level too high; a nested
+    callback's folder is legitimate, so this only warns. ``stacklevel`` is ``warnings.warn``'s, counted from here.
+    """
+    from lightning_async_ckpt.storage.store import CheckpointStore
+
+    store = CheckpointStore(dirpath, storage_options, check_writable=False)
+    try:
+        nested = subfolders_holding_checkpoints(store.fs, store.root, exclude=VERSION_RE)
+    except FileNotFoundError:
+        return
+    if nested:
+        message = (
+            f"latest_checkpoint({dirpath!r}) found no checkpoint there, but these subfolders hold some: "
+            f"{', '.join(nested[:5])}; returning None (a fresh start). If the run wrote to one of them, pass it "
+            f"(e.g. {dirpath.rstrip('/')}/{nested[0]})"
+        )
+        _log.warning("%s", message)
+        warnings.warn(message, stacklevel=stacklevel + 1)
