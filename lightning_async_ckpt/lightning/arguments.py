@@ -221,6 +221,11 @@ def check_shared_dirpath(callback: Any, trainer: Any) -> None:
                 f"'{mine}/best' and '{mine}/periodic'); ModelCheckpoint instances can share one folder only because "
                 "their file names differ"
             )
+    # setup runs this on every rank once the process group exists: the peer replicas join their group here until
+    # AsyncCheckpointCallback.setup calls tiers.setup(trainer) itself (lightning/replicas.py).
+    tiers = getattr(callback, "tiers", None)
+    if tiers is not None and tiers.replicas:
+        tiers.setup(trainer)
 
 
 def check_tiers(
@@ -230,16 +235,23 @@ def check_tiers(
     local_keep_last: Any,
     every_n_train_steps: Any,
     monitor: Any,
+    replicas: Any = None,
 ) -> str | None:
     """Validate the local tier's arguments (``docs/tiers.md``); return ``local_dirpath`` normalized (or ``None``).
 
     Raises:
         ConfigError: Naming the argument and what it accepts.
     """
-    for name, value in (("local_every_n_train_steps", local_every_n_train_steps), ("local_keep_last", local_keep_last)):
+    named = (("local_every_n_train_steps", local_every_n_train_steps), ("local_keep_last", local_keep_last))
+    for name, value in (*named, ("replicas", replicas)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ConfigError(f"{name} must be None or an int >= 1, got {value!r}")
     local = normalize_dirpath(local_dirpath, "local_dirpath")
+    if local is None and replicas is not None:
+        raise ConfigError(
+            f"replicas={replicas} copies the local tier to other nodes: pass local_dirpath too (a node-local folder "
+            "such as /local_nvme/ckpt), or drop replicas"
+        )
     if local is None:
         if local_every_n_train_steps is not None or local_keep_last is not None:
             raise ConfigError(

@@ -79,6 +79,10 @@ class CallbackArguments(ModelCheckpoint):
             cadence).
         local_keep_last: Committed generations kept in the local tier (``None``: all); the newest one due on
             ``dirpath`` stays until its promotion committed.
+        replicas: Under DDP, copy each local generation to this many other nodes' local tiers in the background
+            (over a separate gloo group; replica ``i`` goes to rank ``i * ranks_per_node``), so a rank that lost its
+            node-local folder resumes from a peer, not from ``dirpath`` (``None``: none). Needs ``local_dirpath``
+            and fewer replicas than nodes (``docs/tiers.md``).
         preemption_signal: A signal (``signal.SIGUSR1``, ``signal.SIGTERM``) that asks for an emergency checkpoint
             at the next batch end; training stops after it (``None``: off).
         preemption_grace_s: Bound on waiting for the emergency checkpoint's commit and promotion (``None``: none).
@@ -128,6 +132,7 @@ class CallbackArguments(ModelCheckpoint):
         local_dirpath: str | Path | None = None,
         local_every_n_train_steps: int | None = None,
         local_keep_last: int | None = None,
+        replicas: int | None = None,
         preemption_signal: int | None = None,
         preemption_grace_s: float | None = None,
     ) -> None:
@@ -197,6 +202,7 @@ class CallbackArguments(ModelCheckpoint):
             local_keep_last=local_keep_last,
             every_n_train_steps=every_n_train_steps,
             monitor=monitor,
+            replicas=replicas,
         )
         self.tiers = (
             None
@@ -206,6 +212,7 @@ class CallbackArguments(ModelCheckpoint):
                 local_every_n_train_steps=local_every_n_train_steps,
                 local_keep_last=local_keep_last,
                 every_n_train_steps=every_n_train_steps,
+                replicas=replicas,
             )
         )
         signum, self.preemption_grace_s = check_preemption(preemption_signal, preemption_grace_s)

@@ -29,6 +29,7 @@ from lightning_async_ckpt.lightning import resume
 from lightning_async_ckpt.lightning.arguments import resolve_dirpath
 from lightning_async_ckpt.lightning.last import weights_only
 from lightning_async_ckpt.lightning.naming import CHECKPOINT_NAME, loadable_path
+from lightning_async_ckpt.lightning.replicas import agree_on_local, setup_replicas
 from lightning_async_ckpt.lightning.rerun import run_locations, version_uri
 from lightning_async_ckpt.storage.finder import list_steps, newest_intact
 from lightning_async_ckpt.storage.promote import Promoter
@@ -44,6 +45,7 @@ _STEP_IN_PATH = re.compile(r"step-(\d{8,})(?:/|$)")
 class _Local:
     step: int
     path: str
+    version: int = 0
 
 
 class Tiers:
@@ -56,6 +58,8 @@ class Tiers:
         local_every_n_train_steps: The local cadence (``None``: the durable cadence only).
         local_keep_last: Retention of the local tier (``None``: keep all).
         every_n_train_steps: The durable cadence (the callback's ``every_n_train_steps``).
+        replicas: Peer replicas of each local generation on other nodes' local tiers (``None``: none;
+            :mod:`~lightning_async_ckpt.lightning.replicas`).
     """
 
     def __init__(
@@ -65,8 +69,12 @@ class Tiers:
         local_every_n_train_steps: int | None,
         local_keep_last: int | None,
         every_n_train_steps: int | None,
+        replicas: int | None = None,
     ) -> None:
         self.local_dirpath = local_dirpath
+        self.replicas = replicas
+        self.group: Any = None  # the replicas' gloo group, created once (lightning/replicas.py)
+        self.replicator: Any = None
         self.local_every_n_train_steps = local_every_n_train_steps or None
         self.local_keep_last = local_keep_last
         self.every_n_train_steps = every_n_train_steps or None
@@ -81,6 +89,7 @@ class Tiers:
         # A pickled callback (LightningCLI, deepcopy) carries the configuration, not the stores and threads.
         state = dict(self.__dict__)
         state.update(local_store=None, promoter=None, _lock=None, _delivered=set(), _tracked=[], _durable={})
+        state.update(group=None, replicator=None)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -88,6 +97,11 @@ class Tiers:
         self._lock = threading.Lock()
 
     # -- setup -------------------------------------------------------------------------------------------
+    def setup(self, trainer: Any) -> None:
+        """On every rank at setup, after the process group exists: the peer replicas' group and receivers (with
+        ``replicas``; nothing otherwise)."""
+        setup_replicas(self, trainer)
+
     def checkpointer(self, store: CheckpointStore, options: Any, local_uri: str | None = None) -> AsyncCheckpointer:
         """The engine writing the local tier, and the promoter from it to ``store`` (the durable tier)."""
         self.local_store = CheckpointStore(local_uri or self.local_dirpath, run_id=store.run_id)
@@ -103,6 +117,8 @@ class Tiers:
             on_event=engine.events.emit,  # promoted / promotion_failed / promotion_skipped in the event log
         )
         self._delivered, self._tracked, self._durable = set(), [], {}
+        if self.replicator is not None:
+            self.replicator.on_error = engine.report_error  # a failed replica is raised like a failed promotion
         return engine
 
     def place(self, engine: Any, store: CheckpointStore, options: Any, start_step: int) -> Any:
@@ -187,6 +203,8 @@ class Tiers:
             self._delivered.add(handle.step)
             durable = self._durable.get(handle.step, False)
         self.promoter.committed(handle.step, promote=durable)
+        if self.replicator is not None and self.local_store is not None:
+            self.replicator.replicate(self.local_store, handle.step)  # to the peers, on its own thread
 
     def flush(self) -> None:
         """Hand every local commit seen so far to the promoter (a waiter may wake before a future's callbacks)."""
@@ -198,8 +216,11 @@ class Tiers:
 
     def drain(self, timeout: float | None) -> bool:
         """Hand over the local commits, then wait for the promotions asked for; whether they ended in time."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         self.flush()
-        return self.promoter is None or self.promoter.drain(timeout)
+        promoted = self.promoter is None or self.promoter.drain(timeout)
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        return (self.replicator is None or self.replicator.drain(left)) and promoted
 
     def finish(self, engine: Any, timeout: float | None = None) -> bool:
         """At the end of training (or at an exception, bounded by ``timeout``): the local commits, then their
@@ -209,9 +230,12 @@ class Tiers:
         return self.close(None if deadline is None else max(0.0, deadline - time.monotonic())) and saved
 
     def close(self, timeout: float | None) -> bool:
-        """Finish the promotions (within ``timeout``) and stop the promotion thread."""
+        """Finish the promotions and replicas (within ``timeout``) and stop their threads (the peers stop receiving)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         self.flush()
-        return self.promoter is None or self.promoter.close(timeout)
+        promoted = self.promoter is None or self.promoter.close(timeout)
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        return (self.replicator is None or self.replicator.close(left)) and promoted
 
     @property
     def promoted_step(self) -> int | None:
@@ -278,13 +302,35 @@ def latest_checkpoint(
 
 def find_last_across(callback: Any, trainer: Any) -> set[str]:
     """``ckpt_path="last"`` of a callback with ``local_dirpath``: :func:`latest_checkpoint`'s rule, resumable
-    generations only (never ``save_weights_only`` ones)."""
-    local = _agreed(trainer, _newest_local(callback.local_dirpath, resumable=True))
+    generations only (never ``save_weights_only`` ones). With ``replicas`` every rank agrees on one step, and a rank
+    whose local tier lacks it gets it from a peer first (:mod:`~lightning_async_ckpt.lightning.replicas`)."""
     dirpath = resolve_dirpath(callback.dirpath, trainer.default_root_dir)
+    if callback.tiers.replicas and trainer.world_size > 1:
+        return _find_last_replicated(callback, trainer, dirpath)
+    local = _agreed(trainer, _newest_local(callback.local_dirpath, resumable=True))
     if local is not None and not _durable_newer(dirpath, callback.storage_options, local.step):
         _log.info("ckpt_path='last' resumes from the local tier: %s", local.path)
         return {local.path}
     return _pick(local, resume.find_last(callback, trainer), single=False)
+
+
+def _find_last_replicated(callback: Any, trainer: Any, dirpath: str) -> set[str]:
+    local = _newest_local(callback.local_dirpath, resumable=True)
+    listed = _durable_steps(dirpath, callback.storage_options)
+    agreed = agree_on_local(
+        callback.tiers,
+        trainer,
+        newest_local=None if local is None else (local.version, local.step),
+        durable_step=max(listed, default=None),
+        store_of=lambda version: CheckpointStore(version_uri(callback.local_dirpath, version), check_writable=False),
+    )
+    if agreed is None:
+        _log.info("ckpt_path='last': every rank resumes from dirpath (no local generation newer on any rank)")
+        return resume.find_last(callback, trainer)
+    store = CheckpointStore(version_uri(callback.local_dirpath, agreed[0]), check_writable=False)
+    path = loadable_path(store.manifest(agreed[1]), store)
+    _log.info("ckpt_path='last' resumes from the local tier (agreed by every rank): %s", path)
+    return {path}
 
 
 def _agreed(trainer: Any, local: _Local | None) -> _Local | None:
@@ -314,12 +360,17 @@ def _step_of(path: str) -> int | None:
 
 def _durable_newer(dirpath: str, storage_options: dict[str, Any] | None, step: int) -> bool:
     """Whether ``dirpath`` or a version of it has a generation folder newer than ``step`` (a listing, no reads)."""
+    return any(s > step for s in _durable_steps(dirpath, storage_options))
+
+
+def _durable_steps(dirpath: str, storage_options: dict[str, Any] | None) -> list[int]:
+    """The steps of the generation folders of ``dirpath`` and its versions (a listing, no reads)."""
     root = CheckpointStore(dirpath, storage_options, check_writable=False)
     listing = list_steps(root)
     steps = list(listing.steps)
     for version in listing.versions:
         steps += list_steps(CheckpointStore(version_uri(dirpath, version), storage_options, check_writable=False)).steps
-    return any(s > step for s in steps)
+    return steps
 
 
 def _newest_local(local_dirpath: str, *, resumable: bool) -> _Local | None:
@@ -333,4 +384,6 @@ def _newest_local(local_dirpath: str, *, resumable: bool) -> _Local | None:
         warnings.warn(message, stacklevel=4)
 
     found = newest_intact(local_dirpath, None, accept=accept, on_skip=skip)
-    return None if found is None else _Local(found.info.step, loadable_path(found.manifest, found.store))
+    if found is None:
+        return None
+    return _Local(found.info.step, loadable_path(found.manifest, found.store), found.version)

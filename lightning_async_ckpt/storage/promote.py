@@ -33,7 +33,7 @@ from lightning_async_ckpt.storage.manifest import Manifest
 if TYPE_CHECKING:
     from lightning_async_ckpt.storage.store import CheckpointStore
 
-__all__ = ["PROMOTED_FROM_KEY", "PromotionError", "Promoter", "promote_generation"]
+__all__ = ["PROMOTED_FROM_KEY", "PromotionError", "Promoter", "copy_objects", "promote_generation"]
 
 _log = logging.getLogger("lightning_async_ckpt")
 
@@ -81,7 +81,7 @@ def promote_generation(
     except Exception as exc:
         raise PromotionError(f"promoting step {step} to {target.uri!r} failed before any object: {exc}") from exc
     try:
-        _copy_objects(source, writer, manifest)
+        copy_objects(writer, manifest, lambda obj, stream: _read_source(source, manifest.step, obj, stream))
         if before_commit is not None:
             before_commit()
         extra = {**manifest.extra, PROMOTED_FROM_KEY: {"uri": source.uri, "step": step, "run_id": manifest.run_id}}
@@ -99,16 +99,25 @@ def promote_generation(
         ) from exc
 
 
-def _copy_objects(source: CheckpointStore, writer: Any, manifest: Manifest) -> None:
-    """Stream every object of ``manifest`` from ``source`` into ``writer``, verified against the source manifest."""
+def _read_source(source: CheckpointStore, step: int, obj: Any, stream: Any) -> None:
+    # Checks the source bytes against the source manifest as they pass; a mismatch raises after the last chunk,
+    # and the stream is then abandoned (never recorded, never committed).
+    read_verified(source.fs, f"{source.generation_path(step)}/{obj.key}", obj, into=stream)
+
+
+def copy_objects(writer: Any, manifest: Manifest, read_into: Callable[[Any, Any], None]) -> None:
+    """Write every object of ``manifest`` through ``writer``, each one's bytes from ``read_into(entry, stream)``,
+    and check what was written against the manifest's size and checksum (a promotion; a peer replica).
+
+    Raises:
+        PromotionError: An object was written with another size or checksum than ``manifest`` says; whatever
+            ``read_into`` raises. The caller aborts ``writer`` (nothing is committed).
+    """
     for obj in manifest.objects:
         if obj.key != obj.name:
             writer.place(obj.name, obj.key)
-        path = f"{source.generation_path(manifest.step)}/{obj.key}"
         with writer.open(obj.name) as stream:
-            # Checks the source bytes against the source manifest as they pass; a mismatch raises after the last
-            # chunk, and the stream is then abandoned (never recorded, never committed).
-            read_verified(source.fs, path, obj, into=stream)
+            read_into(obj, stream)
         written = {o.name: o for o in writer.objects}[obj.name]
         same_algorithm = checksum_algorithm(written.checksum) == checksum_algorithm(obj.checksum)
         if written.size != obj.size or (same_algorithm and written.checksum != obj.checksum):

@@ -1,0 +1,89 @@
+"""Peer replicas in Lightning (``replicas=F`` with ``local_dirpath``): the gloo group, the targets from the node
+layout, and the ranks' agreement on ``ckpt_path="last"`` (``docs/tiers.md``).
+
+Under the single-writer DDP layout rank 0 writes the local tier; every other rank's folder is empty unless it shares
+rank 0's node-local folder. Replica ``i`` of rank 0's generations goes to rank ``i * jump`` (``jump``: ranks per
+node, so each replica lands on another node), over a separate gloo group created once on every rank
+(:func:`setup_replicas`, at setup), by :class:`~lightning_async_ckpt.core.replicas.Replicator`.
+
+Resuming: Lightning resolves ``"last"`` on each rank before its process group exists. With replicas the callback
+sets up the strategy's distributed environment there (what Lightning does right after, and skips once it is done),
+then every rank agrees on one step and each folder that lacks it gets it from a peer
+(:func:`~lightning_async_ckpt.core.replicas.restore_from_peers`); with no local generation newer than ``dirpath``'s,
+every rank resumes from ``dirpath`` together.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from lightning_async_ckpt.core.replicas import Replicator, replica_targets, restore_from_peers
+from lightning_async_ckpt.errors import ConfigError
+from lightning_async_ckpt.storage.store import CheckpointStore
+
+__all__ = ["WRITERS", "agree_on_local", "ensure_group", "setup_replicas"]
+
+_log = logging.getLogger("lightning_async_ckpt")
+
+#: The ranks that write the local tier under the single-writer DDP layout.
+WRITERS = (0,)
+
+
+def ensure_group(tiers: Any, trainer: Any) -> Any:
+    """The replicas' gloo group (created once, collectively, on every rank); the strategy's distributed environment
+    is set up first when it is not yet (``"last"`` is resolved before Lightning does it)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        trainer.strategy.setup_environment()  # Lightning's own next step; it skips the process group once it exists
+    if tiers.group is None:
+        tiers.group = dist.new_group(backend="gloo")  # separate from the training group (NCCL on GPUs)
+    return tiers.group
+
+
+def setup_replicas(tiers: Any, trainer: Any) -> None:
+    """On every rank at setup: check ``replicas`` against the node layout, join the group, start receiving.
+
+    Raises:
+        ConfigError: ``replicas`` is not below the world size, or more than the other nodes can hold.
+    """
+    if not tiers.replicas or trainer.world_size < 2:
+        if tiers.replicas:
+            _log.warning("replicas=%d: a single process has no peer; no replicas are made", tiers.replicas)
+        return
+    world, rank = trainer.world_size, trainer.global_rank
+    per_node = max(1, world // max(1, trainer.num_nodes))
+    try:
+        targets = {w: replica_targets(w, world, replicas=tiers.replicas, ranks_per_node=per_node) for w in WRITERS}
+    except ValueError as exc:
+        raise ConfigError(f"{exc}: pass replicas=N with N below that (or more nodes)") from exc
+    group = ensure_group(tiers, trainer)
+    if tiers.replicator is not None:
+        tiers.replicator.close(0)
+    tiers.replicator = Replicator(
+        group,
+        tiers.local_dirpath,
+        targets=targets.get(rank, []),
+        sources=[w for w in WRITERS if rank in targets[w]],
+        keep_last=tiers.local_keep_last,
+    )
+    tiers.replicator.start_receiving()
+    _log.info("replicas of rank %s's local tier go to ranks %s", WRITERS, sorted({*sum(targets.values(), [])}))
+
+
+def agree_on_local(
+    tiers: Any,
+    trainer: Any,
+    *,
+    newest_local: tuple[int, int] | None,
+    durable_step: int | None,
+    store_of: Callable[[int], CheckpointStore],
+) -> tuple[int, int] | None:
+    """Every rank's ``"last"``: the agreed ``(version, step)`` of the local tier (restored from a peer where this
+    rank's folder lacks it), or ``None`` when every rank resumes from ``dirpath``."""
+    group = ensure_group(tiers, trainer)
+    return restore_from_peers(
+        group, tiers.local_dirpath, newest_local=newest_local, durable_step=durable_step, newest_store=store_of
+    )

@@ -1,0 +1,58 @@
+"""One rank of a DDP run on CPU where every rank is its own "node" with its own local folder, with peer replicas.
+
+Launched by tests/lightning/test_replicas_ddp.py. Usage: python replicas_ddp_worker.py BASE PHASE REPLICAS
+    PHASE: ``train`` (steps 1..6), ``resume`` (``ckpt_path="last"``, to step 10) or ``uninterrupted`` (1..10).
+Every epoch is 2 steps (32 samples over the ranks, batch 8), so each local cut (every 2 steps) ends an epoch.
+Writes ``BASE/final-rank<R>.pt`` (the model's final state) and prints one line ``RESULT {json}``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import lightning.pytorch as pl
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+from lightning_async_ckpt import AsyncCheckpointCallback  # noqa: E402
+from tests.helpers.models import BNDropoutModel, make_loader  # noqa: E402
+
+
+def main() -> None:
+    base, phase, replicas = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    os.environ.update(LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", NODE_RANK=str(rank))  # one process per "node"
+    pl.seed_everything(3)
+    callback = AsyncCheckpointCallback(
+        dirpath=f"{base}/durable",
+        every_n_train_steps=4,
+        local_dirpath=f"{base}/local-rank{rank}",
+        local_every_n_train_steps=2,
+        replicas=replicas,
+        save_on_train_end=False,
+        restore_rng=True,
+    )
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        num_nodes=world,
+        strategy="ddp",
+        max_steps=6 if phase == "train" else 10,
+        callbacks=[callback],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        deterministic=True,
+    )
+    model = BNDropoutModel()
+    trainer.fit(model, make_loader(n=16 * world, batch_size=8), ckpt_path="last" if phase == "resume" else None)
+    torch.save(model.state_dict(), f"{base}/final-rank{rank}.pt")
+    print("RESULT " + json.dumps({"rank": trainer.global_rank, "ckpt_path": str(trainer.ckpt_path)}), flush=True)
+
+
+if __name__ == "__main__":
+    main()

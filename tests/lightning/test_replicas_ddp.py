@@ -1,0 +1,63 @@
+"""Peer replicas under DDP on CPU: every rank is its own "node" with its own local folder; rank 0's lost folder is
+restored from a peer's replica, not from ``dirpath``, and training continues like an uninterrupted run."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_async_ckpt import CheckpointStore
+from lightning_async_ckpt.core.replicas import REPLICA_OF_KEY
+from tests.helpers.dist import launch_ranks
+from tests.helpers.models import assert_same
+
+WORKER = Path(__file__).resolve().parents[1] / "helpers" / "replicas_ddp_worker.py"
+pytestmark = pytest.mark.slow
+
+
+def _run(base: Path, phase: str, replicas: int, world: int) -> list[dict]:
+    base.mkdir(parents=True, exist_ok=True)
+    procs = launch_ranks([sys.executable, str(WORKER), str(base), phase, str(replicas)], timeout=300, world_size=world)
+    results = []
+    for proc in procs:
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")][-1]
+        results.append(json.loads(line[len("RESULT ") :]))
+    return results
+
+
+def _store(path: Path) -> CheckpointStore:
+    return CheckpointStore(str(path), check_writable=False)
+
+
+def test_a_rank_that_lost_its_local_tier_resumes_from_a_peer_replica(tmp_path):
+    _run(tmp_path / "uninterrupted", "uninterrupted", 1, 2)
+    run = tmp_path / "run"
+    _run(run, "train", 1, 2)
+    # Rank 0 wrote steps 2, 4, 6 locally; dirpath got step 4 only; rank 1 (the other node) holds replicas of all.
+    assert [g.step for g in _store(run / "durable").generations()] == [4]
+    replicas = _store(run / "local-rank1")
+    assert [g.step for g in replicas.generations()] == [2, 4, 6]
+    original = _store(run / "local-rank0").manifest(6)
+    assert replicas.manifest(6).extra[REPLICA_OF_KEY] == {"rank": 0, "step": 6}
+    assert [(o.name, o.size, o.checksum) for o in replicas.manifest(6).objects] == [
+        (o.name, o.size, o.checksum) for o in original.objects
+    ]
+
+    shutil.rmtree(run / "local-rank0")  # rank 0's node lost its local tier
+    r0, r1 = _run(run, "resume", 1, 2)
+    # Both ranks resumed from step 6, which dirpath never held: rank 0's copy came from rank 1 over the group.
+    assert r0["ckpt_path"] == str(run / "local-rank0" / "step-00000006" / "epoch=2-step=6.ckpt")
+    assert r1["ckpt_path"] == str(run / "local-rank1" / "step-00000006" / "epoch=2-step=6.ckpt")
+    assert _store(run / "local-rank0").manifest(6).extra[REPLICA_OF_KEY] == {"rank": 1, "step": 6}
+    assert [g.step for g in _store(run / "durable").generations()] == [4, 8]
+    # ... and continued exactly like the run that was never interrupted (rank 0 holds what the checkpoints hold).
+    assert_same(torch.load(tmp_path / "uninterrupted" / "final-rank0.pt"), torch.load(run / "final-rank0.pt"), "final")
+    uninterrupted = _store(tmp_path / "uninterrupted" / "durable")
+    with uninterrupted.open(8, "checkpoint.ckpt") as a, _store(run / "durable").open(8, "checkpoint.ckpt") as b:
+        assert_same(torch.load(a)["state_dict"], torch.load(b)["state_dict"], "step8")
