@@ -168,6 +168,7 @@ CALLBACK_CASES = [
     ("local_dirpath", ""),
     ("local_every_n_train_steps", 0),
     ("local_keep_last", -1),
+    ("replicas", 0),
     ("preemption_signal", "USR1"),
     ("preemption_grace_s", -1.0),
 ]
