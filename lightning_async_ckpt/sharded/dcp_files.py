@@ -147,7 +147,13 @@ class StoreFileSystem(FileSystemBase):
                 os.unlink(source)
                 fsync_dir(os.path.dirname(new_path))
             else:
-                self.store.backend.create_claim(new_path, self.store.fs.cat_file(source))
+                data = self.store.fs.cat_file(source)
+                try:
+                    # Exclusive, throttling retried in the backend (a retry that finds its own bytes succeeds).
+                    self.store.backend.create_claim(new_path, data)
+                except FileExistsError:
+                    if not self._holds(new_path, data):
+                        raise
                 self.store.fs.rm_file(source)
         except FileExistsError as exc:
             raise StorageError(f"{new_path!r} exists: another attempt published it; this one is not committed") from exc
@@ -157,6 +163,16 @@ class StoreFileSystem(FileSystemBase):
             entry = self.objects.pop(old)
             renamed = self._entry(new_path, entry.size, entry.checksum)
             self.objects[renamed.name] = renamed
+
+    def _holds(self, path: str, data: bytes) -> bool:
+        """Whether ``path`` holds exactly ``data``: this attempt's publish landed earlier (its answer was lost).
+
+        Another attempt's ``.metadata`` names its own token-suffixed files, so equal bytes are this attempt's.
+        """
+        try:
+            return self.store.fs.cat_file(path) == data
+        except Exception:  # noqa: BLE001 - unreadable is not provably ours
+            return False
 
     def init_path(self, path: str | os.PathLike) -> str:
         return str(path)

@@ -214,7 +214,8 @@ class StoreStorageWriter(FileSystemWriter):
     def _retried(self, write: Callable[[], Any], rank: int, name: str | None = None) -> Any:
         """Run ``write`` with retries on throttling; a failed attempt's objects are removed before the next."""
         keep = self.fs.created()
-        what = f"rank {rank}'s {'object ' + repr(name) if name else 'data files'} of step {self.step}"
+        who = "the coordinator" if rank < 0 else f"rank {rank}"
+        what = f"{who}'s {'object ' + repr(name) if name else 'data files'} of step {self.step}"
         return self._retries.run(write, undo=lambda: self.fs.undo(keep), what=what)
 
     def _write_object(self, folder: str, name: str, data: bytes) -> None:
@@ -253,7 +254,9 @@ class StoreStorageWriter(FileSystemWriter):
         path = self.path
         self.path = self.fs.concat_path(path, prefix.rstrip("/")) if prefix else path
         try:
-            super().finish(metadata, plain)
+            # A throttled .metadata write is written again from the start (its exclusive publish, and the
+            # manifest's, retry inside the backend: storage.throttling), never replacing another attempt's.
+            self._retried(lambda: super(StoreStorageWriter, self).finish(metadata, plain), -1, METADATA_NAME)
         finally:
             self.path = path
         entry = self.fs.objects[METADATA_NAME]

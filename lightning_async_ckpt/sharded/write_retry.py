@@ -5,7 +5,9 @@ with ``503 SlowDown`` (S3), ``429 Too Many Requests`` (GCS, Azure) or a reset co
 throttled rank fails the whole save. :class:`WriteRetries` retries a write that failed that way after
 :meth:`RetryPolicy.delay <lightning_async_ckpt.core.persist.RetryPolicy.delay>` (a doubling backoff plus up to half
 again at random, so throttled ranks do not come back in lockstep), at most ``policy.retries`` times, and counts the
-retries (the coordinator records them in the manifest, ``extra["write_retries"]``). Anything else (a full disk, an
+retries (the coordinator records them in the manifest, ``extra["write_retries"]``). What counts as throttling is
+:func:`~lightning_async_ckpt.storage.throttling.is_throttled` (re-exported here); the exclusive PUTs of a commit
+(``.metadata``, ``manifest.json``, claims) are retried by the store's backend itself (:mod:`.throttling`). Anything else (a full disk, an
 I/O error, a usage error) fails at once, as before: a retry would not help, and the save's own error handling runs.
 
 Concurrency per process stays bounded by DCP's ``thread_count`` (one object per I/O thread at a time); a retry
@@ -16,7 +18,6 @@ Thread-safety: one instance per rank's ``write_data``; :meth:`WriteRetries.run` 
 
 from __future__ import annotations
 
-import errno
 import logging
 import threading
 import time
@@ -25,6 +26,7 @@ from typing import TypeVar
 
 from lightning_async_ckpt.core.persist import RetryPolicy
 from lightning_async_ckpt.errors import StorageError
+from lightning_async_ckpt.storage.throttling import is_throttled
 
 __all__ = ["DEFAULT_WRITE_RETRY", "WriteRetries", "is_throttled"]
 
@@ -33,42 +35,6 @@ T = TypeVar("T")
 
 #: Four retries after 0.5, 1, 2 and 4 s (each up to half again longer): about 8-12 s of throttling ridden out.
 DEFAULT_WRITE_RETRY = RetryPolicy(retries=4, backoff_s=0.5)
-# How object stores and their clients word throttling (botocore's ClientError codes, HTTP statuses, s3fs's text).
-_THROTTLE_WORDS = (
-    "slowdown",
-    "slow down",
-    "throttl",
-    "toomanyrequests",
-    "too many requests",
-    "requestlimitexceeded",
-    "reduce your request rate",
-    "(503)",
-    "(429)",
-    " 503 ",
-    " 429 ",
-    "serviceunavailable",
-)
-
-
-def is_throttled(exc: BaseException) -> bool:
-    """Whether ``exc`` (or what caused it) is the store asking to slow down, or a dropped connection.
-
-    A full disk is never throttling, whatever else the chain says.
-    """
-    seen: set[int] = set()
-    cause: BaseException | None = exc
-    throttled = False
-    while cause is not None and id(cause) not in seen:
-        seen.add(id(cause))
-        if isinstance(cause, OSError) and cause.errno == errno.ENOSPC:
-            return False
-        if isinstance(cause, ConnectionError | TimeoutError):
-            throttled = True
-        text = f"{type(cause).__name__} {cause}".lower()
-        if any(word in text for word in _THROTTLE_WORDS):
-            throttled = True
-        cause = cause.__cause__ or cause.__context__
-    return throttled
 
 
 class WriteRetries:

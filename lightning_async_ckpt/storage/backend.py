@@ -24,6 +24,7 @@ from fsspec.implementations.local import LocalFileSystem
 from lightning_async_ckpt.errors import ConfigError
 from lightning_async_ckpt.storage.io import exclusive_local_write, fsync_dir, open_local_write
 from lightning_async_ckpt.storage.regular import NotRegularFileError, RegularLocalFileSystem
+from lightning_async_ckpt.storage.throttling import PutRetry, put_exclusive
 
 __all__ = ["Backend", "backend_for", "open_filesystem", "protocols"]
 
@@ -49,6 +50,8 @@ class Backend:
     def __init__(self, fs: fsspec.AbstractFileSystem, block_size: int | None = None) -> None:
         self.fs = fs
         self.block_size = block_size
+        #: Retries of a throttled exclusive PUT (manifest, ``.metadata``, claims); ``None``: the default policy.
+        self.put_retry: PutRetry | None = None
 
     def open_write(self, path: str, *, direct_io: bool, subfolder: bool) -> IO[bytes]:
         """Open a data object for streaming writes (folders created as needed)."""
@@ -73,15 +76,17 @@ class Backend:
     def create_exclusive(self, path: str, data: bytes) -> None:
         """Write ``data`` at ``path`` only if nothing is there.
 
+        A throttled PUT (503 SlowDown, 429, a reset connection) is retried exclusively (:attr:`put_retry`); a retry
+        that finds exactly ``data`` there (its earlier PUT landed, the answer was lost) succeeds
+        (:func:`~lightning_async_ckpt.storage.throttling.put_exclusive`).
+
         Raises:
-            FileExistsError: Something is at ``path`` (this writer lost).
+            FileExistsError: Something else is at ``path`` (this writer lost).
         """
-        if self.fs.exists(path):
-            raise FileExistsError(path)
-        self.fs.pipe_file(path, data)
+        self._retried(lambda: self._exclusive(path, data), path, data)
 
     def create_claim(self, path: str, data: bytes) -> None:
-        """Create a writer claim at ``path`` only if none is there (as :meth:`create_exclusive`).
+        """Create a writer claim at ``path`` only if none is there (as :meth:`create_exclusive`, retried alike).
 
         Written as a stream rather than one ``pipe_file``, so the only ``pipe_file`` of a generation stays its
         manifest (what operators and fault plans count).
@@ -89,6 +94,23 @@ class Backend:
         Raises:
             FileExistsError: A claim is there.
         """
+        self._retried(lambda: self._claim(path, data), path, data)
+
+    def _retried(self, put: Any, path: str, data: bytes) -> None:
+        def landed() -> bool:
+            try:
+                return self.fs.cat_file(path) == data
+            except Exception:  # noqa: BLE001 - unreadable is not provably this writer's
+                return False
+
+        put_exclusive(put, landed=landed, policy=self.put_retry, what=f"exclusive PUT of {path}")
+
+    def _exclusive(self, path: str, data: bytes) -> None:
+        if self.fs.exists(path):
+            raise FileExistsError(path)
+        self.fs.pipe_file(path, data)
+
+    def _claim(self, path: str, data: bytes) -> None:
         if self.fs.exists(path):
             raise FileExistsError(path)
         try:
@@ -238,7 +260,7 @@ class S3Backend(Backend):
     def open_write(self, path: str, *, direct_io: bool, subfolder: bool) -> IO[bytes]:
         return self.fs.open(path, "wb", block_size=self.block_size or 32 << 20)
 
-    def create_exclusive(self, path: str, data: bytes) -> None:
+    def _exclusive(self, path: str, data: bytes) -> None:
         try:
             self.fs.pipe_file(path, data, mode="create")
         except FileExistsError:
@@ -248,8 +270,8 @@ class S3Backend(Backend):
                 raise FileExistsError(path) from exc
             raise
 
-    def create_claim(self, path: str, data: bytes) -> None:
-        self.create_exclusive(path, data)
+    def _claim(self, path: str, data: bytes) -> None:
+        self._exclusive(path, data)
 
     def open_read(self, path: str, stat: dict[str, Any]) -> IO[bytes]:
         # The HEAD just taken, not a second one: its size, and its ETag, which s3fs compares with the GET's (an
