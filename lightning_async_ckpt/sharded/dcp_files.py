@@ -76,6 +76,9 @@ class StoreFileSystem(FileSystemBase):
         self.token: str | None = None
         self.lease: Lease | None = None
         self.tokened: set[str] = set()
+        #: Expected sizes (DCP path -> bytes), and of each DCP data file: object stores size their parts from them.
+        self.sizes: dict[str, int] = {}
+        self.data_size: int | None = None
         self._created: dict[str, tuple[int, int] | None] = {}
         self._lock = threading.Lock()
 
@@ -110,7 +113,8 @@ class StoreFileSystem(FileSystemBase):
         entry = self._entry(path, 0, "", physical)
         backend = self.store.backend
         try:
-            raw = backend.open_write(physical, direct_io=self.store.direct_io, subfolder="/" in entry.key)
+            size = self.sizes.get(path) or (self.data_size if path.endswith(".distcp") else None)
+            raw = backend.open_write(physical, direct_io=self.store.direct_io, subfolder="/" in entry.key, size=size)
         except Exception as exc:
             raise StorageError(f"could not create {physical!r} for writing: {exc}") from exc
         with self._lock:

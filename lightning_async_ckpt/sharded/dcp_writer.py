@@ -27,6 +27,7 @@ If a rank fails, DCP raises on every rank and ``finish`` never runs: no manifest
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -49,7 +50,7 @@ if TYPE_CHECKING:
     from lightning_async_ckpt.storage.store import CheckpointStore
     from lightning_async_ckpt.storage.writer import GenerationWriter
 
-__all__ = ["METADATA_NAME", "REPORT_FQN", "RankObjects", "StoreStorageWriter"]
+__all__ = ["METADATA_NAME", "REPORT_FQN", "RankObjects", "StoreStorageWriter", "planned_bytes"]
 
 #: DCP's metadata file name inside a generation.
 METADATA_NAME = ".metadata"
@@ -78,6 +79,16 @@ class RankObjects:
     rank: int
     objects: tuple[ObjectEntry, ...]
     retries: int = 0
+
+
+def planned_bytes(plan: SavePlan) -> int:
+    """The tensor bytes a rank's plan writes (byte items count 0): an estimate of its data files' sizes."""
+    total = 0
+    for item in plan.items:
+        data = item.tensor_data
+        if data is not None:
+            total += math.prod(data.chunk.sizes) * data.properties.dtype.itemsize
+    return total
 
 
 class StoreStorageWriter(FileSystemWriter):
@@ -181,6 +192,7 @@ class StoreStorageWriter(FileSystemWriter):
         rank = self.rank if self.rank is not None else 0
         storage = plan.storage_data
         self.fs.token = storage.token
+        self.fs.data_size = -(-planned_bytes(plan) // max(1, self.thread_count))  # parts sized from it (S3)
         subfolder = storage.prefix.rpartition("/")[0]
         folder = self.fs.concat_path(self.path, subfolder) if subfolder else self.path
         lease = None
@@ -219,7 +231,9 @@ class StoreStorageWriter(FileSystemWriter):
         return self._retries.run(write, undo=lambda: self.fs.undo(keep), what=what)
 
     def _write_object(self, folder: str, name: str, data: bytes) -> None:
-        with self.fs.create_stream(self.fs.concat_path(folder, name), "wb") as stream:
+        path = self.fs.concat_path(folder, name)
+        self.fs.sizes[path] = len(data)
+        with self.fs.create_stream(path, "wb") as stream:
             stream.write(data)
 
     def _located(self, result: WriteResult) -> WriteResult:

@@ -26,7 +26,41 @@ from lightning_async_ckpt.storage.io import exclusive_local_write, fsync_dir, op
 from lightning_async_ckpt.storage.regular import NotRegularFileError, RegularLocalFileSystem
 from lightning_async_ckpt.storage.throttling import PutRetry, put_exclusive
 
-__all__ = ["Backend", "backend_for", "open_filesystem", "protocols"]
+__all__ = [
+    "DEFAULT_PART_SIZE",
+    "MAX_PART_SIZE",
+    "PARTS_PER_OBJECT",
+    "Backend",
+    "backend_for",
+    "open_filesystem",
+    "part_size",
+    "protocols",
+]
+
+#: S3's part limits: at least 5 MiB (but the last), at most 10,000 parts per upload.
+_S3_MIN_PART, _S3_MAX_PARTS, _MIB = 5 << 20, 10_000, 1 << 20
+#: The part size of an object of unknown size (s3fs buffers one part per open stream).
+DEFAULT_PART_SIZE = 32 << 20
+#: The part size grows for large objects until an object takes at most this many parts...
+PARTS_PER_OBJECT = 64
+#: ...but never above this (memory: one part per open stream), except as S3's 10,000-part limit needs.
+MAX_PART_SIZE = 256 << 20
+
+
+def part_size(size: int | None, configured: int | None = None, *, parts: int = PARTS_PER_OBJECT) -> int:
+    """The multipart part size for an object of ``size`` bytes (``None``: unknown), whole MiB.
+
+    ``configured`` (the store's ``block_size``, default :data:`DEFAULT_PART_SIZE`) for objects up to ``parts``
+    parts of it; larger objects get larger parts so that they take ``parts`` parts, up to :data:`MAX_PART_SIZE`
+    (or ``configured``, if larger); above that only as large as S3's 10,000-part limit needs (objects over 2.4 TiB
+    at the defaults, which 32 MiB parts could not upload at all past 312 GiB).
+    """
+    base = max(configured or DEFAULT_PART_SIZE, _S3_MIN_PART)
+    if not size or size <= 0:
+        return base
+    wanted = min(max(base, -(-size // parts)), max(MAX_PART_SIZE, base))
+    part = max(wanted, -(-size // _S3_MAX_PARTS))
+    return -(-part // _MIB) * _MIB
 
 
 def protocols(fs: fsspec.AbstractFileSystem) -> tuple[str, ...]:
@@ -53,8 +87,12 @@ class Backend:
         #: Retries of a throttled exclusive PUT (manifest, ``.metadata``, claims); ``None``: the default policy.
         self.put_retry: PutRetry | None = None
 
-    def open_write(self, path: str, *, direct_io: bool, subfolder: bool) -> IO[bytes]:
-        """Open a data object for streaming writes (folders created as needed)."""
+    def open_write(self, path: str, *, direct_io: bool, subfolder: bool, size: int | None = None) -> IO[bytes]:
+        """Open a data object for streaming writes (folders created as needed).
+
+        ``size``: the object's expected size when known (an estimate is fine): object stores choose the part size
+        from it (:func:`part_size`).
+        """
         if subfolder:
             self.fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
         return self.fs.open(path, "wb")
@@ -210,7 +248,7 @@ class LocalBackend(Backend):
     kind = "local"
     exclusive = "exact: fsynced temp file, os.link to the final name (EEXIST loses)"
 
-    def open_write(self, path: str, *, direct_io: bool, subfolder: bool) -> IO[bytes]:
+    def open_write(self, path: str, *, direct_io: bool, subfolder: bool, size: int | None = None) -> IO[bytes]:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         return open_local_write(path, direct_io)  # type: ignore[return-value]
 
@@ -257,8 +295,12 @@ class S3Backend(Backend):
     kind = "s3"
     exclusive = "exact: PutObject with If-None-Match: * (412 loses)"
 
-    def open_write(self, path: str, *, direct_io: bool, subfolder: bool) -> IO[bytes]:
-        return self.fs.open(path, "wb", block_size=self.block_size or 32 << 20)
+    #: At most this many parts per object of a known size (:func:`part_size`).
+    parts_per_object = PARTS_PER_OBJECT
+
+    def open_write(self, path: str, *, direct_io: bool, subfolder: bool, size: int | None = None) -> IO[bytes]:
+        # s3fs uploads one part per block: the block size is the part size (and the memory one stream buffers).
+        return self.fs.open(path, "wb", block_size=part_size(size, self.block_size, parts=self.parts_per_object))
 
     def _exclusive(self, path: str, data: bytes) -> None:
         try:
