@@ -166,6 +166,7 @@ def send_generation(wire: _Wire, store: CheckpointStore, step: int, where: str, 
             sink.flush()
         except Exception as exc:
             wire.send(dst, _ABORT, f"{type(exc).__name__}: {exc}".encode())
+            wire.recv(dst)  # the receiver's FAIL: it aborted its writer (no manifest)
             raise ReplicaError(f"step {step} of {store.uri} could not be read for rank {dst}: {exc}") from exc
         wire.send(dst, _EOF)
     kind, payload = wire.recv(dst)
@@ -267,7 +268,8 @@ class Replicator:
         self.targets, self.sources = list(targets), list(sources)
         self.keep_last = keep_last
         self.on_error = on_error
-        self.replicated: dict[int, list[int]] = {}  # step -> ranks that committed it (or held it)
+        self.replicated: dict[int, list[int]] = {}  # step -> ranks that committed it (or held it already)
+        self.copied: dict[int, list[int]] = {}  # step -> ranks its bytes were sent to
         self.received: list[int] = []
         self._cond = threading.Condition()
         self._pending: tuple[CheckpointStore, int] | None = None
@@ -354,7 +356,8 @@ class Replicator:
         where = _where(self.local_dirpath, store.uri)
         for dst in self.targets:
             try:
-                send_generation(self.wire, store, step, where, dst)
+                if send_generation(self.wire, store, step, where, dst):
+                    self.copied.setdefault(step, []).append(dst)
                 self.replicated.setdefault(step, []).append(dst)
                 _log.info("step %d replicated to rank %d", step, dst)
             except BaseException as exc:  # noqa: BLE001 - handed to on_error, raised on the training thread

@@ -1,0 +1,120 @@
+"""One rank of a 3-process gloo run of the plain replica machinery (core/replicas.py), launched by
+tests/core/test_replicas.py.
+
+Usage: python replicas_worker.py BASE. Rank 0 writes the local tier ``BASE/local-0``; rank 1 has ``BASE/local-1`` and
+rank 2 shares it (two ranks of one node). Prints one line ``RESULT {json}``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import threading
+
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+from lightning_async_ckpt.core.replicas import (  # noqa: E402
+    REPLICA_OF_KEY,
+    Replicator,
+    replica_targets,
+    restore_from_peers,
+)
+from lightning_async_ckpt.storage.finder import newest_intact  # noqa: E402
+from lightning_async_ckpt.storage.store import CheckpointStore  # noqa: E402
+
+
+def _commit(store: CheckpointStore, step: int) -> None:
+    writer = store.begin(step)
+    writer.write_bytes("checkpoint.ckpt", bytes([step]) * (3 << 20))  # 3 MiB: several DATA messages per object
+    writer.write_bytes("extra/meta.bin", b"meta %d" % step)
+    writer.commit(cut={"step": step})
+
+
+def _state(root: str) -> dict:
+    store = CheckpointStore(root, check_writable=False)
+    return {
+        str(g.step): (g.manifest.extra.get(REPLICA_OF_KEY) if g.committed else "uncommitted")
+        for g in store.generations(include_uncommitted=True)
+    }
+
+
+def _newest(root: str) -> tuple[int, int] | None:
+    found = newest_intact(root, None, accept=lambda m: True, on_skip=lambda url, problems: None)
+    return None if found is None else (found.version, found.info.step)
+
+
+def _restore(root: str, durable_step: int | None) -> list | None:
+    agreed = restore_from_peers(
+        group,
+        root,
+        newest_local=_newest(root),
+        durable_step=durable_step,
+        newest_store=lambda version: CheckpointStore(root),
+    )
+    return None if agreed is None else list(agreed)
+
+
+def main() -> None:
+    global group
+    base = sys.argv[1]
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    group = dist.new_group(backend="gloo")
+    root = f"{base}/local-{0 if rank == 0 else 1}"
+    targets = replica_targets(0, world, replicas=2, ranks_per_node=1)  # [1, 2]
+    errors: list[str] = []
+    failed = threading.Event()
+
+    def on_error(exc: BaseException) -> None:
+        errors.append(f"{type(exc).__name__}: {exc}")
+        failed.set()
+
+    replicator = Replicator(
+        group, root, targets=targets if rank == 0 else [], sources=[] if rank == 0 else [0], on_error=on_error
+    )
+    replicator.start_receiving()
+    if rank == 0:
+        store = CheckpointStore(root)
+        _commit(store, 1)
+        replicator.replicate(store, 1)
+        assert replicator.drain(120)
+        _commit(store, 2)
+        obj = store.object_url(2, "checkpoint.ckpt")
+        with open(obj, "r+b") as f:  # the source object no longer matches its manifest: never replicated
+            f.seek(100)
+            f.write(b"\xff")
+        replicator.replicate(store, 2)
+        assert replicator.drain(120) and failed.is_set()
+    replicator.close(120)  # rank 0: the stop message; the others: their receiver ends at it
+    dist.barrier(group=group)
+    result = {
+        "rank": rank,
+        "after_replicas": _state(root),
+        "errors": errors,
+        "replicated": replicator.replicated,
+        "copied": replicator.copied,
+    }
+    if rank == 0:
+        shutil.rmtree(root)  # rank 0's node lost its local tier
+    dist.barrier(group=group)
+    result["agreed_lost_0"] = _restore(root, durable_step=None)
+    result["after_restore_0"] = _state(root)
+    dist.barrier(group=group)
+    if rank == 1:
+        shutil.rmtree(root)  # the node of ranks 1 and 2 lost its (shared) folder
+    dist.barrier(group=group)
+    result["agreed_lost_1"] = _restore(root, durable_step=None)
+    result["after_restore_1"] = _state(root)
+    result["agreed_durable_newer"] = _restore(root, durable_step=5)
+    print("RESULT " + json.dumps(result), flush=True)
+    dist.destroy_process_group()
+
+
+group = None
+
+if __name__ == "__main__":
+    main()
