@@ -2,7 +2,9 @@
 
 Launched by tests/lightning/test_replicas_ddp.py. Usage: python replicas_ddp_worker.py BASE PHASE REPLICAS
     PHASE: ``train`` (steps 1..6), ``resume`` (``ckpt_path="last"``, to step 10) or ``uninterrupted`` (1..10).
-Every epoch is 2 steps (32 samples over the ranks, batch 8), so each local cut (every 2 steps) ends an epoch.
+Every epoch is 2 steps (16 samples per rank, batch 8), so each local cut (every 2 steps) ends an epoch. ``dirpath`` is
+the ``faulty://`` wrapper of ``BASE/durable``; in ``resume`` every read of the bytes of its step-4 checkpoint (the
+one a fall-back to ``dirpath`` would load) fails, persistently.
 Writes ``BASE/final-rank<R>.pt`` (the model's final state) and prints one line ``RESULT {json}``.
 """
 
@@ -18,6 +20,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from lightning_async_ckpt import AsyncCheckpointCallback  # noqa: E402
+from lightning_async_ckpt.testing import Fault  # noqa: E402
 from tests.helpers.models import BNDropoutModel, make_loader  # noqa: E402
 
 
@@ -26,8 +29,10 @@ def main() -> None:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     os.environ.update(LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", NODE_RANK=str(rank))  # one process per "node"
     pl.seed_everything(3)
+    faults = [Fault(op="read", path="step=4.ckpt", times=None, error="oserror")] if phase == "resume" else []
     callback = AsyncCheckpointCallback(
-        dirpath=f"{base}/durable",
+        dirpath=f"faulty://{base}/durable",
+        storage_options={"target_protocol": "file", "faults": faults},
         every_n_train_steps=4,
         local_dirpath=f"{base}/local-rank{rank}",
         local_every_n_train_steps=2,

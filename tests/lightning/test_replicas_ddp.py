@@ -20,9 +20,13 @@ WORKER = Path(__file__).resolve().parents[1] / "helpers" / "replicas_ddp_worker.
 pytestmark = pytest.mark.slow
 
 
-def _run(base: Path, phase: str, replicas: int, world: int) -> list[dict]:
+def _launch(base: Path, phase: str, replicas: int, world: int) -> list:
     base.mkdir(parents=True, exist_ok=True)
-    procs = launch_ranks([sys.executable, str(WORKER), str(base), phase, str(replicas)], timeout=300, world_size=world)
+    return launch_ranks([sys.executable, str(WORKER), str(base), phase, str(replicas)], timeout=300, world_size=world)
+
+
+def _run(base: Path, phase: str, replicas: int, world: int) -> list[dict]:
+    procs = _launch(base, phase, replicas, world)
     results = []
     for proc in procs:
         assert proc.returncode == 0, proc.stderr[-3000:]
@@ -51,7 +55,8 @@ def test_a_rank_that_lost_its_local_tier_resumes_from_a_peer_replica(tmp_path):
 
     shutil.rmtree(run / "local-rank0")  # rank 0's node lost its local tier
     r0, r1 = _run(run, "resume", 1, 2)
-    # Both ranks resumed from step 6, which dirpath never held: rank 0's copy came from rank 1 over the group.
+    # Both ranks resumed from step 6, which dirpath never held: rank 0's copy came from rank 1 over the group. (In
+    # this run dirpath's step 4 could not have been read at all: every read of its bytes failed.)
     assert r0["ckpt_path"] == str(run / "local-rank0" / "step-00000006" / "epoch=2-step=6.ckpt")
     assert r1["ckpt_path"] == str(run / "local-rank1" / "step-00000006" / "epoch=2-step=6.ckpt")
     assert _store(run / "local-rank0").manifest(6).extra[REPLICA_OF_KEY] == {"rank": 1, "step": 6}
@@ -61,3 +66,25 @@ def test_a_rank_that_lost_its_local_tier_resumes_from_a_peer_replica(tmp_path):
     uninterrupted = _store(tmp_path / "uninterrupted" / "durable")
     with uninterrupted.open(8, "checkpoint.ckpt") as a, _store(run / "durable").open(8, "checkpoint.ckpt") as b:
         assert_same(torch.load(a)["state_dict"], torch.load(b)["state_dict"], "step8")
+
+
+def test_the_fault_that_makes_dirpath_unreadable_in_that_test_does_fire(tmp_path):
+    from lightning_async_ckpt.testing import Fault
+
+    writer = CheckpointStore(str(tmp_path)).begin(4)
+    writer.write_bytes("checkpoint.ckpt", b"x" * 100)
+    writer.place("other", "epoch=1-step=4.ckpt")
+    writer.write_bytes("other", b"y" * 100)
+    writer.commit(cut={})
+    options = {"target_protocol": "file", "faults": [Fault(op="read", path="step=4.ckpt", times=None, error="oserror")]}
+    store = CheckpointStore(f"faulty://{tmp_path}", options, check_writable=False)
+    with pytest.raises(OSError, match="injected"), store.open(4, "other") as f:
+        f.read()
+
+
+def test_more_replicas_than_other_nodes_is_refused_at_setup_on_every_rank(tmp_path):
+    procs = _launch(tmp_path, "train", 2, 2)
+    for proc in procs:
+        assert proc.returncode != 0
+        assert "ConfigError: replicas=2 needs 2 other nodes" in proc.stderr, proc.stderr[-2000:]
+        assert "pass replicas=N" in proc.stderr
