@@ -10,14 +10,13 @@ import time
 from collections import deque
 from typing import Any
 
-import torch
-
-from lightning_async_ckpt.core.capture import CapturePlan, Category
+from lightning_async_ckpt.core.capture import Category
+from lightning_async_ckpt.core.capturer import CutCapture
 from lightning_async_ckpt.core.handle import SaveHandle
-from lightning_async_ckpt.core.persist import AbandonedError, RetryPolicy, persist
+from lightning_async_ckpt.core.persist import AbandonedError
 from lightning_async_ckpt.core.staging import BufferPool, StagingJob
+from lightning_async_ckpt.core.stream_persister import PersistWork
 from lightning_async_ckpt.core.telemetry import EventLog, Outcome, SaveRecord
-from lightning_async_ckpt.core.workers import Worker
 from lightning_async_ckpt.errors import CheckpointError, TornSnapshotError
 
 __all__ = ["Completion"]
@@ -34,8 +33,7 @@ class Completion:
 
     store: Any
     options: Any
-    serializer: Any
-    retry: RetryPolicy
+    persister: Any
     pool: BufferPool
     events: EventLog
     records: deque[SaveRecord]
@@ -43,7 +41,6 @@ class Completion:
     last_committed: SaveRecord | None
     torn_step: int | None
     abandoning: threading.Event
-    io_worker: Worker
     _errors: deque[BaseException]
     _lock: threading.Lock
     _demoted: set[Category]
@@ -51,14 +48,13 @@ class Completion:
     def _persist(
         self,
         handle: SaveHandle,
-        job: StagingJob,
-        plan: CapturePlan,
-        buffers: list[torch.Tensor],
+        capture: CutCapture,
         cut: dict[str, Any],
         extra: dict[str, Any],
         object_keys: dict[str, str] | None = None,
+        objects: dict[str, bytes] | None = None,
     ) -> None:
-        record = handle.record
+        record, job, buffers = handle.record, capture.job, capture.buffers
 
         def release() -> None:
             # Before the save's futures resolve: a caller that saw it end may take the next cut at once and must
@@ -67,35 +63,31 @@ class Completion:
             if not self.abandoning.is_set():
                 self.pool.release(buffers)
 
-        def commit(writer: Any) -> Any:
-            job.confirm()  # the guard's last word before the manifest: a write before a fence refuses it
-            return writer.commit(cut=cut, plan=plan.summary(), timings=_timings(record), extra=extra)
-
         try:
             self._wait_staged(job)
             record.staging_s = job.staging_s
             record.mark("staging", job.stage_started_wall, job.stage_started_wall + job.staging_s)
-            if job.error is not None:
+            if job.error is not None and not self.persister.collective:
                 raise job.error
-            handle.staged.set_result(handle.step)
-            self.events.emit("staged", step=handle.step, staging_s=job.staging_s)
-            manifest = persist(
-                store=self.store,
-                serializer=self.serializer,
+            if job.error is None:
+                if not handle.staged.done():
+                    handle.staged.set_result(handle.step)
+                self.events.emit("staged", step=handle.step, staging_s=job.staging_s)
+            work = PersistWork(
                 step=handle.step,
-                state=plan.materialize(buffers),
-                record=record,
-                policy=self.retry,
-                io=self.io_worker,
-                abandon=self.abandoning,
+                state=capture.staged_state() if job.error is None else {},
+                job=job,
                 buffers=buffers,
-                on_uploaded=lambda n: self._uploaded(handle, n),
-                commit=commit,
-                on_retry=lambda attempt, exc: self.events.emit(
-                    "retry", step=handle.step, attempt=attempt, error=str(exc)
-                ),
-                object_keys=object_keys,
+                record=record,
+                cut=cut,
+                plan=capture.plan.summary(),
+                extra=extra,
+                object_keys=object_keys or {},
+                objects=objects or {},
+                abandon=self.abandoning,
+                uploaded=lambda value, nbytes: self._uploaded(handle, value, nbytes),
             )
+            manifest = self.persister.persist(work)
         except BaseException as exc:  # noqa: BLE001 - delivered through the futures and raise_pending
             release()
             self._fail(handle, exc)
@@ -103,8 +95,8 @@ class Completion:
         release()
         record.outcome = Outcome.COMMITTED
         with self._lock:
-            if self.committed_step is None or manifest.step > self.committed_step:
-                self.committed_step = manifest.step
+            if self.committed_step is None or handle.step > self.committed_step:
+                self.committed_step = handle.step
         record.committed_step = self.committed_step
         record.cut_to_committed_s = time.time() - record.t_request
         self.last_committed = record
@@ -114,20 +106,21 @@ class Completion:
         finally:
             # Whatever telemetry does, the committed future resolves: drain and close() must never hang on it.
             handle.committed.set_result(manifest)
-        if self.options.keep_last is not None:
+        if self.options.keep_last is not None and self.persister.coordinator:
             self._retain()
 
     def _wait_staged(self, job: StagingJob) -> None:
         job.done.wait()
 
-    def _uploaded(self, handle: SaveHandle, nbytes: int) -> None:
+    def _uploaded(self, handle: SaveHandle, value: Any, nbytes: int) -> None:
         if not handle.uploaded.done():
-            handle.uploaded.set_result(nbytes)
+            handle.uploaded.set_result(value)
         self.events.emit("uploaded", step=handle.step, bytes=nbytes, upload_s=handle.record.upload_s)
 
     def _fail(self, handle: SaveHandle, exc: BaseException) -> None:
         record = handle.record
-        torn = isinstance(exc, TornSnapshotError)
+        # A guard refusal: this process's own, or one that failed a collective save on some rank (``.torn``).
+        torn = isinstance(exc, TornSnapshotError) or getattr(exc, "torn", False) is True
         if torn:
             record.outcome = Outcome.TORN
             if handle._job is not None:
@@ -214,7 +207,3 @@ class Completion:
     def pending_errors(self) -> int:
         """How many background errors wait to be raised."""
         return len(self._errors)
-
-
-def _timings(record: SaveRecord) -> dict[str, float]:
-    return {"blocked_s": record.blocked_s, "staging_s": record.staging_s, "upload_s": record.upload_s}

@@ -2,9 +2,14 @@
 
 Pipeline of one request::
 
-    save(step, state) -> admission (admission.py) -> capture plan + copy at the cut (capture.py, staging.py)
-        -> staging thread (fenced) -> staged -> upload thread: serialize, stream on the I/O thread (persist.py)
-        -> uploaded -> manifest last -> committed -> retention (only after a newer commit)
+    save(step, state) -> admission (admission.py) -> capture plan + copy at the cut (the capturer: capturer.py)
+        -> staging thread (fenced) -> staged -> upload thread: the persister writes the objects (a torch.save
+        stream: stream_persister.py; DCP files on every rank: sharded/persister.py) -> uploaded
+        -> manifest last -> committed -> retention (only after a newer commit)
+
+This is the one save lifecycle of the package: plain loops, Accelerate, the Lightning callback (one writer,
+sliced DDP, sharded) and ``ShardedCheckpointer`` all drive this class; only the capturer and the persister differ
+(``core.interfaces.Capturer`` / ``Persister``).
 
 Threads and the interpreter-exit drain are in ``workers.py``, the plain-loop fences in ``hooks.py``, options in
 ``options.py``, records and events in ``telemetry.py``.
@@ -23,15 +28,18 @@ from typing import Any
 import torch
 
 from lightning_async_ckpt.core.admission import Admission, AdmissionDecision, AdmissionResult
-from lightning_async_ckpt.core.capture import CapturePlan, Category, DeferralProof, Fence, prove_deferral
+from lightning_async_ckpt.core.capture import Category, DeferralProof, Fence
+from lightning_async_ckpt.core.capturer import CutCapture, PlainCapturer
 from lightning_async_ckpt.core.completion import Completion
 from lightning_async_ckpt.core.handle import DrainOnExit, SaveHandle
 from lightning_async_ckpt.core.hooks import FenceHooks
+from lightning_async_ckpt.core.interfaces import Capturer, Persister
 from lightning_async_ckpt.core.lifecycle import Lifecycle
 from lightning_async_ckpt.core.options import CheckpointOptions, Serializer, TorchSaveSerializer
 from lightning_async_ckpt.core.persist import RetryPolicy
 from lightning_async_ckpt.core.proof import FINAL_PROOF
-from lightning_async_ckpt.core.staging import BufferPool, StagingJob, resolve_budget
+from lightning_async_ckpt.core.staging import BufferPool, resolve_budget
+from lightning_async_ckpt.core.stream_persister import StreamPersister
 from lightning_async_ckpt.core.telemetry import EventLog, Outcome, SaveRecord, StepClock
 from lightning_async_ckpt.errors import CheckpointError, ConfigError
 from lightning_async_ckpt.storage import inflight
@@ -51,8 +59,13 @@ class AsyncCheckpointer(Completion, Lifecycle, DrainOnExit):
     ``drain``, each exactly once, oldest first.
 
     Args:
-        store: Where generations go (or a URL to open one).
+        store: Where generations go (or a URL to open one); ``None`` only with a ``persister`` that writes elsewhere
+            (the CheckpointIO plugin writes the paths Lightning names).
         options: Engine settings; keyword arguments override its fields.
+        persister: How a staged save is written (default: a :class:`StreamPersister` of ``options.serializer``
+            into ``store``; the sharded checkpointer passes its DCP persister).
+        capturer: How a cut is captured (default: :class:`PlainCapturer`; the sharded checkpointer captures DTensors
+            through their local shards).
         **overrides: Any :class:`CheckpointOptions` field.
 
     Example::
@@ -68,11 +81,17 @@ class AsyncCheckpointer(Completion, Lifecycle, DrainOnExit):
     writes_dcp = False  # one torch.save stream per generation (core.interfaces.TrainingCheckpointer)
 
     def __init__(
-        self, store: CheckpointStore | str, options: CheckpointOptions | None = None, **overrides: Any
+        self,
+        store: CheckpointStore | str | None,
+        options: CheckpointOptions | None = None,
+        *,
+        persister: Persister | None = None,
+        capturer: Capturer | None = None,
+        **overrides: Any,
     ) -> None:
         if isinstance(store, str):
             store = CheckpointStore(store)
-        if not isinstance(store, CheckpointStore):
+        if not isinstance(store, CheckpointStore) and not (store is None and persister is not None):
             raise ConfigError(f"store must be a CheckpointStore or a URL string, got {type(store).__name__}")
         if options is not None and not isinstance(options, CheckpointOptions):
             raise ConfigError(f"options must be a CheckpointOptions or None, got {type(options).__name__}")
@@ -95,12 +114,19 @@ class AsyncCheckpointer(Completion, Lifecycle, DrainOnExit):
         self._errors: deque[BaseException] = deque()
         self._lock = threading.Lock()
         self._demoted: set[Category] = set()
-        self._side_streams: dict[torch.device, Any] = {}
         self.committed_step: int | None = None
         self.last_committed: SaveRecord | None = None
         self.requested_step: int | None = None
         self.torn_step: int | None = None
         Lifecycle.__init__(self, upload_nice=options.upload_nice)
+        self.capturer: Capturer = capturer or PlainCapturer()
+        self.persister: Persister = persister or StreamPersister(
+            store,
+            self.serializer,
+            self.retry,
+            self.io_worker,
+            on_retry=lambda step, attempt, exc: self.events.emit("retry", step=step, attempt=attempt, error=str(exc)),
+        )
 
     # -- saving ------------------------------------------------------------------------------------------
     def save(
@@ -116,6 +142,7 @@ class AsyncCheckpointer(Completion, Lifecycle, DrainOnExit):
         extra: dict[str, Any] | None = None,
         admission: str | None = None,
         object_keys: dict[str, str] | None = None,
+        objects: dict[str, bytes] | None = None,
         final: bool = False,
     ) -> SaveHandle:
         """Request a checkpoint of ``state`` at the cut ``step``.
@@ -138,6 +165,8 @@ class AsyncCheckpointer(Completion, Lifecycle, DrainOnExit):
                 skipped); default: the configured one.
             object_keys: File names for the serializer's objects, by object name (e.g. ``{"checkpoint.ckpt":
                 "epoch=2-step=24.ckpt"}``); the manifest records each as the object's path.
+            objects: More objects written into the generation (name -> bytes, e.g. Lightning's ``meta.pt`` beside
+                DCP files), listed in the manifest like the others.
             final: The checkpoint that ends training: copied at the cut (no deferral: nothing follows to overlap
                 with, and code after the loop cannot reach it, so the guard can never refuse it) and admitted with
                 ``"wait"`` unless ``admission`` says otherwise.
@@ -188,13 +217,14 @@ class AsyncCheckpointer(Completion, Lifecycle, DrainOnExit):
             return handle
         self.torn_step = None
         try:
-            plan, job, buffers = self._capture(state, modules, optimizers, proof, defer)
+            capture = self._capture(state, modules, optimizers, proof, defer)
         except BaseException as exc:
             # Admitted but never started: the request still ends with a record.
             record.outcome, record.error = Outcome.FAILED, f"{type(exc).__name__}: {exc}"
             record.committed_step, record.blocked_s = self.committed_step, time.perf_counter() - t0
             self._finish_record(record)
             raise
+        plan, job = capture.plan, capture.job
         handle.plan, handle._job = plan, job
         record.sync_bytes = plan.total_bytes - job.deferred_bytes
         record.deferred_bytes = job.deferred_bytes
@@ -204,38 +234,29 @@ class AsyncCheckpointer(Completion, Lifecycle, DrainOnExit):
         with self._lock:
             self._inflight.append(handle)
         self._cut_since_tick = True
-        inflight.track(self.store, step, handle.committed)  # readers in this process wait for it (storage/inflight)
+        if self.store is not None:  # readers in this process wait for it (storage/inflight)
+            inflight.track(self.store, step, handle.committed)
         self.stage_worker.submit(job.run)
-        keys = dict(object_keys or {})
-        self.upload_worker.submit(lambda: self._persist(handle, job, plan, buffers, cut_meta, extra or {}, keys))
+        keys, more = dict(object_keys or {}), dict(objects or {})
+        self.upload_worker.submit(lambda: self._persist(handle, capture, cut_meta, extra or {}, keys, more))
         return handle
 
     def _capture(
         self, state: Any, modules: Sequence[Any], optimizers: Sequence[Any], proof: DeferralProof | None, defer: bool
-    ) -> tuple[CapturePlan, StagingJob, list[torch.Tensor]]:
-        if proof is None and defer:
-            fences = self._fence_hooks.fences
-            proof = prove_deferral(
-                modules,
-                optimizers,
-                has_optimizer_step_fence=Fence.OPTIMIZER_STEP in fences,
-                has_batch_start_fence=Fence.BATCH_START in fences,
-            )
-        # A proof without fences only says why everything is copied at the cut (e.g. the final checkpoint).
-        keep = proof is not None and (defer or not proof.fences)
-        plan = CapturePlan.build(
-            state, modules=modules, optimizers=optimizers, proof=proof if keep else None, demoted=self._demoted
+    ) -> CutCapture:
+        capture = self.capturer.capture(
+            state,
+            modules=modules,
+            optimizers=optimizers,
+            proof=proof,
+            defer=defer,
+            fences=self._fence_hooks.fences,
+            demoted=self._demoted,
+            pool=self.pool,
+            guard=self.options.guard,
         )
-        self.pool.check(plan.total_bytes)
-        buffers = self.pool.acquire(plan.slots)
-        job = StagingJob(plan.slots, buffers, guard=self.options.guard)
-        job.abandon = self.abandoning
-        try:
-            job.copy_at_cut(self._streams_for(plan))
-        except BaseException:
-            self.pool.release(buffers)
-            raise
-        return plan, job, buffers
+        capture.job.abandon = self.abandoning
+        return capture
 
     def _refused(self, record: SaveRecord, result: AdmissionResult) -> None:
         record.decision, record.backlog, record.outcome = result.decision, result.backlog, Outcome.ABORTED
@@ -309,12 +330,6 @@ class AsyncCheckpointer(Completion, Lifecycle, DrainOnExit):
         with self._lock:
             while self._inflight and self._inflight[0].done:
                 self._inflight.popleft()
-
-    def _streams_for(self, plan: CapturePlan) -> dict[torch.device, Any]:
-        for slot in plan.slots:
-            if slot.device.type == "cuda" and slot.device not in self._side_streams:
-                self._side_streams[slot.device] = torch.cuda.Stream(slot.device)
-        return self._side_streams
 
     # -- training-thread calls ---------------------------------------------------------------------------
     def wait(self, fence: Fence, *, raise_errors: bool = True) -> float:
@@ -409,6 +424,7 @@ class AsyncCheckpointer(Completion, Lifecycle, DrainOnExit):
             This checkpointer, so ``ckpt = AsyncCheckpointer(store).attach(model, optimizer)`` works.
         """
         self._fence_hooks.attach(model, optimizer)
+        self.capturer.bind([model], [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer))
         return self
 
     def detach(self) -> None:
@@ -416,9 +432,20 @@ class AsyncCheckpointer(Completion, Lifecycle, DrainOnExit):
         self.wait(Fence.OPTIMIZER_STEP)
         self._fence_hooks.remove()
 
-    def declare_fences(self, fences: Iterable[Fence]) -> None:
-        """Tell the engine which fences the caller calls (integrations that install their own hooks)."""
+    def declare_fences(
+        self, fences: Iterable[Fence], *, modules: Sequence[Any] = (), optimizers: Sequence[Any] = ()
+    ) -> None:
+        """Tell the engine which fences the caller calls (integrations that install their own hooks).
+
+        Args:
+            fences: The fences the caller passes itself (calling :meth:`wait`).
+            modules: The modules a save's state comes from, for capturers that classify without being told at
+                each save (the sharded one); the plain capturer classifies what each ``save`` names.
+            optimizers: Their optimizers, likewise.
+        """
         self._fence_hooks.declare(fences)
+        if modules or optimizers:
+            self.capturer.bind(list(modules), list(optimizers))
 
     def _remove_hooks(self) -> None:
         self._fence_hooks.remove()

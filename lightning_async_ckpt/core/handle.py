@@ -57,6 +57,26 @@ class SaveHandle:
         """Whether the save has ended (committed, failed or cancelled)."""
         return self.committed.done()
 
+    @property
+    def blocked_s(self) -> float:
+        """Seconds the training thread spent in ``save`` (admission wait and the copy at the cut)."""
+        return self.record.blocked_s
+
+    @property
+    def sync_bytes(self) -> int:
+        """Bytes copied at the cut, on the training thread."""
+        return self.record.sync_bytes
+
+    @property
+    def deferred_bytes(self) -> int:
+        """Bytes staged in the background, behind the fences."""
+        return self.record.deferred_bytes
+
+    @property
+    def fence_wait_s(self) -> float:
+        """Seconds the training thread waited at this save's fences so far."""
+        return 0.0 if self._job is None else sum(state.waited_s for state in self._job.fences.values())
+
     def wait(self, fence: Fence) -> float:
         """Block at ``fence`` until this save's storages fenced there are staged; returns seconds blocked."""
         return self._job.wait(fence) if self._job is not None else 0.0

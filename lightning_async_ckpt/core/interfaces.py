@@ -8,6 +8,9 @@ seam needs in one place and a type checker holds each implementation to it:
   single-writer engine (:class:`~lightning_async_ckpt.core.engine.AsyncCheckpointer`, one ``torch.save`` stream per
   generation) and by the sharded adapter (``lightning.sharded.ShardedCallbackCheckpointer``, DCP files on every
   rank); :attr:`TrainingCheckpointer.writes_dcp` is the one difference the callback asks about.
+* :class:`Capturer` and :class:`Persister`: the two parts of the engine's one lifecycle that differ by layout. The
+  engine (admission -> capture -> staging + guard -> persist -> commit -> retention) is written once; a plain or a
+  sharded capturer sees the tensors, a stream or a DCP persister writes the generation.
 * :class:`SaveTarget` and :class:`GenerationSink`: where the persist step writes one attempt of a generation.
   Implemented by :class:`~lightning_async_ckpt.storage.store.CheckpointStore` /
   :class:`~lightning_async_ckpt.storage.writer.GenerationWriter` and by Accelerate's folder store.
@@ -21,7 +24,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from lightning_async_ckpt.core.capture import Fence
 
-__all__ = ["GenerationSink", "SaveTarget", "TrainingCheckpointer", "TrainingSaveHandle"]
+__all__ = ["Capturer", "GenerationSink", "Persister", "SaveTarget", "TrainingCheckpointer", "TrainingSaveHandle"]
 
 
 class TrainingSaveHandle(Protocol):
@@ -116,3 +119,38 @@ class SaveTarget(Protocol):
     def check_sizes(self, manifest: Any) -> list[str]: ...
 
     def gc(self, keep_last: int, **kwargs: Any) -> list[int]: ...
+
+
+class Capturer(Protocol):
+    """How the engine captures a cut on the training thread (one per engine).
+
+    Call sequence: :meth:`bind` whenever the caller names its modules and optimizers (``attach``,
+    ``declare_fences``); :meth:`capture` at every admitted cut, returning an object with ``plan``, ``job``,
+    ``buffers`` and ``staged_state()`` (:class:`~lightning_async_ckpt.core.capturer.CutCapture`).
+    Implemented by :class:`~lightning_async_ckpt.core.capturer.PlainCapturer` and the sharded capturer.
+    """
+
+    def bind(self, modules: Any, optimizers: Any) -> None: ...
+
+    def capture(self, state: Any, **how: Any) -> Any: ...
+
+
+class Persister(Protocol):
+    """How a staged save becomes a committed generation (runs on the engine's upload thread).
+
+    Call sequence: once per admitted save, after its staging ended, the engine calls :meth:`persist` with a
+    :class:`~lightning_async_ckpt.core.stream_persister.PersistWork`; it returns the committed manifest (or
+    ``None`` when the commit happened elsewhere and could not be read back) or raises, and the engine turns the
+    outcome into the save's futures, record and error queue; :meth:`close` once at the end. A :attr:`collective`
+    persister is called even when this rank's staging failed (its collectives must fail the save on every rank
+    rather than leave the others waiting); :attr:`coordinator` says whether this process runs retention.
+    Implemented by :class:`~lightning_async_ckpt.core.stream_persister.StreamPersister` (one writer) and
+    :class:`~lightning_async_ckpt.sharded.persister.DcpPersister` (every rank writes DCP files).
+    """
+
+    collective: bool
+    coordinator: bool
+
+    def persist(self, work: Any) -> Any: ...
+
+    def close(self) -> None: ...

@@ -37,6 +37,7 @@ class Lifecycle:
     options: Any
     pool: Any
     events: Any
+    persister: Any
     committed_step: int | None
 
     def __init__(self, *, upload_nice: int = 0) -> None:
@@ -103,6 +104,7 @@ class Lifecycle:
             self._abandon_outstanding(f"close: not drained within {timeout}s")
         self._stop_workers(None if finished and not self.abandoning.is_set() else remaining())
         self.events.close()
+        self.persister.close()
         self.pool.clear()
         release_buffers()  # the aligned write buffers kept between files
         while (later := self.take_pending_error()) is not None:  # type: ignore[attr-defined]

@@ -228,6 +228,7 @@ class CallbackArguments(ModelCheckpoint):
         self._logged: tuple = ()
         self._distributed = False
         self._committed_before: set[int] = set()
+        self._sharded: Any = None  # lightning.sharded.ShardedSetup when every rank writes DCP files
         self._last_cut_step: int | None = None
         # The newest step ModelCheckpoint's schedule saved; 0 like its _last_global_step_saved (no step taken yet).
         self._model_checkpoint_step = 0

@@ -101,9 +101,12 @@ class AsyncCheckpointCallback(CallbackArguments):
             run_id = CheckpointStore.new_run_id()
             self.run_id = trainer.strategy.broadcast(run_id, src=0) if self._distributed else run_id
         self.preemption.install()  # the emergency save's signal, when one is configured (lightning/preemption.py)
-        if setup_sharded(self, trainer):  # sharded strategies: a writer on every rank (lightning/sharded.py)
+        self._sharded = setup_sharded(self, trainer, self._sharded)  # DCP: a writer on every rank (sharded.py)
+        if self._sharded is not None:
             if self.tiers is not None:
                 raise ConfigError("local_dirpath is not supported with sharded or sliced (DCP) checkpoints yet")
+            self.checkpointer, self.store = self._sharded.checkpointer, self._sharded.store
+            self._committed_before = self._sharded.committed
             return
         error = None
         if trainer.is_global_zero and (self.checkpointer is None or self.checkpointer.closed):
@@ -307,14 +310,22 @@ class AsyncCheckpointCallback(CallbackArguments):
                 checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=self.save_weights_only)
             finally:
                 self.selection.cutting = None
+            objects, proof = (
+                {},
+                lightning_proof(trainer, pl_module, self) if defer else (FINAL_PROOF if self.defer else None),
+            )
+            if self._sharded is not None:  # the strategy's DCP layout and meta.pt; the sharded capturer's own proof
+                checkpoint, objects, defer = self._sharded.layout.prepare(step, checkpoint, [pl_module], defer)
+                proof = None
             if self.checkpointer is not None:
                 handle = self.checkpointer.save(
                     step,
                     checkpoint,
                     modules=[pl_module],
                     optimizers=trainer.optimizers,
-                    proof=lightning_proof(trainer, pl_module, self) if defer else (FINAL_PROOF if self.defer else None),
+                    proof=proof,
                     defer=defer,
+                    objects=objects,
                     cut={"epoch": trainer.current_epoch, "global_step": step, "world_size": trainer.world_size},
                     admission="wait" if final else None,
                     extra=self.selection.extra(entry),

@@ -13,6 +13,10 @@ For users who keep their ``ModelCheckpoint`` (monitor, top-k, filenames, ``save_
 * ``remove_checkpoint`` (a top-k replacement, a previous ``last``) runs **after** the newer saves requested before it
   committed, and not at all when one of them failed: the checkpoint being replaced is never deleted first.
 
+It is the package's one engine (:class:`~lightning_async_ckpt.core.engine.AsyncCheckpointer`: admission, the copy
+at the cut, staging, persist, errors raised once, the interpreter-exit drain) with a persister that writes the path
+Lightning names (:class:`~lightning_async_ckpt.lightning.file_persister.FilePersister`) instead of a generation.
+
 Call sequence (all on the training thread): ``save_checkpoint`` (copy into the pool, queue the write) ->
 ``remove_checkpoint`` (queued behind the saves) -> ``load_checkpoint`` (drains first) -> ``teardown`` (drains,
 stops the thread, raises a pending error).
@@ -21,74 +25,30 @@ stops the thread, raises a pending error).
 from __future__ import annotations
 
 import collections
-import contextlib
+import itertools
 import logging
 import os
 import sys
-import threading
 import time
-import uuid
 from concurrent.futures import Future
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from typing_extensions import override
 
-from lightning_async_ckpt.core.capture import CapturePlan
+from lightning_async_ckpt.core.engine import AsyncCheckpointer
+from lightning_async_ckpt.core.options import CheckpointOptions
 from lightning_async_ckpt.core.persist import RetryPolicy
-from lightning_async_ckpt.core.staging import BufferPool, StagingJob, resolve_budget
-from lightning_async_ckpt.core.workers import THREAD_PREFIX, Worker, register_at_exit
-from lightning_async_ckpt.errors import CheckpointError, ConfigError, StorageError
-from lightning_async_ckpt.storage.backend import backend_for, open_filesystem
-from lightning_async_ckpt.storage.io import DEFAULT_CHECKSUM, Checksum, WriteOnlyStream, fsync_dir, read_verified
+from lightning_async_ckpt.core.staging import BufferPool, resolve_budget
+from lightning_async_ckpt.errors import CheckpointError, ConfigError
+from lightning_async_ckpt.lightning.file_persister import CommittedFile, FilePersister
+from lightning_async_ckpt.storage.backend import open_filesystem
+from lightning_async_ckpt.storage.io import DEFAULT_CHECKSUM, Checksum
 
 __all__ = ["CommittedFile", "StagedCheckpointIO"]
 
 _log = logging.getLogger("lightning_async_ckpt")
-
-
-@dataclass(frozen=True)
-class CommittedFile:
-    """One checkpoint file this plugin made visible.
-
-    Attributes:
-        path: The path ``ModelCheckpoint`` asked for.
-        size: Bytes written.
-        checksum: ``"<algorithm>:<hex>"`` of those bytes, computed as they were streamed.
-        blocked_s: Seconds the training thread spent in ``save_checkpoint`` (admission wait and the copy).
-        write_s: Seconds from the request to the file being visible.
-    """
-
-    path: str
-    size: int
-    checksum: str
-    blocked_s: float
-    write_s: float
-
-
-class _ChecksumStream(WriteOnlyStream):
-    """Counts and checksums the bytes ``torch.save`` writes into ``raw``."""
-
-    def __init__(self, raw: Any, algorithm: str) -> None:
-        self._raw = raw
-        self._sum = Checksum(algorithm)
-        self.size = 0
-
-    def write(self, data: Any) -> int:
-        view = memoryview(data).cast("B")
-        self._raw.write(view)
-        self._sum.update(view)
-        self.size += len(view)
-        return len(view)
-
-    def flush(self) -> None:
-        self._raw.flush()
-
-    @property
-    def checksum(self) -> str:
-        return self._sum.hexdigest()
 
 
 class StagedCheckpointIO(CheckpointIO):
@@ -97,8 +57,8 @@ class StagedCheckpointIO(CheckpointIO):
     Use it with your own ``ModelCheckpoint``: ``Trainer(callbacks=[ModelCheckpoint(...)], plugins=
     [StagedCheckpointIO()])``. The files, names and contents are those ``TorchCheckpointIO`` writes.
 
-    Thread-safety: every method is called from the training thread; the writes run on one named thread
-    (``lightning_async_ckpt-checkpoint-io``), in request order, created lazily and stopped at :meth:`teardown`.
+    Thread-safety: every method is called from the training thread; the writes run on the engine's named threads,
+    in request order, created lazily and stopped at :meth:`teardown` (a later ``fit`` opens a new engine).
 
     Args:
         storage_options: fsspec options for every path (e.g. an S3 ``endpoint_url``, ``key``, ``secret``); a
@@ -136,20 +96,35 @@ class StagedCheckpointIO(CheckpointIO):
             raise ConfigError(f"drain_timeout_s must be a number >= 0, got {drain_timeout_s!r}")
         self.checksum = checksum or DEFAULT_CHECKSUM
         Checksum(self.checksum)  # validates the algorithm now, not at the first save
+        resolve_budget(host_memory_budget)  # validates the budget now
         self.storage_options = dict(storage_options or {})
         self.max_outstanding = max_outstanding
+        self.host_memory_budget = host_memory_budget
         self.retry = RetryPolicy(retries=retries, backoff_s=retry_backoff_s)
         self.verify = bool(verify)
         self.drain_timeout_s = float(drain_timeout_s)
-        self.pool = BufferPool(resolve_budget(host_memory_budget))
         #: Every file made visible, oldest first (bounded).
         self.committed: collections.deque[CommittedFile] = collections.deque(maxlen=10_000)
+        self._requests = itertools.count()  # the engine's step of each save (Lightning may save one step twice)
         self._saves: collections.deque[Future] = collections.deque()
-        self._tasks: collections.deque[Future] = collections.deque()
-        self._errors: collections.deque[BaseException] = collections.deque()
-        self._lock = threading.Lock()
-        self._worker: Worker | None = None
-        self._exit_hook: Any = None
+        self._removals: collections.deque[Future] = collections.deque()
+        self._open()
+
+    def _open(self) -> None:
+        self._persister = FilePersister(self.checksum, self.retry, self.verify, self.committed)
+        options = CheckpointOptions(
+            max_outstanding=self.max_outstanding,
+            admission="wait",
+            host_memory_budget=self.host_memory_budget,
+            guard="off",  # nothing is deferred: every tensor is copied at the save
+            drain_timeout_s=self.drain_timeout_s,
+        )
+        self._engine = AsyncCheckpointer(None, options, persister=self._persister)
+
+    @property
+    def pool(self) -> BufferPool:
+        """The staging pool the current engine reuses from one save to the next."""
+        return self._engine.pool
 
     # -- CheckpointIO --------------------------------------------------------------------------------------
     @override
@@ -161,34 +136,27 @@ class StagedCheckpointIO(CheckpointIO):
             HostMemoryBudgetError: The checkpoint does not fit ``host_memory_budget``.
         """
         options = self._options(storage_options)
-        self._raise_pending()
-        t0 = time.perf_counter()
-        while self._outstanding() >= self.max_outstanding:
-            with contextlib.suppress(Exception):  # its error is in the queue, raised just below
-                self._saves[0].result()
-        self._raise_pending()
-        plan = CapturePlan.build(checkpoint)  # no proof: every tensor is copied here, at the save
-        self.pool.check(plan.total_bytes)
-        buffers = self.pool.acquire(plan.slots)
-        job = StagingJob(plan.slots, buffers, guard=False)
+        if self._engine.closed:
+            self._open()  # torn down after an earlier fit
+        key = next(self._requests)
+        self._persister.expect(key, os.fspath(path), options)
         try:
-            job.copy_at_cut()
+            handle = self._engine.save(key, checkpoint, defer=False)  # no proof: every tensor is copied here
         except BaseException:
-            self.pool.release(buffers)
+            self._persister.forget(key)
             raise
-        blocked = time.perf_counter() - t0
-        target = os.fspath(path)
-        future = self._submit(lambda: self._save(target, plan, job, buffers, options, t0, blocked))
-        with self._lock:
-            self._saves.append(future)
+        self._saves.append(handle.committed)
+        while self._saves and self._saves[0].done():
+            self._saves.popleft()
 
     @override
     def remove_checkpoint(self, path: Any) -> None:
         """Remove ``path`` once every save requested before this call committed; keep it if one failed."""
-        target = os.fspath(path)
-        with self._lock:
-            before = list(self._saves)
-        self._submit(lambda: self._remove(target, before, self._options(None)))
+        target, options, before = os.fspath(path), self._options(None), list(self._saves)
+        # The engine's upload thread runs persists in request order: this runs after every earlier save ended.
+        self._removals.append(self._engine.upload_worker.submit(lambda: self._remove(target, before, options)))
+        while self._removals and self._removals[0].done():
+            self._removals.popleft()
 
     @override
     def load_checkpoint(
@@ -211,7 +179,7 @@ class StagedCheckpointIO(CheckpointIO):
 
     @override
     def teardown(self) -> None:
-        """Drain every queued save and removal, stop the thread, and raise a background error not raised yet.
+        """Drain every queued save and removal, stop the threads, and raise a background error not raised yet.
 
         While another exception propagates (Lightning tears down after a training error) the error is logged
         instead, so the training error is the one that surfaces.
@@ -219,28 +187,15 @@ class StagedCheckpointIO(CheckpointIO):
         Raises:
             CheckpointError: The oldest error not raised yet (later ones are attached as notes).
         """
-        self._wait_all(None)
-        worker, self._worker = self._worker, None
-        if worker is not None:
-            worker.stop(None)
-        if self._exit_hook is not None:
-            self._exit_hook.unregister()
-            self._exit_hook = None
-        self.pool.clear()
-        error = None
-        while self._errors:
-            later = self._errors.popleft()
-            if error is None:
-                error = later
-            else:
-                error.add_note(f"another checkpoint write also failed: {later}")
-        if error is None:
-            return
-        if sys.exc_info()[1] is not None:
+        propagating = sys.exc_info()[1] is not None
+        self._wait_removals(None)
+        try:
+            self._engine.close()
+        except CheckpointError as error:
+            if not propagating:
+                raise
             # Lightning tears down while an exception propagates: that exception stays the one the user sees.
             _log.error("checkpoint write failed while another exception was handled: %s", error)
-            return
-        raise error
 
     # -- public helpers ------------------------------------------------------------------------------------
     def drain(self, timeout: float | None = None) -> bool:
@@ -249,85 +204,20 @@ class StagedCheckpointIO(CheckpointIO):
         Returns:
             True when everything ended within ``timeout``.
         """
-        finished = self._wait_all(timeout)
-        self._raise_pending()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        finished = self._engine.drain_quietly(timeout)
+        finished = self._wait_removals(None if deadline is None else max(0.0, deadline - time.monotonic())) and finished
+        self._engine.raise_pending()
         return finished
 
     @property
     def outstanding(self) -> int:
         """Saves queued or being written."""
-        return self._outstanding()
+        return self._engine.outstanding
 
     # -- background --------------------------------------------------------------------------------------
-    def _save(
-        self,
-        path: str,
-        plan: CapturePlan,
-        job: StagingJob,
-        buffers: list[torch.Tensor],
-        options: dict[str, Any],
-        t0: float,
-        blocked: float,
-    ) -> CommittedFile:
-        try:
-            job.run()  # nothing is deferred: this only waits for CUDA copies issued at the save
-            if job.error is not None:
-                raise job.error
-            state = plan.materialize(buffers)
-            attempt = 0
-            while True:
-                try:
-                    size, checksum = self._write(path, state, options)
-                    break
-                except Exception as exc:
-                    if not self.retry.should_retry(exc, attempt):
-                        raise
-                    attempt += 1
-                    _log.warning("writing checkpoint %s failed (%s); retry %d", path, exc, attempt)
-                    time.sleep(self.retry.delay(attempt))
-        except BaseException as exc:
-            error = CheckpointError(f"checkpoint {path} was not written: {type(exc).__name__}: {exc}")
-            self._errors.append(error)
-            raise error from exc
-        finally:
-            self.pool.release(buffers)
-        record = CommittedFile(path, size, checksum, blocked, time.perf_counter() - t0)
-        self.committed.append(record)
-        return record
-
-    def _write(self, path: str, state: Any, options: dict[str, Any]) -> tuple[int, str]:
-        fs, fs_path = open_filesystem(path, options)
-        backend = backend_for(fs)
-        local = backend.kind == "local"
-        folder = os.path.dirname(fs_path) if local else fs_path.rsplit("/", 1)[0]
-        # Local disk: a temp name in the same folder, renamed once durable. Object stores publish an upload
-        # only when it completes, so the final name is written directly.
-        # The temp name carries a fresh token: a leftover of a crashed run (containers reuse pids) or of an earlier
-        # attempt is never reopened (local files are created exclusively), and no other writer can hold this one.
-        token = uuid.uuid4().hex[:12]
-        target = os.path.join(folder, f".{os.path.basename(fs_path)}.tmp-{token}") if local else fs_path
-        raw = backend.open_write(target, direct_io=False, subfolder=not local)
-        stream = _ChecksumStream(raw, self.checksum)
-        try:
-            torch.save(state, stream)
-            backend.finish(raw)
-            if local:
-                os.replace(target, fs_path)
-                fsync_dir(folder)
-        except BaseException:
-            backend.discard(raw)
-            if local and os.path.exists(target):
-                os.unlink(target)
-            raise
-        size = fs.info(fs_path).get("size")
-        if size != stream.size:
-            raise StorageError(f"checkpoint {path}: wrote {stream.size} bytes but storage holds {size}")
-        if self.verify:
-            read_verified(fs, fs_path, stream.size, stream.checksum)
-        return stream.size, stream.checksum
-
     def _remove(self, path: str, before: list[Future], options: dict[str, Any]) -> None:
-        failed = [f for f in before if f.exception() is not None]
+        failed = [f for f in before if f.done() and not f.cancelled() and f.exception() is not None]
         if failed:
             _log.warning(
                 "kept checkpoint %s: a newer checkpoint requested before its removal was not written (%s)",
@@ -341,44 +231,20 @@ class StagedCheckpointIO(CheckpointIO):
                 fs.rm(fs_path, recursive=True)
         except Exception as exc:
             error = CheckpointError(f"could not remove checkpoint {path}: {type(exc).__name__}: {exc}")
-            self._errors.append(error)
+            self._engine.report_error(error)
             raise error from exc
 
-    # -- plumbing ------------------------------------------------------------------------------------------
-    def _submit(self, fn: Any) -> Future:
-        if self._worker is None:
-            self._worker = Worker(f"{THREAD_PREFIX}-checkpoint-io")
-            self._exit_hook = register_at_exit(self._at_exit)
-        future = self._worker.submit(fn)
-        with self._lock:
-            self._tasks.append(future)
-        return future
-
-    def _outstanding(self) -> int:
-        with self._lock:
-            while self._saves and self._saves[0].done():
-                self._saves.popleft()
-            return len(self._saves)
-
-    def _wait_all(self, timeout: float | None) -> bool:
+    def _wait_removals(self, timeout: float | None) -> bool:
         deadline = None if timeout is None else time.monotonic() + timeout
-        with self._lock:
-            tasks = list(self._tasks)
-        for task in tasks:
+        for task in list(self._removals):
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
             try:
                 task.exception(remaining)
             except TimeoutError:
                 return False
-        with self._lock:
-            while self._tasks and self._tasks[0].done():
-                self._tasks.popleft()
-        self._outstanding()
+        while self._removals and self._removals[0].done():
+            self._removals.popleft()
         return True
-
-    def _raise_pending(self) -> None:
-        if self._errors:
-            raise self._errors.popleft()
 
     def _options(self, storage_options: Any) -> dict[str, Any]:
         if storage_options is None:
@@ -386,17 +252,3 @@ class StagedCheckpointIO(CheckpointIO):
         if not isinstance(storage_options, dict):
             raise ConfigError(f"storage_options must be a dict of fsspec options, got {type(storage_options).__name__}")
         return {**self.storage_options, **storage_options}
-
-    def _at_exit(self) -> None:
-        with self._lock:
-            pending = sum(1 for f in self._tasks if not f.done())
-        if pending:
-            done = self._wait_all(self.drain_timeout_s)
-            _log.warning(
-                "interpreter exit: %s %d outstanding checkpoint write(s) of StagedCheckpointIO",
-                "drained" if done else "timed out draining",
-                pending,
-            )
-        worker, self._worker = self._worker, None
-        if worker is not None:
-            worker.stop(0.0 if pending else None)

@@ -1,9 +1,9 @@
 """``AsyncCheckpointCallback`` under sharded strategies: every rank writes its shards in torch DCP's format.
 
 Under ``ModelParallelStrategy`` (FSDP2 ``fully_shard`` / tensor parallelism, ``save_distributed_checkpoint=True``)
-and ``FSDPStrategy(state_dict_type="sharded")`` the callback hands each cut to a :class:`ShardedCallbackCheckpointer`
-on every rank instead of the single-writer :class:`~lightning_async_ckpt.core.engine.AsyncCheckpointer` on rank 0.
-It writes exactly what the strategy's own ``save_checkpoint`` writes, into one store generation:
+and ``FSDPStrategy(state_dict_type="sharded")`` the callback drives a
+:class:`~lightning_async_ckpt.sharded.ShardedCheckpointer` on every rank (the one engine with the DCP persister)
+instead of the single-writer engine on rank 0, after :class:`LightningDcpLayout` split the checkpoint. It writes exactly what the strategy's own ``save_checkpoint`` writes, into one store generation:
 
 - the model's and optimizers' sharded state in DCP's format (``__<rank>_0.distcp`` per rank, ``.metadata``), under
   the strategy's keys (``state_dict`` for ``ModelParallelStrategy``, ``model`` for ``FSDPStrategy``, and
@@ -34,18 +34,14 @@ from __future__ import annotations
 
 import io
 import logging
-import time
 from collections.abc import Callable
-from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 
 from lightning_async_ckpt.core.capture import Fence
-from lightning_async_ckpt.core.engine import CheckpointOptions
-from lightning_async_ckpt.core.telemetry import EventLog
 from lightning_async_ckpt.errors import ConfigError
 from lightning_async_ckpt.lightning.collective import agree_on
 from lightning_async_ckpt.lightning.hooks import override_failures
@@ -56,13 +52,14 @@ from lightning_async_ckpt.lightning.sliced import (
     is_ddp,
     replicated_only,
 )
-from lightning_async_ckpt.sharded import DCP_FORMAT, ShardedCheckpointer, ShardedSaveError
+from lightning_async_ckpt.sharded import DCP_FORMAT, ShardedCheckpointer
 from lightning_async_ckpt.storage.manifest import Manifest
 from lightning_async_ckpt.storage.store import CheckpointStore
 
 __all__ = [
     "LIGHTNING_META_NAME",
-    "ShardedCallbackCheckpointer",
+    "LightningDcpLayout",
+    "ShardedSetup",
     "is_lightning_dcp_generation",
     "model_key_for",
     "setup_sharded",
@@ -114,254 +111,83 @@ def is_lightning_dcp_generation(manifest: Manifest | None) -> bool:
     )
 
 
-@dataclass(frozen=True)
-class _Decision:
-    decision: str = "admit"
+@dataclass
+class LightningDcpLayout:
+    """How one rank turns Lightning's checkpoint into what the strategy's own ``save_checkpoint`` writes.
 
-
-@dataclass(frozen=True)
-class ShardedRecord:
-    """What the callback logs of the newest committed sharded save (this rank's view)."""
-
-    step: int
-    blocked_s: float
-    staging_s: float
-    cut_to_committed_s: float
-    bytes: int
-
-
-@dataclass(eq=False)
-class ShardedCallbackHandle:
-    """The callback's view of one sharded save: ``decision`` (always admitted) and the ``committed`` future."""
-
-    step: int
-    committed: Future
-    blocked_s: float
-    deferred_bytes: int = 0
-    decision: _Decision = _Decision()
-
-
-class ShardedCallbackCheckpointer:
-    """Per-rank stand-in for ``AsyncCheckpointer`` inside ``AsyncCheckpointCallback`` under sharded strategies.
-
-    It offers the part of ``AsyncCheckpointer``'s interface the callback uses (``save``, ``wait``,
-    ``take_pending_error``, ``drain_quietly``, ``close``, progress properties) and drives a
-    :class:`~lightning_async_ckpt.sharded.ShardedCheckpointer` on this rank.
-
-    Args:
-        store: The store (the same root and run id on every rank).
+    Attributes:
         model_key: :func:`model_key_for` of the strategy.
         rank: This process's global rank (rank 0 writes ``meta.pt``).
-        options: The callback's ``CheckpointOptions`` (``on_error``, ``keep_last``, ``guard``,
-            ``host_memory_budget``, ``event_log``).
-        deferral_blocked: Called with the LightningModule at each cut; returns the reasons deferral is unsafe
-            (overridden hooks that may write state before a fence), empty when it may defer.
         replicated: DDP (``ddp_layout="sliced"``): the state is replicated; ranks other than 0 leave the module's
             buffers out (see :mod:`~lightning_async_ckpt.lightning.sliced`) and DCP deduplicates the rest.
-        timeout_s: Bound on every collective of a save (the checkpoint group's timeout).
+        deferral_blocked: Called with the LightningModule at each cut; returns the reasons deferral is unsafe
+            (overridden hooks that may write state before a fence), empty when it may defer.
     """
 
-    writes_dcp = True  # every rank writes DCP files (core.interfaces.TrainingCheckpointer)
+    model_key: str
+    rank: int
+    replicated: bool = False
+    deferral_blocked: Callable[[Any], list[str]] = lambda module: []
 
-    def __init__(
-        self,
-        store: CheckpointStore,
-        *,
-        model_key: str,
-        rank: int,
-        options: CheckpointOptions,
-        deferral_blocked: Callable[[Any], list[str]] = lambda module: [],
-        replicated: bool = False,
-        timeout_s: float = 300.0,
-    ) -> None:
-        self.store = store
-        self.model_key = model_key
-        self.rank = rank
-        self.on_error = options.on_error
-        self.inner = ShardedCheckpointer(
-            store,
-            keep_last=options.keep_last,
-            timeout_s=timeout_s,
-            guard=options.guard,
-            host_memory_budget=options.host_memory_budget,
-        )
-        self.pool = self.inner.pool
-        self.events = EventLog(options.event_log if rank == 0 else None)
-        self.deferral_blocked = deferral_blocked
-        self.replicated = replicated
-        self.committed_step: int | None = None
-        self.last_committed: ShardedRecord | None = None
-        self.deferred_bytes = 0  # staged behind the fences, over every save of this checkpointer
-        self.coalesce_due = False
-        self._torn = False  # the newest save was refused by the guard on some rank: retake it
-        self._handle: ShardedCallbackHandle | None = None
-        self._closed = False
+    def prepare(
+        self, step: int, checkpoint: dict[str, Any], modules: list[Any], defer: bool
+    ) -> tuple[dict[str, Any], dict[str, bytes], bool]:
+        """Split ``checkpoint`` (consumed) into the DCP state, the extra objects and whether to defer.
 
-    @property
-    def closed(self) -> bool:
-        """Whether :meth:`close` ran."""
-        return self._closed
-
-    @property
-    def retake_due(self) -> bool:
-        """Whether the newest save was refused by the runtime guard on some rank and must be retaken (as in the
-        single-writer engine); cleared by the next save."""
-        handle = self._handle
-        if handle is not None and handle.committed.done() and getattr(handle.committed.exception(), "torn", False):
-            self._torn = True
-        return self._torn
-
-    @property
-    def outstanding(self) -> int:
-        """1 while a save is in flight, else 0."""
-        return int(self._handle is not None and not self._handle.committed.done())
-
-    def declare_fences(self, fences: Any) -> None:
-        """The fences the callback passes (``on_train_batch_start``, ``on_before_optimizer_step``)."""
-        self.inner.declare_fences(fences)
-
-    def wait(self, fence: Fence, *, raise_errors: bool = True) -> None:
-        """At ``fence``: wait until the deferred shards fenced there are staged.
-
-        A staging failure also fails the save on every rank (DCP's plan step), so with ``raise_errors=False``
-        (distributed) it is raised later, at a collective point, on every rank.
+        Returns:
+            ``(state, {"meta.pt": ...} on rank 0 else {}, defer)``; ``meta.pt`` is serialized here, at the cut.
         """
-        try:
-            self.inner.wait(fence)
-        except Exception:
-            if raise_errors:
-                raise
-            _log.debug("staging failed at fence %s; the save fails on every rank", fence, exc_info=True)
-
-    def preallocate(self, state: Any, **kwargs: Any) -> None:
-        """No-op: the host buffers are allocated at the first cut and reused."""
-
-    def save(
-        self,
-        step: int,
-        checkpoint: dict[str, Any],
-        *,
-        modules: list[Any],
-        optimizers: list[Any],
-        defer: bool = True,
-        **kwargs: Any,
-    ) -> ShardedCallbackHandle:
-        """Capture this rank's shards at the cut and write generation ``step`` (every rank, at the same step).
-
-        Args:
-            step: The global step.
-            checkpoint: Lightning's checkpoint dict (``dump_checkpoint``); consumed.
-            modules: The LightningModule (in a list), whose parameters and buffers the plan classifies.
-            optimizers: The trainer's optimizers.
-            defer: ``False`` copies every shard at the cut.
-            **kwargs: The single-writer engine's other options (``proof``, ``cut``, ``admission``): not used.
-
-        Raises:
-            ShardedSaveError: The previous save failed (every rank raises it).
-        """
-        start = time.perf_counter()
         state, meta = to_strategy_layout(checkpoint, self.model_key)
         if self.replicated and self.rank != 0 and modules:
             state[self.model_key] = replicated_only(state[self.model_key], modules[0])
-        objects = None
+        objects: dict[str, bytes] = {}
         if self.rank == 0:
             buffer = io.BytesIO()
             torch.save(meta, buffer)
-            objects = {LIGHTNING_META_NAME: buffer.getvalue()}
+            objects[LIGHTNING_META_NAME] = buffer.getvalue()
         blocked_by = self.deferral_blocked(modules[0]) if defer and modules else []
         if blocked_by:
             _log.debug("step %s copied at the cut: %s", step, "; ".join(blocked_by))
-        if self._handle is not None:
-            # The previous save ends first (one in flight); a guard refusal is not an error to raise here.
-            self.drain_quietly(None)
-            error = self.take_pending_error()
-            if error is not None:
-                raise error
-        self._torn = False
-        inner = self.inner.save(
-            step, state, modules=modules, optimizers=optimizers, defer=defer and not blocked_by, objects=objects
-        )
-        blocked = time.perf_counter() - start
-        handle = ShardedCallbackHandle(
-            step=step, committed=inner.committed, blocked_s=blocked, deferred_bytes=inner.deferred_bytes
-        )
-        self.deferred_bytes += inner.deferred_bytes
-        inner.committed.add_done_callback(lambda f, s=step, t=start, b=blocked: self._ended(f, s, t, b))
-        self._handle = handle
-        return handle
-
-    def _ended(self, future: Future, step: int, start: float, blocked: float) -> None:
-        if future.cancelled() or future.exception() is not None:
-            return
-        manifest = future.result()
-        self.committed_step = step if self.committed_step is None else max(self.committed_step, step)
-        self.last_committed = ShardedRecord(
-            step=step,
-            blocked_s=blocked,
-            staging_s=blocked,
-            cut_to_committed_s=time.perf_counter() - start,
-            bytes=manifest.total_bytes if manifest is not None else 0,
-        )
-        self.events.emit("committed", step=step)
-
-    def take_pending_error(self) -> BaseException | None:
-        """The failure of an ended save, once (``None`` while it runs, or when ``on_error="warn"`` logged it)."""
-        handle = self._handle
-        if handle is None or not handle.committed.done():
-            return None
-        self._handle = None
-        try:
-            self.inner.drain(0)
-        except ShardedSaveError as exc:
-            if exc.torn:
-                # Refused, not failed: the torn categories are copied at the cut from now on; the callback retakes.
-                self._torn = True
-                _log.warning("%s; it is retaken at the next batch end", exc)
-                return None
-            if self.on_error == "warn":
-                _log.warning("sharded checkpoint save failed: %s", exc)
-                return None
-            return exc
-        return None
-
-    def drain_quietly(self, timeout: float | None) -> bool:
-        """Wait for the save in flight without raising; whether it ended."""
-        handle = self._handle
-        if handle is None:
-            return True
-        try:
-            handle.committed.exception(timeout)
-        except TimeoutError:
-            return False
-        return True
-
-    def close(self, timeout: float | None = None) -> None:
-        """Drain and close; raises the last save's failure (unless ``on_error="warn"``)."""
-        self._closed = True
-        try:
-            self.inner.close(timeout)
-        except ShardedSaveError as exc:
-            if self.on_error != "warn":
-                raise
-            _log.warning("sharded checkpoint save failed: %s", exc)
-        finally:
-            self._handle = None
-            self.events.close()
+        return state, objects, defer and not blocked_by
 
 
-def setup_sharded(callback: Any, trainer: pl.Trainer) -> bool:
-    """Give ``callback`` a :class:`ShardedCallbackCheckpointer` on every rank when the strategy writes DCP folders.
+@dataclass
+class ShardedSetup:
+    """What :func:`setup_sharded` opened for the callback on this rank.
 
-    Called from ``AsyncCheckpointCallback.setup`` on every rank, after ``dirpath`` and ``run_id`` are set.
-    Collective (creates the checkpoint's gloo group); a failure on any rank raises on every rank.
+    Attributes:
+        checkpointer: The rank's :class:`~lightning_async_ckpt.sharded.ShardedCheckpointer` (the one engine with
+            the DCP persister), fences declared.
+        store: Its store.
+        layout: How each cut's checkpoint becomes the DCP state and ``meta.pt``.
+        committed: Steps already committed in the store (a step the fit would write again is refused).
+    """
+
+    checkpointer: ShardedCheckpointer
+    store: CheckpointStore
+    layout: LightningDcpLayout
+    committed: set[int]
+
+
+def setup_sharded(callback: Any, trainer: pl.Trainer, current: ShardedSetup | None = None) -> ShardedSetup | None:
+    """Open a sharded checkpointer on every rank when the strategy writes DCP folders (or DDP writes slices).
+
+    Called from ``AsyncCheckpointCallback.setup`` on every rank, after ``dirpath`` and ``run_id`` are set; reads
+    the callback's arguments and changes nothing on it. Collective (creates the checkpoint's gloo group); a failure
+    on any rank raises on every rank.
 
     Under DDP with the callback's ``ddp_layout="sliced"`` every rank writes a slice of the replicated state
     (:mod:`~lightning_async_ckpt.lightning.sliced`). File-based strategies get a checkpoint IO that also loads
     Lightning DCP folders.
 
+    Args:
+        callback: The ``AsyncCheckpointCallback`` (its arguments are read).
+        trainer: The trainer being set up.
+        current: What an earlier ``fit`` of this callback opened: kept while its checkpointer is open.
+
     Returns:
-        ``True`` when every rank writes (the callback's ``store``, ``checkpointer`` and committed steps are set),
-        ``False`` otherwise (the callback sets up its single writer on rank 0).
+        What every rank writes with, or ``None`` when one writer does (the callback sets up its single writer on
+        rank 0).
 
     Raises:
         ConfigError: ``admission``/``max_outstanding`` other than ``"wait"``/``1`` (not supported when every rank
@@ -376,7 +202,7 @@ def setup_sharded(callback: Any, trainer: pl.Trainer) -> bool:
         # File-based strategies load Lightning DCP folders too (a generation written with ddp_layout="sliced").
         install_dcp_loader(trainer.strategy)
         if not replicated:
-            return False
+            return None
         model_key = "state_dict"
     if not replicated:
         guard_strategy_dcp_loads(trainer.strategy)  # its own loader unpickles DCP files without limits
@@ -386,9 +212,9 @@ def setup_sharded(callback: Any, trainer: pl.Trainer) -> bool:
             f"under {type(trainer.strategy).__name__} every rank writes its shards and one save is in flight at a "
             f"time: use admission='wait' and max_outstanding=1 (got {options.admission!r}, {options.max_outstanding})"
         )
-    if callback.checkpointer is not None and not callback.checkpointer.closed:
-        return True
-    error, store = None, None
+    if current is not None and not current.checkpointer.closed:
+        return current
+    error, store, committed = None, None, set()
     try:
         store = CheckpointStore(callback.dirpath, callback.storage_options, run_id=callback.run_id)
         committed = {g.step for g in store.generations()}
@@ -396,19 +222,22 @@ def setup_sharded(callback: Any, trainer: pl.Trainer) -> bool:
         error = exc
     agree_on(trainer, error, "setting up sharded checkpointing")
 
-    # Every rank creates the checkpoint's gloo group (a collective), on the training thread, before training.
     def deferral_blocked(pl_module: Any) -> list[str]:
         return [reason for reasons in override_failures(trainer, pl_module, callback).values() for reason in reasons]
 
-    callback.checkpointer = ShardedCallbackCheckpointer(
+    # Every rank creates the checkpoint's gloo group (a collective), on the training thread, before training.
+    rank = trainer.global_rank
+    checkpointer = ShardedCheckpointer(
         store,
-        model_key=model_key,
-        rank=trainer.global_rank,
-        options=options,
-        deferral_blocked=deferral_blocked,
-        replicated=replicated,
+        options=replace(options, event_log=options.event_log if rank == 0 else None),
+        keep_last=options.keep_last,
+        guard=options.guard,
+        host_memory_budget=options.host_memory_budget,
     )
-    callback.checkpointer.declare_fences({Fence.BATCH_START, Fence.OPTIMIZER_STEP})
-    callback.store = store
-    callback._committed_before = committed
-    return True
+    checkpointer.declare_fences({Fence.BATCH_START, Fence.OPTIMIZER_STEP})
+    return ShardedSetup(
+        checkpointer=checkpointer,
+        store=store,
+        layout=LightningDcpLayout(model_key, rank, replicated, deferral_blocked),
+        committed=committed,
+    )

@@ -17,16 +17,17 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
 
 from lightning_async_ckpt.core.capture import CapturePlan, Category, DeferralProof, Fence, prove_deferral
-from lightning_async_ckpt.core.staging import BufferPool, StagingJob
+from lightning_async_ckpt.core.capturer import CutCapture, take_buffers
+from lightning_async_ckpt.core.staging import BufferPool
 
-__all__ = ["LocalCapture", "capture_local", "is_fsdp_hook", "local_tensor", "sharded_proof"]
+__all__ = ["LocalCapture", "ShardedCapturer", "capture_local", "is_fsdp_hook", "local_tensor", "sharded_proof"]
 
 Path = tuple[Any, ...]
 
@@ -144,8 +145,8 @@ def _dress(obj: Any, path: Path, specs: dict[Path, _Spec]) -> Any:
 
 
 @dataclass
-class LocalCapture:
-    """One rank's capture of one save: the plan, its staging job and the pooled buffers it fills.
+class LocalCapture(CutCapture):
+    """One rank's capture of one save: the core capture over local tensors, and the specs to rebuild DTensors.
 
     Attributes:
         plan: The core capture plan over local tensors (``plan.describe()`` prints it).
@@ -153,14 +154,54 @@ class LocalCapture:
         buffers: The pool's buffers (release them once the upload stopped reading them).
     """
 
-    plan: CapturePlan
-    job: StagingJob
-    buffers: list[torch.Tensor]
-    _specs: dict[Path, _Spec]
+    _specs: dict[Path, _Spec] = field(default_factory=dict)
 
     def staged_state(self) -> Any:
         """The state over the staged buffers, DTensors rebuilt with their specs (after ``job`` finished)."""
         return _dress(self.plan.materialize(self.buffers), (), self._specs)
+
+
+class ShardedCapturer:
+    """The engine's capturer for sharded state: DTensors through their local shards (see the module docstring).
+
+    The modules and optimizers are bound once (``attach`` / ``declare_fences``) and used by every save that names
+    none. The deferral proof is always the sharded one (FSDP2's own forward hooks are known not to write a
+    sharded parameter's data); a caller's proof is not used.
+    """
+
+    def __init__(self) -> None:
+        self._modules: list[torch.nn.Module] = []
+        self._optimizers: list[Any] = []
+
+    def bind(self, modules: Sequence[Any], optimizers: Sequence[Any]) -> None:
+        """Remember the modules and optimizers whose state later saves hold."""
+        self._modules, self._optimizers = list(modules), list(optimizers)
+
+    def capture(
+        self,
+        state: Any,
+        *,
+        modules: Sequence[Any] | None,
+        optimizers: Sequence[Any] | None,
+        proof: DeferralProof | None,
+        defer: bool,
+        fences: Iterable[Fence],
+        demoted: set[Category],
+        pool: BufferPool,
+        guard: bool | str,
+    ) -> LocalCapture:
+        """:func:`capture_local` with the bound modules and optimizers unless the save names its own."""
+        with torch.no_grad():
+            return capture_local(
+                state,
+                modules=list(modules) if modules else self._modules,
+                optimizers=list(optimizers) if optimizers else self._optimizers,
+                fences=fences,
+                pool=pool,
+                guard=guard,
+                demoted=demoted,
+                defer=defer,
+            )
 
 
 def capture_local(
@@ -196,12 +237,5 @@ def capture_local(
     views = [_ModuleView(m, local) for m in modules]
     opt_views = [_optimizer_view(o, local) for o in optimizers]
     plan = CapturePlan.build(local_state, modules=views, optimizers=opt_views, proof=proof, demoted=demoted)
-    pool.check(plan.total_bytes)
-    buffers = pool.acquire(plan.slots)
-    job = StagingJob(plan.slots, buffers, guard=guard)
-    try:
-        job.copy_at_cut()
-    except BaseException:
-        pool.release(buffers)
-        raise
-    return LocalCapture(plan=plan, job=job, buffers=buffers, _specs=specs)
+    taken = take_buffers(plan, pool, guard)
+    return LocalCapture(plan=taken.plan, job=taken.job, buffers=taken.buffers, _specs=specs)

@@ -2,12 +2,8 @@
 
 from __future__ import annotations
 
-from concurrent.futures import Future
-from dataclasses import dataclass, field
-
-from lightning_async_ckpt.core.staging import StagingJob
+from lightning_async_ckpt.core.handle import SaveHandle
 from lightning_async_ckpt.errors import CheckpointError
-from lightning_async_ckpt.storage.manifest import Manifest
 
 __all__ = ["ShardedSaveError", "ShardedSaveHandle", "describe_failure", "is_torn"]
 
@@ -23,39 +19,10 @@ class ShardedSaveError(CheckpointError):
     torn: bool = False
 
 
-@dataclass(eq=False)
-class ShardedSaveHandle:
-    """One sharded save, with three real futures.
-
-    Attributes:
-        step: The generation's step.
-        staged: Resolves when every local shard was copied to host buffers (the training may mutate them); at
-            once when nothing was deferred, else on the background thread.
-        uploaded: Resolves to this rank's :class:`RankObjects` once its objects are durable.
-        committed: Resolves to the committed :class:`Manifest` (on every rank) once the coordinator wrote it
-            (``None`` on a non-coordinator rank that could not read it back; the step is committed all the same).
-        blocked_s: Seconds the training thread spent in ``save`` (waiting for the previous save, and copying).
-        sync_bytes: Bytes copied at the cut (on the training thread).
-        deferred_bytes: Bytes staged in the background, behind the fences.
-    """
-
-    step: int
-    staged: Future = field(default_factory=Future)
-    uploaded: Future = field(default_factory=Future)
-    committed: Future = field(default_factory=Future)
-    blocked_s: float = 0.0
-    sync_bytes: int = 0
-    deferred_bytes: int = 0
-    _job: StagingJob | None = field(default=None, repr=False)
-
-    @property
-    def fence_wait_s(self) -> float:
-        """Seconds the training thread waited at this save's fences so far."""
-        return 0.0 if self._job is None else sum(state.waited_s for state in self._job.fences.values())
-
-    def result(self, timeout: float | None = None) -> Manifest | None:
-        """The committed manifest (raises the save's error)."""
-        return self.committed.result(timeout)
+#: A sharded save's handle is the engine's: one handle type for every save (three real futures; ``uploaded``
+#: resolves to this rank's :class:`~lightning_async_ckpt.sharded.dcp_writer.RankObjects`, ``committed`` to the
+#: manifest, or ``None`` on a rank that could not read it back although the step is committed).
+ShardedSaveHandle = SaveHandle
 
 
 def is_torn(exc: BaseException) -> bool:

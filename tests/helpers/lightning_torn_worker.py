@@ -39,10 +39,9 @@ class Hold(pl.Callback):
         self.gate.set()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        executor = self.ours.checkpointer.inner._executor  # created at the first save: later cuts are held
-        if executor is not None and trainer.global_step < trainer.max_steps:
-            self.gate = threading.Event()
-            executor.submit(self.gate.wait, 120)
+        if trainer.global_step < trainer.max_steps:  # this rank's next staging waits for the model's write
+            self.gate = gate = threading.Event()
+            self.ours.checkpointer.stage_worker.submit(lambda: gate.wait(120))
 
     def on_train_end(self, trainer, pl_module):
         self.gate.set()

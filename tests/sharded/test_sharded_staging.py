@@ -103,7 +103,8 @@ def test_without_fences_everything_is_copied_at_the_cut(tmp_path):
     _step(model, opt, 0)
     with ShardedCheckpointer(str(tmp_path)) as ckpt:
         handle = ckpt.save(1, _state(model, opt), modules=[model], optimizers=[opt])
-        assert handle.deferred_bytes == 0 and handle.staged.done()
+        assert handle.deferred_bytes == 0
+        handle.staged.result(timeout=60)
         handle.result(timeout=60)
 
 
@@ -116,16 +117,20 @@ def test_a_write_before_the_fence_refuses_the_save_demotes_and_the_next_save_com
         ckpt.attach(model, opt)
         ckpt.save(1, _state(model, opt)).result(timeout=60)
         # Hold the background thread so that the write below lands before step 2's deferred copy starts.
-        ckpt._executor.submit(gate.wait, 60)
+        ckpt.stage_worker.submit(lambda: gate.wait(60))
         handle = ckpt.save(2, _state(model, opt))
         assert handle.deferred_bytes > 0
         with torch.no_grad():
             model[0].weight.add_(1.0)  # not the optimizer: the deferral's proof is broken
         gate.set()
         _step(model, opt, 2)
+        # Refused, as by the single-writer engine: the save ends torn, nothing is raised, a retake is due.
+        assert ckpt.drain(timeout=60)
         with pytest.raises(ShardedSaveError, match="step 2 failed, not committed") as info:
-            ckpt.drain(timeout=60)
+            handle.result(timeout=0)
+        assert info.value.torn
         assert isinstance(info.value.__cause__, TornSnapshotError) or "TornSnapshotError" in str(info.value)
+        assert handle.outcome == "torn" and ckpt.retake_due
         assert not (tmp_path / "step-00000002" / MANIFEST_NAME).exists()
         at_cut = _snapshot(_state(model, opt))
         retry = ckpt.save(3, _state(model, opt))
