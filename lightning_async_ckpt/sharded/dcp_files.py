@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.filesystem import FileSystemBase
 from lightning_async_ckpt.errors import StorageError
 from lightning_async_ckpt.storage.claims import Lease
 from lightning_async_ckpt.storage.io import Checksum, WriteOnlyStream, file_identity, fsync_dir, same_file
-from lightning_async_ckpt.storage.manifest import ObjectEntry, validate_object_name
+from lightning_async_ckpt.storage.manifest import SPREAD_FOLDER, ObjectEntry, spread_path, validate_object_name
 
 if TYPE_CHECKING:
     from lightning_async_ckpt.storage.store import CheckpointStore
@@ -34,6 +34,7 @@ __all__ = ["ChecksumStream", "StoreFileSystem"]
 _log = logging.getLogger(__name__)
 # DCP's data files and temporary files: always written under a name that carries the attempt's token.
 _TOKENED_RE = re.compile(r"^(__[0-9]+_[0-9]+\.distcp|.*\.tmp)$")
+_DATA_RE = re.compile(r"^__[0-9]+_[0-9]+\.distcp$")  # DCP's per-rank data files: spread with hashed_prefixes
 
 
 class ChecksumStream(WriteOnlyStream):
@@ -83,11 +84,23 @@ class StoreFileSystem(FileSystemBase):
         self._lock = threading.Lock()
 
     def physical(self, path: str) -> str:
-        """Where the object DCP calls ``path`` is written: its name with the token appended where it must be."""
+        """Where the object DCP calls ``path`` is written: its name with the token appended where it must be.
+
+        With the store's ``hashed_prefixes``, a DCP data file goes below the root's spread folder
+        (:func:`~lightning_async_ckpt.storage.manifest.spread_path`): a full path maps to the full spread path, a
+        path relative to the generation folder (what DCP's ``.metadata`` records) to ``../spread/...``.
+        """
         name = path.rsplit("/", 1)[-1]
-        if self.token and (_TOKENED_RE.match(name) or name in self.tokened):
-            return f"{path}.{self.token}"
-        return path
+        if not (self.token and (_TOKENED_RE.match(name) or name in self.tokened)):
+            return path
+        if self.store.hashed_prefixes and _DATA_RE.match(name):
+            spread = spread_path(self.generation.rsplit("/", 1)[-1], f"{name}.{self.token}")
+            return f"{self.store.root}/{spread}" if path.startswith(self.generation + "/") else f"../{spread}"
+        return f"{path}.{self.token}"
+
+    def location(self, entry: ObjectEntry) -> str:
+        """The full path of a recorded object (in the generation folder, or spread)."""
+        return f"{self.store.root}/{entry.root_path}" if entry.root_path else f"{self.generation}/{entry.key}"
 
     def renew(self) -> None:
         """Renew this rank's lease when due (at each write)."""
@@ -98,6 +111,9 @@ class StoreFileSystem(FileSystemBase):
         # Relative to the generation folder: a writer under another writer's claim writes below its own prefix.
         physical = physical or path
         name = validate_object_name(path.rsplit("/", 1)[-1])
+        spread = f"{self.store.root}/{SPREAD_FOLDER}/"
+        if physical.startswith(spread):
+            return ObjectEntry(name=name, size=size, checksum=checksum, root_path=physical[len(self.store.root) + 1 :])
         gen = self.generation + "/"
         rel = physical[len(gen) :] if physical.startswith(gen) else physical.rsplit("/", 1)[-1]
         return ObjectEntry(name=name, size=size, checksum=checksum, path=rel if rel != name else None)
@@ -114,7 +130,8 @@ class StoreFileSystem(FileSystemBase):
         backend = self.store.backend
         try:
             size = self.sizes.get(path) or (self.data_size if path.endswith(".distcp") else None)
-            raw = backend.open_write(physical, direct_io=self.store.direct_io, subfolder="/" in entry.key, size=size)
+            subfolder = "/" in entry.key or entry.root_path is not None
+            raw = backend.open_write(physical, direct_io=self.store.direct_io, subfolder=subfolder, size=size)
         except Exception as exc:
             raise StorageError(f"could not create {physical!r} for writing: {exc}") from exc
         with self._lock:
@@ -204,9 +221,8 @@ class StoreFileSystem(FileSystemBase):
         with self._lock:
             gone = [path for path in self._created if path not in keep]
             identities = {path: self._created.pop(path) for path in gone}
-            prefix = self.generation + "/"
             for name, entry in list(self.objects.items()):
-                if prefix + entry.key in identities:
+                if self.location(entry) in identities:
                     del self.objects[name]
         for path, identity in identities.items():
             try:

@@ -81,6 +81,12 @@ class RankObjects:
     retries: int = 0
 
 
+def _below(prefix: str, result: WriteResult) -> str:
+    """A data file's path relative to the prefix folder (a spread file: one more level up, out of the folder)."""
+    relative = result.storage_data.relative_path
+    return "../" * prefix.count("/") + relative if relative.startswith("../") else relative.removeprefix(prefix)
+
+
 def planned_bytes(plan: SavePlan) -> int:
     """The tensor bytes a rank's plan writes (byte items count 0): an estimate of its data files' sizes."""
     total = 0
@@ -256,10 +262,7 @@ class StoreStorageWriter(FileSystemWriter):
             plain = [
                 [
                     dataclasses.replace(
-                        wr,
-                        storage_data=dataclasses.replace(
-                            wr.storage_data, relative_path=wr.storage_data.relative_path.removeprefix(prefix)
-                        ),
+                        wr, storage_data=dataclasses.replace(wr.storage_data, relative_path=_below(prefix, wr))
                     )
                     for wr in rank
                 ]

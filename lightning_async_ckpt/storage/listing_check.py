@@ -3,7 +3,8 @@
 A commit checks that every object it lists in its manifest is still there at its size, before and after the manifest
 is written; retention checks the generations it counts as kept. One ``fs.find`` of the generation's folder with
 details answers all of it (on S3 one LIST request per 1,000 keys, where a ``HEAD`` per object cost 2(N+1) requests
-one after another per commit at N ranks). What is checked is what :func:`.verification.stat_objects` checks: the
+one after another per commit at N ranks; objects spread over hashed prefixes add one listing per spread folder they
+use, at most 16). What is checked is what :func:`.verification.stat_objects` checks: the
 object resolves inside the store's root, is a regular file and has the manifest's size; the problems read the same.
 
 Thread-safety: a pure function of the filesystem; any thread.
@@ -26,12 +27,12 @@ if TYPE_CHECKING:
 __all__ = ["check_listed", "list_generation", "replaced_files"]
 
 
-def list_generation(store: CheckpointStore, step: int) -> dict[str, dict[str, Any]]:
-    """Every entry under generation ``step``'s folder, by path relative to the folder, from one listing.
+def list_generation(store: CheckpointStore, step: int, folder: str | None = None) -> dict[str, dict[str, Any]]:
+    """Every entry under generation ``step``'s folder (or ``folder``), by path relative to it, from one listing.
 
     A folder that does not exist lists as empty. Errors other than "not found" propagate.
     """
-    folder = store.generation_path(step).rstrip("/")
+    folder = (folder or store.generation_path(step)).rstrip("/")
     try:
         found = store.fs.find(folder, detail=True)
     except FileNotFoundError:
@@ -57,8 +58,14 @@ def check_listed(store: CheckpointStore, manifest: Manifest) -> list[str]:
     Each problem names the object: ``missing``, ``size X, manifest says Y``, not a regular file, outside the root,
     or the listing failed (``cannot list ...``, one problem for the generation).
     """
+    # Objects spread over hashed prefixes (``root_path``) are listed with one listing per spread folder they use.
+    folders = {"": None, **{o.root_path.rsplit("/", 1)[0]: None for o in manifest.objects if o.root_path}}
+    listed: dict[str, dict[str, Any]] = {}
     try:
-        listed = list_generation(store, manifest.step)
+        for spread in folders:
+            where = f"{store.root}/{spread}" if spread else None
+            prefix = f"{spread}/" if spread else ""
+            listed.update({prefix + k: v for k, v in list_generation(store, manifest.step, where).items()})
     except Exception as exc:  # noqa: BLE001 - reported as a problem of this generation
         return [f"cannot list generation step {manifest.step} ({type(exc).__name__}: {exc})"]
     problems: list[str] = []
@@ -68,7 +75,7 @@ def check_listed(store: CheckpointStore, manifest: Manifest) -> list[str]:
         except ManifestError as exc:
             problems.append(str(exc))
             continue
-        info = listed.get(obj.key)
+        info = listed.get(obj.root_path or obj.key)
         if info is None:
             problems.append(f"{obj.name}: missing")
         elif info.get("type") not in ("file", None):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from dataclasses import asdict, dataclass, field
@@ -14,8 +15,10 @@ __all__ = [
     "FORMAT_VERSION",
     "MANIFEST_NAME",
     "MAX_MANIFEST_BYTES",
+    "SPREAD_FOLDER",
     "Manifest",
     "ObjectEntry",
+    "spread_path",
     "validate_object_name",
 ]
 
@@ -28,6 +31,19 @@ MAX_MANIFEST_BYTES = 16 << 20
 _MAX_OBJECT_SIZE = 1 << 50
 _CHECKSUM_RE = re.compile(r"^(crc32c|crc32|sha256):[0-9a-f]{8,64}$")
 _BAD_NAME_CHARS = re.compile(r"[\\:\x00-\x1f]")
+#: The folder of the store's root that holds objects spread over hashed key prefixes (``hashed_prefixes``).
+SPREAD_FOLDER = "spread"
+_SPREAD_RE = re.compile(r"^spread/[0-9a-f]/(step-[0-9]{8,})/[^/]+$")
+
+
+def spread_path(generation: str, file_name: str) -> str:
+    """Where an object spread over hashed prefixes lives, relative to the store's root.
+
+    ``spread/<h>/<generation>/<file_name>``: ``<h>`` is one hex digit of the SHA-256 of the file name (16 prefixes,
+    the same one for a rank's file at every step, so object stores keep the prefixes they split for earlier saves).
+    """
+    digit = hashlib.sha256(file_name.encode()).hexdigest()[0]
+    return f"{SPREAD_FOLDER}/{digit}/{generation}/{file_name}"
 
 
 def validate_object_name(name: object) -> str:
@@ -65,12 +81,16 @@ class ObjectEntry:
         checksum: ``"<algorithm>:<hex digest>"``.
         path: Where the bytes are, relative to the generation folder, when not at ``name`` (a writer that found
             another writer's claim on the step writes under its own prefix, so the two never overwrite each other).
+        root_path: Where the bytes are, relative to the store's root, for an object spread over hashed key
+            prefixes (:func:`spread_path`; outside the generation folder). Readers follow it; ``key`` and ``path``
+            then name nothing in the folder.
     """
 
     name: str
     size: int
     checksum: str
     path: str | None = None
+    root_path: str | None = None
 
     @property
     def key(self) -> str:
@@ -154,7 +174,9 @@ class Manifest:
     def to_json(self) -> bytes:
         """Serialize to UTF-8 JSON bytes."""
         body = asdict(self)
-        body["objects"] = [{k: v for k, v in asdict(o).items() if k != "path" or v} for o in self.objects]
+        body["objects"] = [
+            {k: v for k, v in asdict(o).items() if k not in ("path", "root_path") or v} for o in self.objects
+        ]
         body = {"format": FORMAT_NAME, **body}
         return json.dumps(body, indent=1, sort_keys=True).encode("utf-8")
 
@@ -217,10 +239,20 @@ class Manifest:
                     validate_object_name(path)
                 except ManifestError as exc:
                     raise ManifestError(f"{where}: objects[{i}] path: {exc}") from exc
+            root_path = raw.get("root_path")
+            if root_path is not None:
+                # Only the spread folder, for this generation: a manifest never names another generation's objects
+                # (retention removes what a manifest lists).
+                spread = _SPREAD_RE.match(root_path) if isinstance(root_path, str) else None
+                if spread is None or spread.group(1) != f"step-{step:08d}" or path is not None:
+                    raise ManifestError(
+                        f"{where}: objects[{i}] root_path {root_path!r} is not spread/<hex>/step-{step:08d}/<file>"
+                    )
+                validate_object_name(root_path)
             if name in seen:
                 raise ManifestError(f"{where}: object {name!r} is listed twice")
             seen.add(name)
-            objects.append(ObjectEntry(name=name, size=size, checksum=checksum, path=path))
+            objects.append(ObjectEntry(name=name, size=size, checksum=checksum, path=path, root_path=root_path))
         dicts = {}
         for key in ("cut", "versions", "plan", "timings", "extra"):
             value = body.get(key, {})

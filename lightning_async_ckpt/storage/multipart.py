@@ -8,7 +8,8 @@ commit), and on every operator ``gc`` (``retain(all_runs=True)``): one listing o
 prefix each time; nothing on other backends.
 
 Which uploads are aborted (:func:`decide`, pure), for an upload under ``<root>/step-N/`` (plain names: the attempt
-holding the step claim ``.writer.json``) or ``<root>/step-N/w-<token>/`` (attempt ``token``):
+holding the step claim ``.writer.json``; objects spread over hashed prefixes, ``<root>/spread/<h>/step-N/``, count
+as plain names of step N) or ``<root>/step-N/w-<token>/`` (attempt ``token``):
 
 - in a committed generation, under the prefix its committer wrote to: aborted (the committer finished every upload
   before its manifest, and released its claim after it, so an open one there is another attempt's, which can never
@@ -32,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 from lightning_async_ckpt.storage.claims import CLAIM_NAME, Liveness, read_claim, token_liveness
 from lightning_async_ckpt.storage.generation import parse_generation_name
+from lightning_async_ckpt.storage.manifest import SPREAD_FOLDER
 
 if TYPE_CHECKING:
     from lightning_async_ckpt.storage.manifest import Manifest
@@ -114,6 +116,9 @@ def open_uploads(store: CheckpointStore) -> list[OpenUpload]:
         page = store.fs.call_s3("list_multipart_uploads", **kwargs)
         for upload in page.get("Uploads", []) or []:
             folder, _, rest = upload["Key"][len(prefix) :].partition("/")
+            if folder == SPREAD_FOLDER:  # spread/<h>/step-N/<file>: the generation's plain names (token in file)
+                folder, _, rest = rest.partition("/")[2].partition("/")
+                rest = rest if "/" not in rest else ""
             step = parse_generation_name(folder)
             if step is None or not rest:
                 continue

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 
 from lightning_async_ckpt.storage.claims import Liveness, claim_liveness, is_claim_name, read_claim
 from lightning_async_ckpt.storage.listing_check import check_listed
-from lightning_async_ckpt.storage.manifest import MANIFEST_NAME
+from lightning_async_ckpt.storage.manifest import MANIFEST_NAME, Manifest
 
 if TYPE_CHECKING:
     from lightning_async_ckpt.storage.store import CheckpointStore, GenerationInfo
@@ -318,6 +318,7 @@ def _remove(store: CheckpointStore, info: GenerationInfo) -> None:
         # generation's objects; another writer's prefix ("w-<token>/" not listed here) is left alone.
         store.fs.rm_file(f"{path}/{MANIFEST_NAME}")
         store.backend.sync_folder(path)
+        _remove_spread(store, info.manifest)
         own = {obj.key.split("/", 1)[0] for obj in info.manifest.objects if obj.path}
         files = store.fs.find(path)
         foreign = [f for f in files if _prefix(f, path) not in own and _prefix(f, path).startswith("w-")]
@@ -333,6 +334,16 @@ def _remove(store: CheckpointStore, info: GenerationInfo) -> None:
                 store.fs.rm_file(f)
         store.backend.remove_folder_if_empty(path)
     store.invalidate_cache()
+
+
+def _remove_spread(store: CheckpointStore, manifest: Manifest) -> None:
+    """Remove the generation's objects spread over hashed prefixes (outside its folder), after its manifest."""
+    spread = [f"{store.root}/{obj.root_path}" for obj in manifest.objects if obj.root_path]
+    for path in spread:  # one request each (the generation folder's objects go in one recursive delete)
+        try:
+            store.fs.rm_file(path)
+        except FileNotFoundError:
+            pass
 
 
 def _prefix(file: str, folder: str) -> str:

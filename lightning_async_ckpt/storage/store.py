@@ -93,6 +93,9 @@ class CheckpointStore:
         direct_io: On local disks, write data objects with ``O_DIRECT`` where the filesystem supports it
             (bypassing the page cache keeps checkpoint writes from stalling training); falls back to buffered
             writes elsewhere.
+        hashed_prefixes: Sharded (DCP) saves write each rank's data files under ``<root>/spread/<h>/step-N/``
+            (16 hashed key prefixes, recorded in the manifest) instead of ``step-N/``, so that many ranks do not all
+            write into one new prefix; readers follow the manifest (``docs/storage.md`` has the trade-off).
 
     Raises:
         ConfigError: Unknown scheme, missing optional dependency (names the extra to install), a location that
@@ -109,6 +112,7 @@ class CheckpointStore:
         block_size: int | None = None,
         check_writable: bool = True,
         direct_io: bool = True,
+        hashed_prefixes: bool = False,
     ) -> None:
         if not isinstance(uri, str) or not uri.strip():
             raise ConfigError(f"uri must be a non-empty path or URL string, got {uri!r}")
@@ -127,7 +131,10 @@ class CheckpointStore:
             raise ConfigError(f"check_writable must be True or False, got {check_writable!r}")
         if not isinstance(direct_io, bool):
             raise ConfigError(f"direct_io must be True or False, got {direct_io!r}")
+        if not isinstance(hashed_prefixes, bool):
+            raise ConfigError(f"hashed_prefixes must be True or False, got {hashed_prefixes!r}")
         self.direct_io = direct_io
+        self.hashed_prefixes = hashed_prefixes
         self.uri = uri
         self.storage_options = dict(storage_options or {})
         self.run_id = run_id or self.new_run_id()
@@ -165,7 +172,7 @@ class CheckpointStore:
 
     def object_url(self, step: int, name: str) -> str:
         """Full URL of object ``name`` of committed generation ``step``, where its manifest says it is."""
-        return self.url(step, self._entry(self.manifest(step), name).key)
+        return self.backend.url(self._object_path(step, self._entry(self.manifest(step), name)))
 
     # -- writing -----------------------------------------------------------------------------------------
     def begin(self, step: int) -> GenerationWriter:

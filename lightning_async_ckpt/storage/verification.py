@@ -24,12 +24,13 @@ __all__ = ["object_path", "stat_objects", "verify_generation"]
 
 
 def object_path(store: CheckpointStore, step: int, obj: ObjectEntry) -> str:
-    """Path of ``obj`` of generation ``step`` on the store's filesystem.
+    """Path of ``obj`` of generation ``step`` on the store's filesystem (where its manifest entry says it is: in the
+    generation folder, or below the root's spread folder for an object spread over hashed prefixes).
 
     Raises:
         ManifestError: It resolves outside the store's root (a symlink).
     """
-    path = f"{store.generation_path(step)}/{obj.key}"
+    path = f"{store.root}/{obj.root_path}" if obj.root_path else f"{store.generation_path(step)}/{obj.key}"
     if not store.backend.inside(path, store.root):
         raise ManifestError(f"{obj.name}: resolves outside the store root {store.uri!r} (symlink); refused")
     return path
