@@ -14,9 +14,7 @@ the ranks of a node) answers "have it" and nothing is sent.
 generation of its local tier, the ranks agree on the newest one any rank holds (unless the durable tier is newer),
 and each folder that lacks it receives it from a rank that holds it. Every rank then loads the same step.
 
-Wire protocol (one sender to one receiver, in order): ``GEN`` (JSON: step, version folder, manifest) -> ``HAVE`` |
-``NEED`` | ``FAIL``; after ``NEED``, per object ``DATA``* then ``EOF`` (``ABORT`` when the source failed its own
-checksum) -> ``OK`` | ``FAIL``. ``STOP`` ends a receiver.
+The messages and one generation's transfer are in :mod:`~lightning_async_ckpt.core.replica_wire`.
 """
 
 from __future__ import annotations
@@ -25,17 +23,22 @@ import json
 import logging
 import os
 import threading
+import time
 import uuid
 from collections.abc import Callable
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
-from lightning_async_ckpt.errors import CheckpointError, ManifestError
-from lightning_async_ckpt.storage.io import read_verified
-from lightning_async_ckpt.storage.manifest import Manifest
-from lightning_async_ckpt.storage.promote import copy_objects
+from lightning_async_ckpt.core.replica_wire import (
+    REPLICA_OF_KEY,
+    Kind,
+    ReplicaError,
+    Wire,
+    receive_generation,
+    send_generation,
+    version_uri,
+)
 from lightning_async_ckpt.storage.store import CheckpointStore
 
 __all__ = [
@@ -48,16 +51,7 @@ __all__ = [
 ]
 
 _log = logging.getLogger("lightning_async_ckpt")
-
-#: The manifest ``extra`` key a replica records its source in (``{"rank": ..., "step": ...}``).
-REPLICA_OF_KEY = "replica_of"
-_GEN, _HAVE, _NEED, _DATA, _EOF, _ABORT, _OK, _FAIL, _STOP = range(1, 10)
-_CHUNK = 16 << 20
 _ID_FILE = ".tier-id"
-
-
-class ReplicaError(CheckpointError):
-    """A generation could not be replicated to (or restored from) a peer; the receiving folder has no manifest."""
 
 
 def replica_targets(rank: int, world_size: int, *, replicas: int, ranks_per_node: int) -> list[int]:
@@ -99,144 +93,6 @@ def folder_id(root: str) -> str:
         return f.read().strip()
 
 
-class _Wire:
-    """Framed messages over point-to-point gloo send/recv: a header ``(kind, length)``, then the payload bytes."""
-
-    def __init__(self, group: Any) -> None:
-        self.group = group
-
-    def send(self, dst: int, kind: int, payload: bytes = b"") -> None:
-        dist.send(torch.tensor([kind, len(payload)], dtype=torch.int64), dst, group=self.group)
-        if payload:
-            dist.send(torch.frombuffer(bytearray(payload), dtype=torch.uint8), dst, group=self.group)
-
-    def recv(self, src: int) -> tuple[int, bytes]:
-        header = torch.empty(2, dtype=torch.int64)
-        dist.recv(header, src, group=self.group)
-        kind, length = int(header[0]), int(header[1])
-        if not length:
-            return kind, b""
-        payload = torch.empty(length, dtype=torch.uint8)
-        dist.recv(payload, src, group=self.group)
-        return kind, payload.numpy().tobytes()
-
-
-class _Sink:
-    """A write-only stream that sends what it gets as ``DATA`` chunks."""
-
-    def __init__(self, wire: _Wire, dst: int) -> None:
-        self.wire, self.dst, self.buffer = wire, dst, bytearray()
-
-    def write(self, data: Any) -> int:
-        self.buffer += bytes(data)
-        while len(self.buffer) >= _CHUNK:
-            self.wire.send(self.dst, _DATA, bytes(self.buffer[:_CHUNK]))
-            del self.buffer[:_CHUNK]
-        return len(data)
-
-    def flush(self) -> None:
-        if self.buffer:
-            self.wire.send(self.dst, _DATA, bytes(self.buffer))
-            self.buffer.clear()
-
-
-def _version_uri(root: str, where: str) -> str:
-    return f"{root.rstrip('/')}/{where}" if where else root
-
-
-def send_generation(wire: _Wire, store: CheckpointStore, step: int, where: str, dst: int) -> bool:
-    """Send committed generation ``step`` of ``store`` (version folder ``where`` of the local tier) to ``dst``;
-    whether bytes were sent (``False``: ``dst``'s folder held it already).
-
-    Raises:
-        ReplicaError: ``dst`` could not commit it (it holds no manifest for it).
-    """
-    manifest = store.manifest(step)
-    header = {"step": step, "where": where, "manifest": manifest.to_json().decode()}
-    wire.send(dst, _GEN, json.dumps(header).encode())
-    kind, payload = wire.recv(dst)
-    if kind == _HAVE:
-        return False
-    if kind != _NEED:
-        raise ReplicaError(f"rank {dst} refused step {step}: {payload.decode(errors='replace')}")
-    for obj in manifest.objects:
-        sink = _Sink(wire, dst)
-        try:
-            read_verified(store.fs, f"{store.generation_path(step)}/{obj.key}", obj, into=sink)
-            sink.flush()
-        except Exception as exc:
-            wire.send(dst, _ABORT, f"{type(exc).__name__}: {exc}".encode())
-            wire.recv(dst)  # the receiver's FAIL: it aborted its writer (no manifest)
-            raise ReplicaError(f"step {step} of {store.uri} could not be read for rank {dst}: {exc}") from exc
-        wire.send(dst, _EOF)
-    kind, payload = wire.recv(dst)
-    if kind != _OK:
-        raise ReplicaError(f"rank {dst} could not commit step {step}: {payload.decode(errors='replace')}")
-    return True
-
-
-def receive_generation(wire: _Wire, src: int, header: dict[str, Any], root: str) -> Manifest | None:
-    """Answer one ``GEN`` from ``src``: commit the generation in local folder ``root`` (its version folder), manifest
-    last; the manifest committed, or ``None`` when the folder held it already or it failed (``src`` is told)."""
-    manifest = Manifest.from_json(header["manifest"], where=f"replica from rank {src}")
-    store = CheckpointStore(_version_uri(root, header["where"]), run_id=manifest.run_id)
-    step = manifest.step
-    try:
-        existing = store.manifest(step)
-    except (ManifestError, FileNotFoundError):
-        existing = None
-    if existing is not None:
-        same = [(o.name, o.size, o.checksum) for o in existing.objects] == [
-            (o.name, o.size, o.checksum) for o in manifest.objects
-        ]
-        wire.send(src, _HAVE if same else _FAIL, b"" if same else f"{store.uri} holds another step {step}".encode())
-        return None
-    try:
-        writer = store.begin(step)
-    except Exception as exc:  # noqa: BLE001 - told to the sender, which raises it
-        wire.send(src, _FAIL, f"{type(exc).__name__}: {exc}".encode())
-        return None
-    wire.send(src, _NEED)
-    failure: list[BaseException] = []
-
-    def read_into(obj: Any, stream: Any) -> None:
-        # Every DATA message is consumed even after a local write failed, so the sender's stream stays in step.
-        while True:
-            kind, payload = wire.recv(src)
-            if kind == _EOF:
-                break
-            if kind == _ABORT:
-                failure.append(ReplicaError(f"rank {src} aborted: {payload.decode(errors='replace')}"))
-                break
-            if not failure:
-                try:
-                    stream.write(payload)
-                except Exception as exc:  # noqa: BLE001 - reported after the object's last message
-                    failure.append(exc)
-        if failure:
-            raise failure[0]
-
-    try:
-        copy_objects(writer, manifest, read_into)
-        extra = {**manifest.extra, REPLICA_OF_KEY: {"rank": src, "step": step}}
-        committed = writer.commit(cut=manifest.cut, plan=manifest.plan, timings=manifest.timings, extra=extra)
-    except Exception as exc:  # noqa: BLE001 - told to the sender; nothing is committed here
-        writer.abort()
-        if not failure:  # copy_objects stopped early: consume the rest so the sender reaches its last recv
-            _drain_objects(wire, src, manifest, done=len(writer.objects))
-        wire.send(src, _FAIL, f"{type(exc).__name__}: {exc}".encode())
-        _log.warning("replica of step %d from rank %d not committed in %s: %s", step, src, store.uri, exc)
-        return None
-    wire.send(src, _OK)
-    return committed
-
-
-def _drain_objects(wire: _Wire, src: int, manifest: Manifest, done: int) -> None:
-    for _ in manifest.objects[done:]:
-        while wire.recv(src)[0] not in (_EOF, _ABORT):
-            pass
-
-
 class Replicator:
     """Replicates committed generations of this rank's local tier to ``targets`` and receives from ``sources``.
 
@@ -251,6 +107,9 @@ class Replicator:
         sources: Ranks whose generations this rank receives.
         keep_last: Retention of this rank's local tier after each replica committed (``None``: keep all).
         on_error: Receives each failed replication (on the sending thread).
+        on_event: Called with an event name and fields (an ``EventLog.emit``): ``replicated`` (``step``,
+            ``target``, ``copied``: whether bytes were sent, ``replicate_s``), ``replica_failed`` (``step``,
+            ``target``, ``error``).
     """
 
     def __init__(
@@ -262,8 +121,10 @@ class Replicator:
         sources: list[int],
         keep_last: int | None = None,
         on_error: Callable[[BaseException], None] | None = None,
+        on_event: Callable[..., None] | None = None,
     ) -> None:
-        self.wire = _Wire(group)
+        self.on_event = on_event
+        self.wire = Wire(group)
         self.local_dirpath = local_dirpath
         self.targets, self.sources = list(targets), list(sources)
         self.keep_last = keep_last
@@ -348,22 +209,34 @@ class Replicator:
                     self._cond.notify_all()
         for dst in self.targets:
             try:
-                self.wire.send(dst, _STOP)
+                self.wire.send(dst, Kind.STOP)
             except Exception:  # noqa: BLE001 - a target that is gone needs no stop
                 _log.debug("rank %d did not take the stop message", dst, exc_info=True)
 
     def _send(self, store: CheckpointStore, step: int) -> None:
         where = _where(self.local_dirpath, store.uri)
         for dst in self.targets:
+            started = time.monotonic()
             try:
-                if send_generation(self.wire, store, step, where, dst):
-                    self.copied.setdefault(step, []).append(dst)
-                self.replicated.setdefault(step, []).append(dst)
-                _log.info("step %d replicated to rank %d", step, dst)
+                copied = send_generation(self.wire, store, step, where, dst)
             except BaseException as exc:  # noqa: BLE001 - handed to on_error, raised on the training thread
                 _log.warning("replica of step %d to rank %d failed: %s", step, dst, exc)
+                self._event("replica_failed", step=step, target=dst, error=f"{type(exc).__name__}: {exc}")
                 if self.on_error is not None:
                     self.on_error(exc)
+                continue
+            if copied:
+                self.copied.setdefault(step, []).append(dst)
+            self.replicated.setdefault(step, []).append(dst)
+            _log.info("step %d replicated to rank %d", step, dst)
+            self._event("replicated", step=step, target=dst, copied=copied, replicate_s=time.monotonic() - started)
+
+    def _event(self, name: str, **fields: Any) -> None:
+        if self.on_event is not None:
+            try:
+                self.on_event(name, **fields)
+            except Exception:  # noqa: BLE001 - telemetry never fails a replica
+                _log.debug("replica event %s not recorded", name, exc_info=True)
 
     def _receive_loop(self, src: int) -> None:
         while True:
@@ -372,15 +245,15 @@ class Replicator:
             except Exception as exc:  # noqa: BLE001 - the source is gone (its process ended): nothing more comes
                 _log.info("replicas from rank %d end: %s", src, exc)
                 return
-            if kind == _STOP:
+            if kind == Kind.STOP:
                 return
-            if kind != _GEN:
+            if kind != Kind.GEN:
                 _log.warning("replica link from rank %d out of step (message %d): closing it", src, kind)
                 return
             committed = receive_generation(self.wire, src, json.loads(payload), self.local_dirpath)
             if committed is not None:
                 self.received.append(committed.step)
-                self._retain(CheckpointStore(_version_uri(self.local_dirpath, json.loads(payload)["where"])))
+                self._retain(CheckpointStore(version_uri(self.local_dirpath, json.loads(payload)["where"])))
 
     def _retain(self, store: CheckpointStore) -> None:
         if self.keep_last is None:
@@ -441,7 +314,7 @@ def restore_from_peers(
         if e["folder"] not in have:
             have.add(e["folder"])  # one receiving rank per folder; the ranks sharing it see its copy
             needers.append(r)
-    wire, failure = _Wire(group), None
+    wire, failure = Wire(group), None
     for i, needer in enumerate(needers):
         source = holders[i % len(holders)]
         try:
@@ -451,7 +324,7 @@ def restore_from_peers(
             elif rank == needer:
                 kind, payload = wire.recv(source)
                 committed = (
-                    None if kind != _GEN else receive_generation(wire, source, json.loads(payload), local_dirpath)
+                    None if kind != Kind.GEN else receive_generation(wire, source, json.loads(payload), local_dirpath)
                 )
                 if committed is None:
                     raise ReplicaError(f"step {agreed[1]} could not be restored from rank {source}")

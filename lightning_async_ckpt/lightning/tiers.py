@@ -119,6 +119,7 @@ class Tiers:
         self._delivered, self._tracked, self._durable = set(), [], {}
         if self.replicator is not None:
             self.replicator.on_error = engine.report_error  # a failed replica is raised like a failed promotion
+            self.replicator.on_event = engine.events.emit  # replicated / replica_failed in the event log
         return engine
 
     def place(self, engine: Any, store: CheckpointStore, options: Any, start_step: int) -> Any:

@@ -1,0 +1,198 @@
+"""The wire of peer replicas: framed messages over gloo send/recv, and one generation sent or received through it.
+
+One sender talks to one receiver, in order (``Kind``): ``GEN`` (JSON: step, version folder, manifest) -> ``HAVE`` |
+``NEED`` | ``FAIL``; after ``NEED``, per object ``DATA``* then ``EOF`` (``ABORT`` when the source failed its own
+checksum; the receiver then aborts and answers ``FAIL``) -> ``OK`` | ``FAIL``. ``STOP`` ends a receiver. The receiver
+commits through its own store's writer (write-once objects checked against the source manifest, the manifest last,
+with ``extra["replica_of"]``), so a replica cut off mid-copy is never listed as committed.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import logging
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from lightning_async_ckpt.errors import CheckpointError, ManifestError
+from lightning_async_ckpt.storage.io import read_verified
+from lightning_async_ckpt.storage.manifest import Manifest
+from lightning_async_ckpt.storage.promote import copy_objects
+from lightning_async_ckpt.storage.store import CheckpointStore
+
+__all__ = ["REPLICA_OF_KEY", "Kind", "ReplicaError", "Wire", "receive_generation", "send_generation", "version_uri"]
+
+_log = logging.getLogger("lightning_async_ckpt")
+
+#: The manifest ``extra`` key a replica records its source in (``{"rank": ..., "step": ...}``).
+REPLICA_OF_KEY = "replica_of"
+_CHUNK = 16 << 20
+
+
+class Kind(enum.IntEnum):
+    """The kind of one message on the wire."""
+
+    GEN = 1
+    HAVE = 2
+    NEED = 3
+    DATA = 4
+    EOF = 5
+    ABORT = 6
+    OK = 7
+    FAIL = 8
+    STOP = 9
+
+
+class ReplicaError(CheckpointError):
+    """A generation could not be replicated to (or restored from) a peer; the receiving folder has no manifest."""
+
+
+class Wire:
+    """Framed messages over point-to-point gloo send/recv: a header ``(kind, length)``, then the payload bytes.
+
+    Thread-safety: one thread per peer and direction (messages to one peer stay in order).
+
+    Args:
+        group: The gloo process group (ranks are global ranks).
+    """
+
+    def __init__(self, group: Any) -> None:
+        self.group = group
+
+    def send(self, dst: int, kind: int, payload: bytes = b"") -> None:
+        """Send one message of ``kind`` to rank ``dst`` (blocks until the peer takes it)."""
+        dist.send(torch.tensor([kind, len(payload)], dtype=torch.int64), dst, group=self.group)
+        if payload:
+            dist.send(torch.frombuffer(bytearray(payload), dtype=torch.uint8), dst, group=self.group)
+
+    def recv(self, src: int) -> tuple[int, bytes]:
+        """The next message from rank ``src``: its kind and payload."""
+        header = torch.empty(2, dtype=torch.int64)
+        dist.recv(header, src, group=self.group)
+        kind, length = int(header[0]), int(header[1])
+        if not length:
+            return kind, b""
+        payload = torch.empty(length, dtype=torch.uint8)
+        dist.recv(payload, src, group=self.group)
+        return kind, payload.numpy().tobytes()
+
+
+class _Sink:
+    """A write-only stream that sends what it gets as ``DATA`` chunks."""
+
+    def __init__(self, wire: Wire, dst: int) -> None:
+        self.wire, self.dst, self.buffer = wire, dst, bytearray()
+
+    def write(self, data: Any) -> int:
+        self.buffer += bytes(data)
+        while len(self.buffer) >= _CHUNK:
+            self.wire.send(self.dst, Kind.DATA, bytes(self.buffer[:_CHUNK]))
+            del self.buffer[:_CHUNK]
+        return len(data)
+
+    def flush(self) -> None:
+        if self.buffer:
+            self.wire.send(self.dst, Kind.DATA, bytes(self.buffer))
+            self.buffer.clear()
+
+
+def version_uri(root: str, where: str) -> str:
+    return f"{root.rstrip('/')}/{where}" if where else root
+
+
+def send_generation(wire: Wire, store: CheckpointStore, step: int, where: str, dst: int) -> bool:
+    """Send committed generation ``step`` of ``store`` (version folder ``where`` of the local tier) to ``dst``;
+    whether bytes were sent (``False``: ``dst``'s folder held it already).
+
+    Raises:
+        ReplicaError: ``dst`` could not commit it (it holds no manifest for it).
+    """
+    manifest = store.manifest(step)
+    header = {"step": step, "where": where, "manifest": manifest.to_json().decode()}
+    wire.send(dst, Kind.GEN, json.dumps(header).encode())
+    kind, payload = wire.recv(dst)
+    if kind == Kind.HAVE:
+        return False
+    if kind != Kind.NEED:
+        raise ReplicaError(f"rank {dst} refused step {step}: {payload.decode(errors='replace')}")
+    for obj in manifest.objects:
+        sink = _Sink(wire, dst)
+        try:
+            read_verified(store.fs, f"{store.generation_path(step)}/{obj.key}", obj, into=sink)
+            sink.flush()
+        except Exception as exc:
+            wire.send(dst, Kind.ABORT, f"{type(exc).__name__}: {exc}".encode())
+            wire.recv(dst)  # the receiver's FAIL: it aborted its writer (no manifest)
+            raise ReplicaError(f"step {step} of {store.uri} could not be read for rank {dst}: {exc}") from exc
+        wire.send(dst, Kind.EOF)
+    kind, payload = wire.recv(dst)
+    if kind != Kind.OK:
+        raise ReplicaError(f"rank {dst} could not commit step {step}: {payload.decode(errors='replace')}")
+    return True
+
+
+def receive_generation(wire: Wire, src: int, header: dict[str, Any], root: str) -> Manifest | None:
+    """Answer one ``GEN`` from ``src``: commit the generation in local folder ``root`` (its version folder), manifest
+    last; the manifest committed, or ``None`` when the folder held it already or it failed (``src`` is told)."""
+    manifest = Manifest.from_json(header["manifest"], where=f"replica from rank {src}")
+    store = CheckpointStore(version_uri(root, header["where"]), run_id=manifest.run_id)
+    step = manifest.step
+    try:
+        existing = store.manifest(step)
+    except (ManifestError, FileNotFoundError):
+        existing = None
+    if existing is not None:
+        same = [(o.name, o.size, o.checksum) for o in existing.objects] == [
+            (o.name, o.size, o.checksum) for o in manifest.objects
+        ]
+        wire.send(
+            src, Kind.HAVE if same else Kind.FAIL, b"" if same else f"{store.uri} holds another step {step}".encode()
+        )
+        return None
+    try:
+        writer = store.begin(step)
+    except Exception as exc:  # noqa: BLE001 - told to the sender, which raises it
+        wire.send(src, Kind.FAIL, f"{type(exc).__name__}: {exc}".encode())
+        return None
+    wire.send(src, Kind.NEED)
+    failure: list[BaseException] = []
+
+    def read_into(obj: Any, stream: Any) -> None:
+        # Every DATA message is consumed even after a local write failed, so the sender's stream stays in step.
+        while True:
+            kind, payload = wire.recv(src)
+            if kind == Kind.EOF:
+                break
+            if kind == Kind.ABORT:
+                failure.append(ReplicaError(f"rank {src} aborted: {payload.decode(errors='replace')}"))
+                break
+            if not failure:
+                try:
+                    stream.write(payload)
+                except Exception as exc:  # noqa: BLE001 - reported after the object's last message
+                    failure.append(exc)
+        if failure:
+            raise failure[0]
+
+    try:
+        copy_objects(writer, manifest, read_into)
+        extra = {**manifest.extra, REPLICA_OF_KEY: {"rank": src, "step": step}}
+        committed = writer.commit(cut=manifest.cut, plan=manifest.plan, timings=manifest.timings, extra=extra)
+    except Exception as exc:  # noqa: BLE001 - told to the sender; nothing is committed here
+        writer.abort()
+        if not failure:  # copy_objects stopped early: consume the rest so the sender reaches its last recv
+            _drain_objects(wire, src, manifest, done=len(writer.objects))
+        wire.send(src, Kind.FAIL, f"{type(exc).__name__}: {exc}".encode())
+        _log.warning("replica of step %d from rank %d not committed in %s: %s", step, src, store.uri, exc)
+        return None
+    wire.send(src, Kind.OK)
+    return committed
+
+
+def _drain_objects(wire: Wire, src: int, manifest: Manifest, done: int) -> None:
+    for _ in manifest.objects[done:]:
+        while wire.recv(src)[0] not in (Kind.EOF, Kind.ABORT):
+            pass
