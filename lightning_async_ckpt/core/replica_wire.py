@@ -62,11 +62,12 @@ class Wire:
     def __init__(self, group: Any) -> None:
         self.group = group
 
-    def send(self, dst: int, kind: int, payload: bytes = b"") -> None:
+    def send(self, dst: int, kind: int, payload: bytes | bytearray = b"") -> None:
         """Send one message of ``kind`` to rank ``dst`` (blocks until the peer takes it)."""
         dist.send(torch.tensor([kind, len(payload)], dtype=torch.int64), dst, group=self.group)
         if payload:
-            dist.send(torch.frombuffer(bytearray(payload), dtype=torch.uint8), dst, group=self.group)
+            data = payload if isinstance(payload, bytearray) else bytearray(payload)  # torch wants a writable buffer
+            dist.send(torch.frombuffer(data, dtype=torch.uint8), dst, group=self.group)
 
     def recv(self, src: int) -> tuple[int, bytes]:
         """The next message from rank ``src``: its kind and payload."""
@@ -81,22 +82,24 @@ class Wire:
 
 
 class _Sink:
-    """A write-only stream that sends what it gets as ``DATA`` chunks."""
+    """A write-only stream that sends what it gets as ``DATA`` chunks (one copy into the chunk buffer)."""
 
     def __init__(self, wire: Wire, dst: int) -> None:
         self.wire, self.dst, self.buffer = wire, dst, bytearray()
 
     def write(self, data: Any) -> int:
-        self.buffer += bytes(data)
+        view = memoryview(data).cast("B")
+        self.buffer += view
         while len(self.buffer) >= _CHUNK:
-            self.wire.send(self.dst, Kind.DATA, bytes(self.buffer[:_CHUNK]))
+            chunk = self.buffer[:_CHUNK]
             del self.buffer[:_CHUNK]
-        return len(data)
+            self.wire.send(self.dst, Kind.DATA, chunk)
+        return view.nbytes
 
     def flush(self) -> None:
         if self.buffer:
-            self.wire.send(self.dst, Kind.DATA, bytes(self.buffer))
-            self.buffer.clear()
+            self.wire.send(self.dst, Kind.DATA, self.buffer)
+            self.buffer = bytearray()
 
 
 def version_uri(root: str, where: str) -> str:
