@@ -276,7 +276,8 @@ class CallbackArguments(ModelCheckpoint):
     ) -> None:
         self._model_checkpoint_best = model_checkpoint_best_k(checkpoint, self.monitor, self.dirpath)
         name_loaded_checkpoint(self, trainer)  # the real URL, not the "last" marker (resume.py)
-        seed_committed_step(self, trainer.ckpt_path)  # the generation resumed is recoverable progress already
+        if (step := seed_committed_step(self, trainer.ckpt_path)) is not None:  # recoverable progress already
+            self.checkpointer.committed_step = self.committed_step = step
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

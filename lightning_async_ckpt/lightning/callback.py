@@ -120,7 +120,10 @@ class AsyncCheckpointCallback(CallbackArguments):
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        place_run(self, trainer)  # continue the resumed run, or a new version beside another run's (rerun.py)
+        placed = place_run(self, trainer)  # continue the resumed run, or a new version beside another run's
+        self.run_id, self.resumed_location = placed.run_id, placed.resumed
+        if placed.checkpointer is not None:
+            self.store, self.checkpointer, self._committed_before = placed.store, placed.checkpointer, placed.committed
         if self.tiers is not None and self.store is not None:  # the local tier's location beside it (tiers.py)
             self.checkpointer = self.tiers.place(self.checkpointer, self.store, self.options, trainer.global_step)
         # Like ModelCheckpoint: no cut at the step training starts from (fresh: 0; resumed: the restored step).

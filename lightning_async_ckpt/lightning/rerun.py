@@ -27,7 +27,7 @@ clocks), as ``ModelCheckpoint``'s newest ``last*.ckpt`` is the one of its latest
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from lightning_async_ckpt.errors import GenerationExistsError
@@ -40,6 +40,7 @@ if TYPE_CHECKING:
 __all__ = [
     "VERSION_RE",
     "Location",
+    "Placement",
     "Resumed",
     "comparable_path",
     "place_run",
@@ -104,11 +105,33 @@ def choose_version(
     return max(loc.version for loc in locations) + 1, f"holds committed checkpoints ({described})"
 
 
-def place_run(callback: Any, trainer: pl.Trainer) -> None:
-    """Before the first training step: point the callback's checkpointer at the place this fit writes to.
+@dataclass
+class Placement:
+    """Where a fit writes, as :func:`place_run` decided it; the callback applies it to itself.
+
+    Attributes:
+        run_id: The run id of this fit on every rank (a resumed run's, when the fit continues it).
+        resumed: The committed generation the fit restored (where best-k is rebuilt from), or ``None``.
+        store: A new location to write to (a version folder), or ``None`` to keep the callback's store.
+        checkpointer: The engine opened on ``store`` (fences declared), or ``None``.
+        committed: Steps already committed at ``store`` (a step the fit would write again is refused).
+    """
+
+    run_id: str | None
+    resumed: Resumed | None = None
+    store: CheckpointStore | None = None
+    checkpointer: Any = None
+    committed: set[int] = field(default_factory=set)
+
+
+def place_run(callback: Any, trainer: pl.Trainer) -> Placement:
+    """Before the first training step: decide the place this fit writes to (reads the callback, assigns nothing).
 
     Collective in multi-process runs (every rank calls it; the writing rank decides). Called from
-    ``AsyncCheckpointCallback.on_train_start``.
+    ``AsyncCheckpointCallback.on_train_start``; a move closes the callback's checkpointer (nothing was saved yet).
+
+    Returns:
+        The placement, the same ``run_id`` on every rank.
     """
     from lightning.pytorch.utilities import rank_zero_warn
 
@@ -118,26 +141,26 @@ def place_run(callback: Any, trainer: pl.Trainer) -> None:
     from lightning_async_ckpt.lightning.resume import resumed_from
 
     error: BaseException | None = None
-    store = callback.store
+    store, placement = callback.store, Placement(run_id=callback.run_id)
     # The writing rank of a single-writer fit (sharded strategies have a writer per rank and are not placed here).
     if store is not None and callback.checkpointer is not None and not callback.checkpointer.writes_dcp:
         try:
             dirpath = callback.dirpath
             locations = run_locations(dirpath, callback.storage_options)
             resumed = resumed_generation(locations, resumed_from(callback, trainer))
-            callback.resumed_location = resumed  # where best-k is rebuilt from (callback.on_train_start)
+            placement.resumed = resumed  # where best-k is rebuilt from (callback.on_train_start)
             if resumed is not None and resumed.newest and resumed.run_id and resumed.run_id != callback.run_id:
                 # Resumed from the newest checkpoint of a location, without the callback state that carries the
                 # run id (Lightning restores it only for the same callback state key: same dirpath and
                 # intervals): it is still that run continuing.
-                callback.run_id = store.run_id = resumed.run_id
+                placement.run_id = store.run_id = resumed.run_id
             # Continue where the resumed checkpoint is, else where this callback writes (a second fit).
             where = resumed.store if resumed is not None else None
             prefer = next((loc.version for loc in locations if loc.store is where), None)
             if prefer is None:
                 own = comparable_path(store.uri)
                 prefer = next((loc.version for loc in locations if comparable_path(loc.store.uri) == own), None)
-            version, why = choose_version(locations, callback.run_id, trainer.global_step, prefer=prefer)
+            version, why = choose_version(locations, placement.run_id, trainer.global_step, prefer=prefer)
             target = version_uri(dirpath, version)
             if target != store.uri and version > 0 and not getattr(callback, "_enable_version_counter", True):
                 raise GenerationExistsError(
@@ -156,15 +179,16 @@ def place_run(callback: Any, trainer: pl.Trainer) -> None:
                     )
                 callback.checkpointer.close()
                 callback.selection.topk.moved()  # a previous fit's generations stay where they are
-                callback.store = CheckpointStore(target, callback.storage_options, run_id=callback.run_id)
-                callback.checkpointer = AsyncCheckpointer(callback.store, callback.options)
-                callback.checkpointer.declare_fences({Fence.BATCH_START, Fence.OPTIMIZER_STEP})
-                callback._committed_before = {g.step for g in callback.store.generations()}
+                placement.store = CheckpointStore(target, callback.storage_options, run_id=placement.run_id)
+                placement.checkpointer = AsyncCheckpointer(placement.store, callback.options)
+                placement.checkpointer.declare_fences({Fence.BATCH_START, Fence.OPTIMIZER_STEP})
+                placement.committed = {g.step for g in placement.store.generations()}
         except Exception as exc:  # noqa: BLE001 - raised below on every rank
             error = exc
     agree_on(trainer, error, "choosing where this run's checkpoints go")
-    if trainer.world_size > 1:
-        callback.run_id = trainer.strategy.broadcast(callback.run_id, src=0)  # the writing rank may have adopted one
+    if trainer.world_size > 1:  # the writing rank may have adopted one
+        placement.run_id = trainer.strategy.broadcast(placement.run_id, src=0)
+    return placement
 
 
 @dataclass(frozen=True)
@@ -204,16 +228,19 @@ def resumed_generation(locations: list[Location], resumed: str | None) -> Resume
     return None
 
 
-def seed_committed_step(callback: Any, ckpt_path: str | None) -> None:
+def seed_committed_step(callback: Any, ckpt_path: str | None) -> int | None:
     """When a fit restores a committed generation of ``dirpath`` (or of a version), its step is the newest
-    recoverable progress until this fit commits another: ``committed_step`` says so (also when the fit has nothing
-    left to train). Called while Lightning restores the checkpoint; the writing rank only."""
+    recoverable progress until this fit commits another: the caller's ``committed_step`` says so (also when the fit
+    has nothing left to train). Called while Lightning restores the checkpoint; the writing rank only.
+
+    Returns:
+        The restored generation's step, or ``None`` when there is nothing to seed.
+    """
     checkpointer = callback.checkpointer
     if callback.store is None or checkpointer is None or checkpointer.committed_step is not None or not ckpt_path:
-        return
+        return None
     found = resumed_generation(run_locations(callback.dirpath, callback.storage_options), str(ckpt_path))
-    if found is not None:
-        checkpointer.committed_step = callback.committed_step = found.step
+    return None if found is None else found.step
 
 
 def _occupied(store: CheckpointStore) -> list[Any]:
