@@ -113,3 +113,21 @@ def test_on_s3_spread_objects_are_written_verified_loaded_and_collected(s3_uri: 
     loaded = {k: torch.zeros_like(v) for k, v in states[2].items()}
     load_generation(loaded, reader, 2)
     assert all(torch.equal(loaded[k], states[2][k]) for k in loaded)
+
+
+@pytest.mark.slow
+def test_two_gloo_ranks_spread_their_data_files_and_load_them_back(tmp_path: Path) -> None:
+    import sys
+
+    from tests.helpers.dist import launch_ranks
+
+    worker = Path(__file__).resolve().parents[1] / "helpers" / "spread_worker.py"
+    results = []
+    for proc in launch_ranks([sys.executable, str(worker), str(tmp_path)], timeout=240):
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        results.append(json.loads([x for x in proc.stdout.splitlines() if x.startswith("RESULT ")][-1][7:]))
+    rank0, rank1 = sorted(results, key=lambda r: r["rank"])
+    assert rank0["step"] == rank1["step"] == 2 and rank0["equal"] and rank1["equal"]
+    assert rank0["steps"] == [2] and rank0["verified"]  # keep_last=1 removed step 1, its spread files too
+    assert len(rank0["root_paths"]) == 2 and all("/step-00000002/__" in p for p in rank0["root_paths"])
+    assert rank0["spread_files"] == rank0["root_paths"]
