@@ -27,8 +27,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from lightning_async_ckpt.storage.claims import Liveness, claim_liveness, is_claim_name, read_claim
+from lightning_async_ckpt.storage.generation import generation_name
 from lightning_async_ckpt.storage.listing_check import check_listed
-from lightning_async_ckpt.storage.manifest import MANIFEST_NAME, Manifest
+from lightning_async_ckpt.storage.manifest import MANIFEST_NAME, SPREAD_FOLDER, Manifest
 
 if TYPE_CHECKING:
     from lightning_async_ckpt.storage.store import CheckpointStore, GenerationInfo
@@ -313,15 +314,17 @@ def _remove(store: CheckpointStore, info: GenerationInfo) -> None:
             store.fs.rm(path, recursive=True)
         except FileNotFoundError:
             pass
+        if store.hashed_prefixes:
+            _sweep_spread(store, info.step)  # a failed attempt's spread data files (no manifest lists them)
     else:
         # Manifest first (a crash leaves an uncommitted leftover, never a manifest without data), then this
         # generation's objects; another writer's prefix ("w-<token>/" not listed here) is left alone.
         store.fs.rm_file(f"{path}/{MANIFEST_NAME}")
         store.backend.sync_folder(path)
-        _remove_spread(store, info.manifest)
         own = {obj.key.split("/", 1)[0] for obj in info.manifest.objects if obj.path}
         files = store.fs.find(path)
         foreign = [f for f in files if _prefix(f, path) not in own and _prefix(f, path).startswith("w-")]
+        _remove_spread(store, info.manifest, sweep=not foreign)
         if not foreign:
             try:
                 store.fs.rm(path, recursive=True)
@@ -336,12 +339,29 @@ def _remove(store: CheckpointStore, info: GenerationInfo) -> None:
     store.invalidate_cache()
 
 
-def _remove_spread(store: CheckpointStore, manifest: Manifest) -> None:
-    """Remove the generation's objects spread over hashed prefixes (outside its folder), after its manifest."""
+def _remove_spread(store: CheckpointStore, manifest: Manifest, *, sweep: bool) -> None:
+    """Remove the generation's objects spread over hashed prefixes (outside its folder), after its manifest.
+
+    ``sweep`` (no other writer's prefix in the folder): the step's folder under each of the 16 spread prefixes goes
+    whole (one listing and one batched delete each, whatever the number of ranks; earlier attempts' files too);
+    otherwise only the objects the manifest lists, one request each (another writer of the step keeps its files).
+    """
     spread = [f"{store.root}/{obj.root_path}" for obj in manifest.objects if obj.root_path]
-    for path in spread:  # one request each (the generation folder's objects go in one recursive delete)
+    if spread and sweep:
+        _sweep_spread(store, manifest.step)
+        return
+    for path in spread:
         try:
             store.fs.rm_file(path)
+        except FileNotFoundError:
+            pass
+
+
+def _sweep_spread(store: CheckpointStore, step: int) -> None:
+    """Remove generation ``step``'s folder under every spread prefix (``spread/<h>/step-N/``)."""
+    for digit in "0123456789abcdef":
+        try:
+            store.fs.rm(f"{store.root}/{SPREAD_FOLDER}/{digit}/{generation_name(step)}", recursive=True)
         except FileNotFoundError:
             pass
 

@@ -81,6 +81,23 @@ def test_retention_removes_the_spread_objects_of_what_it_removes(tmp_path: Path)
     assert _spread_files(tmp_path) == kept  # step 1's spread data went with its generation
 
 
+def test_a_failed_attempt_s_spread_files_go_with_its_leftover(tmp_path: Path) -> None:
+    from lightning_async_ckpt.sharded import ShardedSaveError
+    from lightning_async_ckpt.testing import Fault
+
+    faults = [Fault(op="open", path="/.metadata", at=2, times=1, error="oserror")]  # step 1's .metadata publish
+    store = CheckpointStore(f"faulty://{tmp_path}", {"target_protocol": "file", "faults": faults}, hashed_prefixes=True)
+    with ShardedCheckpointer(store, keep_last=1) as ckpt:
+        ckpt.save(1, _state(1))
+        with pytest.raises(ShardedSaveError):
+            ckpt.drain(timeout=60)
+        assert [p for p in _spread_files(tmp_path) if "/step-00000001/" in p]  # the failed attempt's data
+        ckpt.save(2, _state(2)).result(timeout=60)  # its retention removes step 1's leftover, spread files too
+    reader = CheckpointStore(str(tmp_path))
+    assert [g.step for g in reader.generations(include_uncommitted=True)] == [2]
+    assert _spread_files(tmp_path) == sorted(o.root_path for o in reader.manifest(2).objects if o.root_path)
+
+
 def test_a_manifest_cannot_point_outside_its_own_spread_folder(tmp_path: Path) -> None:
     store = CheckpointStore(str(tmp_path), hashed_prefixes=True)
     _save(store, [1])
