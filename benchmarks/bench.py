@@ -308,6 +308,14 @@ def main(argv: list[str] | None = None) -> int:
         sharded = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(sharded)
         return sharded.main((sys.argv[1:] if argv is None else argv)[1:])
+    if (sys.argv[1:] if argv is None else argv)[:1] == ["recovery"]:
+        # ``bench recovery ...``: restore time per tier, commit latency, goodput under preemptions.
+        spec = importlib.util.spec_from_file_location(
+            "lac_bench_recovery", Path(__file__).with_name("_bench_recovery.py")
+        )
+        recovery = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(recovery)
+        return recovery.run_recovery((sys.argv[1:] if argv is None else argv)[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.preset is not None:
