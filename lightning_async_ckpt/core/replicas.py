@@ -137,19 +137,32 @@ class Replicator:
         self._busy = False
         self._closing = False
         self._sender: threading.Thread | None = None
-        self._receivers: list[threading.Thread] = []
+        self._receivers: dict[int, threading.Thread] = {}
+        self._stopped: set[int] = set()  # sources whose stop message was taken (their thread is ending)
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called (a closed replicator replicates nothing more)."""
+        with self._cond:
+            return self._closing
 
     def start_receiving(self) -> None:
-        """Start one receiving thread per source (each ends at the source's ``STOP`` or when the link breaks)."""
-        self._receivers = [t for t in self._receivers if t.is_alive()]
-        if self._receivers:
-            return
+        """Start one receiving thread per source that has none (each ends at its source's ``STOP``, acknowledged, or
+        when the link breaks); a thread that took its stop message is joined and replaced (the next fit)."""
         for src in self.sources:
+            thread = self._receivers.get(src)
+            with self._cond:
+                stopped = src in self._stopped
+                self._stopped.discard(src)
+            if thread is not None and stopped:
+                thread.join()  # it acknowledged the stop: it is returning
+            elif thread is not None and thread.is_alive():
+                continue
             thread = threading.Thread(
                 target=self._receive_loop, args=(src,), name=f"lightning_async_ckpt-replica-recv-{src}", daemon=True
             )
             thread.start()
-            self._receivers.append(thread)
+            self._receivers[src] = thread
 
     def replicate(self, store: CheckpointStore, step: int) -> None:
         """Send committed generation ``step`` of ``store`` (this rank's local tier) to every target, in the
@@ -189,7 +202,7 @@ class Replicator:
             self._cond.notify_all()
         if self._sender is not None:
             self._sender.join(timeout)
-        for thread in self._receivers:
+        for thread in self._receivers.values():
             thread.join(timeout)
         return finished
 
@@ -210,6 +223,7 @@ class Replicator:
         for dst in self.targets:
             try:
                 self.wire.send(dst, Kind.STOP)
+                self.wire.recv(dst)  # its acknowledgement: the target's receiver is ending (a next fit restarts it)
             except Exception:  # noqa: BLE001 - a target that is gone needs no stop
                 _log.debug("rank %d did not take the stop message", dst, exc_info=True)
 
@@ -246,6 +260,9 @@ class Replicator:
                 _log.info("replicas from rank %d end: %s", src, exc)
                 return
             if kind == Kind.STOP:
+                with self._cond:
+                    self._stopped.add(src)
+                self.wire.send(src, Kind.OK)
                 return
             if kind != Kind.GEN:
                 _log.warning("replica link from rank %d out of step (message %d): closing it", src, kind)

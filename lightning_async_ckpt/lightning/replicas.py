@@ -60,15 +60,14 @@ def setup_replicas(tiers: Any, trainer: Any) -> None:
     except ValueError as exc:
         raise ConfigError(f"{exc}: pass replicas=N with N below that (or more nodes)") from exc
     group = ensure_group(tiers, trainer)
-    if tiers.replicator is not None:
-        tiers.replicator.close(0)
-    tiers.replicator = Replicator(
-        group,
-        tiers.local_dirpath,
-        targets=targets.get(rank, []),
-        sources=[w for w in WRITERS if rank in targets[w]],
-        keep_last=tiers.local_keep_last,
-    )
+    mine, sources = targets.get(rank, []), [w for w in WRITERS if rank in targets[w]]
+    current = tiers.replicator
+    # Idempotent within a fit (two receivers on one link would split its messages); a new fit gets a new sender
+    # (the last one closed) and restarts the receivers (they ended at the stop message).
+    if current is None or current.closed or (current.targets, current.sources) != (mine, sources):
+        tiers.replicator = Replicator(
+            group, tiers.local_dirpath, targets=mine, sources=sources, keep_last=tiers.local_keep_last
+        )
     tiers.replicator.start_receiving()
     _log.info("replicas of rank %s's local tier go to ranks %s", WRITERS, sorted({*sum(targets.values(), [])}))
 

@@ -38,16 +38,16 @@ def test_replicas_commit_whole_or_not_at_all_and_a_lost_folder_is_restored_from_
     r0, r1, r2 = results
     # Step 1 reached rank 1's folder (bytes sent once) and rank 2, which shares it, answered "have it".
     assert r0["replicated"]["1"] == [1, 2] and r0["copied"]["1"] == [1]
-    assert r1["after_replicas"] == {"1": {"rank": 0, "step": 1}}
+    assert r1["after_replicas"] == {"1": {"rank": 0, "step": 1}, "3": {"rank": 0, "step": 3}}  # 3: a second round
     # Step 2's source object was damaged: the copy was abandoned on both targets, no manifest, not even a leftover
     # listed; rank 0 got one error per target (raised on its training thread in a fit).
     assert "2" not in r1["after_replicas"] and len(r0["errors"]) == 2
     assert all("checksum" in e for e in r0["errors"])
-    # Rank 0 lost its folder: every rank agrees on step 1, and rank 0's copy came from rank 1 (no durable tier here).
-    assert [r["agreed_lost_0"] for r in results] == [[0, 1]] * 3
-    assert r0["after_restore_0"] == {"1": {"rank": 1, "step": 1}}
+    # Rank 0 lost its folder: every rank agrees on step 3, and rank 0's copy came from rank 1 (no durable tier here).
+    assert [r["agreed_lost_0"] for r in results] == [[0, 3]] * 3
+    assert r0["after_restore_0"] == {"3": {"rank": 1, "step": 3}}
     # The folder of ranks 1 and 2 was lost: one copy from rank 0 into it, seen by both.
-    assert [r["agreed_lost_1"] for r in results] == [[0, 1]] * 3
-    assert r1["after_restore_1"] == r2["after_restore_1"] == {"1": {"rank": 0, "step": 1}}
+    assert [r["agreed_lost_1"] for r in results] == [[0, 3]] * 3
+    assert r1["after_restore_1"] == r2["after_restore_1"] == {"3": {"rank": 0, "step": 3}}
     # A newer durable step wins for every rank.
     assert [r["agreed_durable_newer"] for r in results] == [None] * 3

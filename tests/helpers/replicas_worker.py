@@ -89,15 +89,21 @@ def main() -> None:
             f.write(b"\xff")
         replicator.replicate(store, 2)
         assert replicator.drain(120) and failed.is_set()
-    replicator.close(120)  # rank 0: the stop message; the others: their receiver ends at it
+    if rank == 0:
+        replicator.close(120)  # the stop message, acknowledged by every target: their receivers are ending
     dist.barrier(group=group)
-    result = {
-        "rank": rank,
-        "after_replicas": _state(root),
-        "errors": errors,
-        "replicated": replicator.replicated,
-        "copied": replicator.copied,
-    }
+    # A second round over the same group (a second fit): a new sender; the receivers restart.
+    first = {"replicated": replicator.replicated, "copied": replicator.copied}
+    if rank == 0:
+        replicator = Replicator(group, root, targets=targets, sources=[], on_error=on_error)
+        _commit(store, 3)
+        replicator.replicate(store, 3)
+        assert replicator.drain(120)
+    else:
+        replicator.start_receiving()
+    replicator.close(120)  # rank 0: the stop message; the others: join their receiver, which ends at it
+    dist.barrier(group=group)
+    result = {"rank": rank, "after_replicas": _state(root), "errors": errors, **first}
     if rank == 0:
         shutil.rmtree(root)  # rank 0's node lost its local tier
     dist.barrier(group=group)
