@@ -137,11 +137,14 @@ def send_generation(wire: Wire, store: CheckpointStore, step: int, where: str, d
     return True
 
 
-def receive_generation(wire: Wire, src: int, header: dict[str, Any], root: str) -> Manifest | None:
-    """Answer one ``GEN`` from ``src``: commit the generation in local folder ``root`` (its version folder), manifest
-    last; the manifest committed, or ``None`` when the folder held it already or it failed (``src`` is told)."""
+def receive_generation(
+    wire: Wire, src: int, header: dict[str, Any], root: str, *, where: str | None = None
+) -> Manifest | None:
+    """Answer one ``GEN`` from ``src``: commit the generation in local folder ``root`` (its version folder, or
+    ``where``), manifest last; the manifest committed, or ``None`` when the folder held it already or it failed
+    (``src`` is told)."""
     manifest = Manifest.from_json(header["manifest"], where=f"replica from rank {src}")
-    store = CheckpointStore(version_uri(root, header["where"]), run_id=manifest.run_id)
+    store = CheckpointStore(version_uri(root, header["where"] if where is None else where), run_id=manifest.run_id)
     step = manifest.step
     try:
         existing = store.manifest(step)

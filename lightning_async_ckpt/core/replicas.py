@@ -39,6 +39,7 @@ from lightning_async_ckpt.core.replica_wire import (
     send_generation,
     version_uri,
 )
+from lightning_async_ckpt.storage.generation import version_folders
 from lightning_async_ckpt.storage.store import CheckpointStore
 
 __all__ = [
@@ -307,7 +308,9 @@ def restore_from_peers(
 
     Returns:
         ``(version, step)`` of the agreed local generation, now committed in this rank's folder, or ``None`` when
-        every rank resumes from the durable tier (it is newer, or no rank holds a local generation).
+        every rank resumes from the durable tier (it is newer, or no rank holds a local generation). The version is
+        this folder's: a folder holding a damaged copy of the agreed generation (committed, so never overwritten)
+        receives it into a new version folder.
 
     Raises:
         ReplicaError: A copy failed (on the ranks that sent or received it; the others see the barrier fail).
@@ -331,7 +334,7 @@ def restore_from_peers(
         if e["folder"] not in have:
             have.add(e["folder"])  # one receiving rank per folder; the ranks sharing it see its copy
             needers.append(r)
-    wire, failure = Wire(group), None
+    wire, failure, here = Wire(group), None, agreed[0]
     for i, needer in enumerate(needers):
         source = holders[i % len(holders)]
         try:
@@ -339,21 +342,39 @@ def restore_from_peers(
                 send_generation(wire, newest_store(agreed[0]), agreed[1], _version_name(agreed[0]), needer)
                 _log.info("restored step %d to rank %d's local tier from this rank", agreed[1], needer)
             elif rank == needer:
+                here = _free_version(local_dirpath, newest_store(agreed[0]), agreed)
                 kind, payload = wire.recv(source)
+                header = json.loads(payload) if kind == Kind.GEN else None
+                where = _version_name(here)
                 committed = (
-                    None if kind != Kind.GEN else receive_generation(wire, source, json.loads(payload), local_dirpath)
+                    None if header is None else receive_generation(wire, source, header, local_dirpath, where=where)
                 )
                 if committed is None:
                     raise ReplicaError(f"step {agreed[1]} could not be restored from rank {source}")
                 _log.warning("local tier lost step %d: restored from rank %d's replica", agreed[1], source)
         except Exception as exc:  # noqa: BLE001 - agreed below
             failure = exc
-    failed: list[Any] = [None] * world
-    dist.all_gather_object(failed, None if failure is None else f"{type(failure).__name__}: {failure}", group=group)
-    problems = [f"rank {r}: {p}" for r, p in enumerate(failed) if p]
+    outcome: list[Any] = [None] * world
+    problem = None if failure is None else f"{type(failure).__name__}: {failure}"
+    dist.all_gather_object(outcome, (problem, here), group=group)
+    problems = [f"rank {r}: {p}" for r, (p, _) in enumerate(outcome) if p]
     if problems:
         raise ReplicaError("restoring the local tier from peers failed: " + "; ".join(problems))
-    return agreed
+    # The ranks sharing a needer's folder take the version it received into.
+    mine_folder = everyone[rank]["folder"]
+    receiver = next((n for n in needers if everyone[n]["folder"] == mine_folder), None)
+    return (outcome[receiver][1] if receiver is not None else agreed[0]), agreed[1]
+
+
+def _free_version(local_dirpath: str, store: CheckpointStore, agreed: tuple[int, int]) -> int:
+    """Where this folder receives the agreed generation: its own version, unless that holds a committed copy of it
+    (damaged, or this rank would hold it intact): then a new version folder (committed names are never overwritten)."""
+    try:
+        store.manifest(agreed[1])
+    except Exception:  # noqa: BLE001 - not committed there (missing, leftover, rejected): receive it there
+        return agreed[0]
+    root = CheckpointStore(local_dirpath, check_writable=False)
+    return max([agreed[0], *version_folders(root.fs, root.root)]) + 1
 
 
 def _version_name(version: int) -> str:

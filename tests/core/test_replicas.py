@@ -51,3 +51,7 @@ def test_replicas_commit_whole_or_not_at_all_and_a_lost_folder_is_restored_from_
     assert r1["after_restore_1"] == r2["after_restore_1"] == {"3": {"rank": 0, "step": 3}}
     # A newer durable step wins for every rank.
     assert [r["agreed_durable_newer"] for r in results] == [None] * 3
+    # The shared folder's step 3 was damaged: it gets a fresh copy in a new version folder (v1) beside the damaged
+    # one, which is never overwritten; its ranks load v1, rank 0 its own.
+    assert [r["agreed_damaged"] for r in results] == [[0, 3], [1, 3], [1, 3]]
+    assert r1["damaged_v1"] == {"3": {"rank": 0, "step": 3}}

@@ -53,7 +53,7 @@ def _restore(root: str, durable_step: int | None) -> list | None:
         root,
         newest_local=_newest(root),
         durable_step=durable_step,
-        newest_store=lambda version: CheckpointStore(root),
+        newest_store=lambda version: CheckpointStore(f"{root}/v{version}" if version else root),
     )
     return None if agreed is None else list(agreed)
 
@@ -116,6 +116,15 @@ def main() -> None:
     result["agreed_lost_1"] = _restore(root, durable_step=None)
     result["after_restore_1"] = _state(root)
     result["agreed_durable_newer"] = _restore(root, durable_step=5)
+    dist.barrier(group=group)
+    if rank == 1:  # the shared folder's copy of step 3 is damaged (its manifest intact): never overwritten
+        path = CheckpointStore(root).object_url(3, "checkpoint.ckpt")
+        with open(path, "r+b") as f:
+            f.seek(10)
+            f.write(b"\xee")
+    dist.barrier(group=group)
+    result["agreed_damaged"] = _restore(root, durable_step=None)
+    result["damaged_v1"] = _state(f"{root}/v1")
     print("RESULT " + json.dumps(result), flush=True)
     dist.destroy_process_group()
 
