@@ -8,44 +8,99 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
+from lightning_async_ckpt.core.admission import AdmissionResult
 from lightning_async_ckpt.core.capture import Category
 from lightning_async_ckpt.core.capturer import CutCapture
 from lightning_async_ckpt.core.handle import SaveHandle
 from lightning_async_ckpt.core.persist import AbandonedError
-from lightning_async_ckpt.core.staging import BufferPool, StagingJob
+from lightning_async_ckpt.core.staging import BufferPool
 from lightning_async_ckpt.core.stream_persister import PersistWork
 from lightning_async_ckpt.core.telemetry import EventLog, Outcome, SaveRecord
 from lightning_async_ckpt.errors import CheckpointError, TornSnapshotError
 
-__all__ = ["Completion"]
+__all__ = ["Completion", "Progress"]
 
 _log = logging.getLogger("lightning_async_ckpt")
 
 
-class Completion:
-    """Mixin of :class:`~lightning_async_ckpt.core.engine.AsyncCheckpointer`: everything after the cut.
+class Progress:
+    """What the threads share about ended saves: the committed step, the records, the guard's refusals, the errors.
 
-    Runs on the upload thread except the error queue's readers (training thread); shared state is guarded by
-    ``_lock``.
+    Written by the upload thread (and by work that follows a commit, e.g. a promotion), read by the training
+    thread; guarded by :attr:`lock`. Background errors are queued here and raised on the training thread, each
+    once, oldest first.
+
+    Args:
+        on_error: ``"raise"``: queue failures for the training thread; ``"warn"``: log them and go on.
     """
 
-    store: Any
-    options: Any
-    persister: Any
-    pool: BufferPool
-    events: EventLog
-    records: deque[SaveRecord]
-    committed_step: int | None
-    last_committed: SaveRecord | None
-    torn_step: int | None
-    abandoning: threading.Event
-    _errors: deque[BaseException]
-    _lock: threading.Lock
-    _demoted: set[Category]
+    def __init__(self, on_error: str = "raise") -> None:
+        self.on_error = on_error
+        self.lock = threading.Lock()
+        self.records: deque[SaveRecord] = deque(maxlen=10_000)
+        self.committed_step: int | None = None
+        self.last_committed: SaveRecord | None = None
+        self.torn_step: int | None = None  # the newest admitted save the guard refused (a retake is due)
+        self.demoted: set[Category] = set()  # categories copied at the cut since a refusal
+        self.errors: deque[BaseException] = deque()
 
-    def _persist(
+    def report(self, error: BaseException, *, context: str = "") -> None:
+        """Queue ``error`` for the training thread (``on_error="raise"``), or log it (``"warn"``)."""
+        if self.on_error == "raise":
+            with self.lock:
+                self.errors.append(error)
+        else:
+            _log.warning("%s (on_error='warn': training continues%s)", error, context)
+
+    def take(self) -> BaseException | None:
+        """Remove and return the oldest queued error, if any."""
+        with self.lock:
+            return self.errors.popleft() if self.errors else None
+
+    def raise_pending(self) -> None:
+        """Raise the oldest queued error (each exactly once, oldest first)."""
+        if self.errors:
+            error = self.take()
+            if error is not None:
+                raise error
+
+
+class Completion:
+    """Everything after the cut, on the engine's upload thread: persist, commit bookkeeping, outcomes, retention.
+
+    Owned by :class:`~lightning_async_ckpt.core.engine.AsyncCheckpointer`; :meth:`run` is the upload thread's job
+    for one admitted save.
+
+    Args:
+        persister: Writes a staged save (:class:`~lightning_async_ckpt.core.interfaces.Persister`).
+        pool: The staging pool the save's buffers go back to.
+        events: The event log.
+        progress: Where outcomes, records and errors go.
+        abandoning: Set when the engine abandons its saves.
+        retention: Called after each commit when this process runs retention (``keep_last``), else ``None``.
+    """
+
+    def __init__(
+        self,
+        *,
+        persister: Any,
+        pool: BufferPool,
+        events: EventLog,
+        progress: Progress,
+        abandoning: threading.Event,
+        retention: Callable[[], list[int]] | None,
+    ) -> None:
+        self.persister = persister
+        self.pool = pool
+        self.events = events
+        self.progress = progress
+        self.abandoning = abandoning
+        self.retention = retention if persister.coordinator else None
+
+    def run(
         self,
         handle: SaveHandle,
         capture: CutCapture,
@@ -64,7 +119,7 @@ class Completion:
                 self.pool.release(buffers)
 
         try:
-            self._wait_staged(job)
+            job.done.wait()
             record.staging_s = job.staging_s
             record.mark("staging", job.stage_started_wall, job.stage_started_wall + job.staging_s)
             if job.error is not None and not self.persister.collective:
@@ -90,42 +145,41 @@ class Completion:
             manifest = self.persister.persist(work)
         except BaseException as exc:  # noqa: BLE001 - delivered through the futures and raise_pending
             release()
-            self._fail(handle, exc)
+            self.fail(handle, exc)
             return
         release()
         record.outcome = Outcome.COMMITTED
-        with self._lock:
-            if self.committed_step is None or handle.step > self.committed_step:
-                self.committed_step = handle.step
-        record.committed_step = self.committed_step
+        progress = self.progress
+        with progress.lock:
+            if progress.committed_step is None or handle.step > progress.committed_step:
+                progress.committed_step = handle.step
+        record.committed_step = progress.committed_step
         record.cut_to_committed_s = time.time() - record.t_request
-        self.last_committed = record
+        progress.last_committed = record
         try:
-            self.events.emit("committed", step=handle.step, committed_step=self.committed_step)
-            self._finish_record(record)
+            self.events.emit("committed", step=handle.step, committed_step=progress.committed_step)
+            self.finish_record(record)
         finally:
             # Whatever telemetry does, the committed future resolves: drain and close() must never hang on it.
             handle.committed.set_result(manifest)
-        if self.options.keep_last is not None and self.persister.coordinator:
+        if self.retention is not None:
             self._retain()
-
-    def _wait_staged(self, job: StagingJob) -> None:
-        job.done.wait()
 
     def _uploaded(self, handle: SaveHandle, value: Any, nbytes: int) -> None:
         if not handle.uploaded.done():
             handle.uploaded.set_result(value)
         self.events.emit("uploaded", step=handle.step, bytes=nbytes, upload_s=handle.record.upload_s)
 
-    def _fail(self, handle: SaveHandle, exc: BaseException) -> None:
-        record = handle.record
+    def fail(self, handle: SaveHandle, exc: BaseException) -> None:
+        """End ``handle`` with ``exc``: a refusal (torn), an abandon or a failure; the futures resolve last."""
+        record, progress = handle.record, self.progress
         # A guard refusal: this process's own, or one that failed a collective save on some rank (``.torn``).
         torn = isinstance(exc, TornSnapshotError) or getattr(exc, "torn", False) is True
         if torn:
             record.outcome = Outcome.TORN
-            if handle._job is not None:
-                self._demoted |= handle._job.torn_categories
-            self.torn_step = handle.step
+            if handle.staging is not None:
+                progress.demoted |= handle.staging.torn_categories
+            progress.torn_step = handle.step
             _log.warning("checkpoint for step %d refused: %s", handle.step, exc)
             error = exc
         else:
@@ -139,20 +193,14 @@ class Completion:
             if error is not exc:
                 error.__cause__ = exc
         record.error = f"{type(exc).__name__}: {exc}"
-        record.committed_step = self.committed_step
+        record.committed_step = progress.committed_step
         try:
             self.events.emit("failed", step=handle.step, outcome=record.outcome, error=record.error)
             # The error is pending (and the record final) before the futures resolve, so a caller that saw the
             # future fail gets the error at its very next save/wait/poll/drain, never one call late.
             if record.outcome is Outcome.FAILED:
-                if self.options.on_error == "raise":
-                    with self._lock:
-                        self._errors.append(error)
-                else:
-                    _log.warning(
-                        "%s (on_error='warn': training continues; last committed step %s)", error, self.committed_step
-                    )
-            self._finish_record(record)
+                progress.report(error, context=f"; last committed step {progress.committed_step}")
+            self.finish_record(record)
         finally:
             for fut in (handle.staged, handle.uploaded, handle.committed):
                 if not fut.done():
@@ -160,15 +208,35 @@ class Completion:
 
     def _retain(self) -> None:
         try:
-            removed = self.store.gc(self.options.keep_last)
+            removed = self.retention()  # type: ignore[misc]
         except Exception:  # noqa: BLE001 - retention never fails a committed save
             _log.warning("retention failed", exc_info=True)
             return
         if removed:
             self.events.emit("gc", removed=removed)
 
-    def _finish_record(self, record: SaveRecord) -> None:
-        self.records.append(record)
+    def requested(self, record: SaveRecord, decision: AdmissionResult) -> None:
+        """Emit the ``request`` event of a request admission decided on."""
+        self.events.emit(
+            "request",
+            step=record.requested_step,
+            decision=decision.decision,
+            backlog=decision.backlog,
+            committed_step=self.progress.committed_step,
+            arrived=record.t_request,
+            waited_s=decision.waited_s,
+        )
+
+    def refused(self, record: SaveRecord, decision: AdmissionResult) -> None:
+        """End a request admission aborted (``admission="abort"`` at the limit)."""
+        record.decision, record.backlog, record.outcome = decision.decision, decision.backlog, Outcome.ABORTED
+        record.committed_step = self.progress.committed_step
+        self.requested(record, decision)
+        self.finish_record(record)
+
+    def finish_record(self, record: SaveRecord) -> None:
+        """Record how a request ended (also a skipped or refused one): the records, the event log, one INFO line."""
+        self.progress.records.append(record)
         self.events.emit("save", **record.as_dict())
         _log.info(
             "checkpoint requested step %s -> %s (committed step %s, blocked %.4fs)",
@@ -177,33 +245,3 @@ class Completion:
             record.committed_step,
             record.blocked_s,
         )
-
-    # -- the error queue (training thread) ----------------------------------------------------------------
-    def raise_pending(self) -> None:
-        """Re-raise the oldest pending background error (each error is raised exactly once, oldest first)."""
-        if self._errors:
-            error = self.take_pending_error()
-            if error is not None:
-                raise error
-
-    def report_error(self, error: BaseException) -> None:
-        """Queue ``error`` from work that follows a commit (a promotion to another tier, from any thread): raised
-        once on the training thread like a failed save, or logged with ``on_error="warn"``."""
-        if self.options.on_error == "raise":
-            with self._lock:
-                self._errors.append(error)
-        else:
-            _log.warning("%s (on_error='warn': training continues)", error)
-
-    def take_pending_error(self) -> BaseException | None:
-        """Remove and return the oldest pending background error, if any (for callers that raise collectively).
-
-        Later errors stay pending for the next call; none is dropped.
-        """
-        with self._lock:
-            return self._errors.popleft() if self._errors else None
-
-    @property
-    def pending_errors(self) -> int:
-        """How many background errors wait to be raised."""
-        return len(self._errors)

@@ -18,21 +18,20 @@ Threads and the interpreter-exit drain are in ``workers.py``, the plain-loop fen
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections import deque
 from collections.abc import Iterable, Sequence
-from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 import torch
 
-from lightning_async_ckpt.core.admission import Admission, AdmissionDecision, AdmissionResult
-from lightning_async_ckpt.core.capture import Category, DeferralProof, Fence
-from lightning_async_ckpt.core.capturer import CutCapture, PlainCapturer
-from lightning_async_ckpt.core.completion import Completion
+from lightning_async_ckpt.core.admission import Admission, AdmissionDecision
+from lightning_async_ckpt.core.capture import DeferralProof, Fence
+from lightning_async_ckpt.core.capturer import PlainCapturer
+from lightning_async_ckpt.core.completion import Completion, Progress
 from lightning_async_ckpt.core.handle import DrainOnExit, SaveHandle
 from lightning_async_ckpt.core.hooks import FenceHooks
+from lightning_async_ckpt.core.in_flight import InFlight
 from lightning_async_ckpt.core.interfaces import Capturer, Persister
 from lightning_async_ckpt.core.lifecycle import Lifecycle
 from lightning_async_ckpt.core.options import CheckpointOptions, Serializer, TorchSaveSerializer
@@ -50,7 +49,7 @@ __all__ = ["AsyncCheckpointer", "CheckpointOptions", "SaveHandle", "Serializer",
 _log = logging.getLogger("lightning_async_ckpt")
 
 
-class AsyncCheckpointer(Completion, Lifecycle, DrainOnExit):
+class AsyncCheckpointer(Lifecycle, DrainOnExit):
     """Framework-free asynchronous checkpointing into a :class:`CheckpointStore`.
 
     Thread-safety: ``save``, ``wait``, ``poll``, ``drain`` and ``close`` are called from one training thread; the
@@ -105,19 +104,13 @@ class AsyncCheckpointer(Completion, Lifecycle, DrainOnExit):
         self.retry = RetryPolicy(retries=options.retries, backoff_s=options.retry_backoff_s)
         self.pool = BufferPool(resolve_budget(options.host_memory_budget, options.reserved_host_bytes))
         self.events = EventLog(options.event_log)
-        self.records: deque[SaveRecord] = deque(maxlen=10_000)
         self.admission = Admission(max_outstanding=options.max_outstanding, policy=options.admission)
         self._fence_hooks = FenceHooks(lambda fence: self.wait(fence))  # late-bound: wait may be wrapped
-        self._inflight: deque[SaveHandle] = deque()
+        self.in_flight = InFlight()
         self.step_clock = StepClock()  # what the steps feel around saves (ticks at each batch-start fence)
         self._cut_since_tick = False
-        self._errors: deque[BaseException] = deque()
-        self._lock = threading.Lock()
-        self._demoted: set[Category] = set()
-        self.committed_step: int | None = None
-        self.last_committed: SaveRecord | None = None
+        self.progress = Progress(options.on_error)  # committed step, records, refusals, the error queue
         self.requested_step: int | None = None
-        self.torn_step: int | None = None
         Lifecycle.__init__(self, upload_nice=options.upload_nice)
         self.capturer: Capturer = capturer or PlainCapturer()
         self.persister: Persister = persister or StreamPersister(
@@ -127,6 +120,57 @@ class AsyncCheckpointer(Completion, Lifecycle, DrainOnExit):
             self.io_worker,
             on_retry=lambda step, attempt, exc: self.events.emit("retry", step=step, attempt=attempt, error=str(exc)),
         )
+        self.completion = Completion(
+            persister=self.persister,
+            pool=self.pool,
+            events=self.events,
+            progress=self.progress,
+            abandoning=self.abandoning,
+            retention=None if options.keep_last is None else lambda: self.store.gc(options.keep_last),
+        )
+
+    # -- progress (shared with the upload thread through self.progress) ---------------------------------
+    @property
+    def committed_step(self) -> int | None:
+        """The newest step this checkpointer committed (or a resumed fit restored)."""
+        return self.progress.committed_step
+
+    @committed_step.setter
+    def committed_step(self, step: int | None) -> None:
+        self.progress.committed_step = step
+
+    @property
+    def last_committed(self) -> SaveRecord | None:
+        """The record of the newest commit."""
+        return self.progress.last_committed
+
+    @property
+    def torn_step(self) -> int | None:
+        """The newest admitted save the guard refused (cleared by the next admitted save)."""
+        return self.progress.torn_step
+
+    @property
+    def records(self) -> deque[SaveRecord]:
+        """One record per request, oldest first (bounded)."""
+        return self.progress.records
+
+    @property
+    def pending_errors(self) -> int:
+        """How many background errors wait to be raised."""
+        return len(self.progress.errors)
+
+    def raise_pending(self) -> None:
+        """Re-raise the oldest pending background error (each error is raised exactly once, oldest first)."""
+        self.progress.raise_pending()
+
+    def take_pending_error(self) -> BaseException | None:
+        """Remove and return the oldest pending background error, if any (for callers that raise collectively)."""
+        return self.progress.take()
+
+    def report_error(self, error: BaseException) -> None:
+        """Queue ``error`` from work that follows a commit (a promotion to another tier, from any thread): raised
+        once on the training thread like a failed save, or logged with ``on_error="warn"``."""
+        self.progress.report(error)
 
     # -- saving ------------------------------------------------------------------------------------------
     def save(
@@ -180,7 +224,7 @@ class AsyncCheckpointer(Completion, Lifecycle, DrainOnExit):
         """
         if self.closed:
             raise CheckpointError("this AsyncCheckpointer is closed; create a new one to keep saving")
-        self._observe_staged()
+        self.in_flight.observe_staged()
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ConfigError(f"step must be a non-negative int, got {step!r}")
         self.raise_pending()
@@ -192,11 +236,11 @@ class AsyncCheckpointer(Completion, Lifecycle, DrainOnExit):
             step,
             policy=admission,
             backlog=lambda: self.outstanding,
-            wait_one=self._wait_oldest,
+            wait_one=self.in_flight.wait_oldest,
             committed_step=lambda: self.committed_step,
         )
         if decision.decision is AdmissionDecision.ABORT:
-            self._refused(record, decision)
+            self.completion.refused(record, decision)
             raise self.admission.refusal(decision)
         if decision.decision is AdmissionDecision.WAIT:
             self.raise_pending()
@@ -206,23 +250,34 @@ class AsyncCheckpointer(Completion, Lifecycle, DrainOnExit):
             decision.waited_s,
         )
         self.requested_step = step
-        self._emit_request(record, decision)
+        self.completion.requested(record, decision)
         handle = SaveHandle(step=step, record=record, decision=decision)
         if not decision.admitted:
             record.outcome = Outcome.COALESCED if decision.decision is AdmissionDecision.COALESCE else Outcome.SKIPPED
             record.committed_step = self.committed_step
             for fut in (handle.staged, handle.uploaded, handle.committed):
                 fut.cancel()
-            self._finish_record(record)
+            self.completion.finish_record(record)
             return handle
-        self.torn_step = None
+        self.progress.torn_step = None
         try:
-            capture = self._capture(state, modules, optimizers, proof, defer)
+            capture = self.capturer.capture(
+                state,
+                modules=modules,
+                optimizers=optimizers,
+                proof=proof,
+                defer=defer,
+                fences=self._fence_hooks.fences,
+                demoted=self.progress.demoted,
+                pool=self.pool,
+                guard=self.options.guard,
+            )
+            capture.job.abandon = self.abandoning
         except BaseException as exc:
             # Admitted but never started: the request still ends with a record.
             record.outcome, record.error = Outcome.FAILED, f"{type(exc).__name__}: {exc}"
             record.committed_step, record.blocked_s = self.committed_step, time.perf_counter() - t0
-            self._finish_record(record)
+            self.completion.finish_record(record)
             raise
         plan, job = capture.plan, capture.job
         handle.plan, handle._job = plan, job
@@ -231,65 +286,19 @@ class AsyncCheckpointer(Completion, Lifecycle, DrainOnExit):
         record.blocked_s = time.perf_counter() - t0
         record.mark("cut", record.t_request)
         cut_meta = {"step": step, "requested_at": record.t_request, **(cut or {})}
-        with self._lock:
-            self._inflight.append(handle)
+        self.in_flight.add(handle)
         self._cut_since_tick = True
         if self.store is not None:  # readers in this process wait for it (storage/inflight)
             inflight.track(self.store, step, handle.committed)
         self.stage_worker.submit(job.run)
         keys, more = dict(object_keys or {}), dict(objects or {})
-        self.upload_worker.submit(lambda: self._persist(handle, capture, cut_meta, extra or {}, keys, more))
+        self.upload_worker.submit(lambda: self.completion.run(handle, capture, cut_meta, extra or {}, keys, more))
         return handle
-
-    def _capture(
-        self, state: Any, modules: Sequence[Any], optimizers: Sequence[Any], proof: DeferralProof | None, defer: bool
-    ) -> CutCapture:
-        capture = self.capturer.capture(
-            state,
-            modules=modules,
-            optimizers=optimizers,
-            proof=proof,
-            defer=defer,
-            fences=self._fence_hooks.fences,
-            demoted=self._demoted,
-            pool=self.pool,
-            guard=self.options.guard,
-        )
-        capture.job.abandon = self.abandoning
-        return capture
-
-    def _refused(self, record: SaveRecord, result: AdmissionResult) -> None:
-        record.decision, record.backlog, record.outcome = result.decision, result.backlog, Outcome.ABORTED
-        record.committed_step = self.committed_step
-        self._emit_request(record, result)
-        self._finish_record(record)
-
-    def _emit_request(self, record: SaveRecord, decision: AdmissionResult) -> None:
-        self.events.emit(
-            "request",
-            step=record.requested_step,
-            decision=decision.decision,
-            backlog=decision.backlog,
-            committed_step=self.committed_step,
-            arrived=record.t_request,
-            waited_s=decision.waited_s,
-        )
-
-    def _wait_oldest(self) -> None:
-        with self._lock:
-            oldest = self._inflight[0] if self._inflight else None
-        if oldest is not None:
-            try:
-                oldest.committed.result()
-            except Exception:  # noqa: BLE001 - its error is delivered through raise_pending
-                pass
-        self._reap()
 
     @property
     def outstanding(self) -> int:
         """Saves admitted and not yet ended."""
-        self._reap()
-        return len(self._inflight)
+        return self.in_flight.count()
 
     @property
     def coalesce_due(self) -> bool:
@@ -315,22 +324,6 @@ class AsyncCheckpointer(Completion, Lifecycle, DrainOnExit):
         """Requests dropped by admission (skipped or coalesced)."""
         return self.admission.skipped
 
-    def _observe_staged(self) -> None:
-        # Called on the training thread only: every save whose staging already finished gets its version
-        # counters read now, as if its fences were reached (a write running during the copy has returned by now;
-        # a later one cannot have reached the copy). Writes after this point no longer refuse the save.
-        with self._lock:
-            handles = list(self._inflight)
-        for handle in handles:
-            job = handle.staging
-            if job is not None:
-                job.observe()
-
-    def _reap(self) -> None:
-        with self._lock:
-            while self._inflight and self._inflight[0].done:
-                self._inflight.popleft()
-
     # -- training-thread calls ---------------------------------------------------------------------------
     def wait(self, fence: Fence, *, raise_errors: bool = True) -> float:
         """Block at ``fence`` until every outstanding save's storages fenced there are staged.
@@ -347,33 +340,22 @@ class AsyncCheckpointer(Completion, Lifecycle, DrainOnExit):
             Seconds blocked.
         """
         if fence is Fence.BATCH_START:  # once per step: the period since the last one, for StepClock
-            in_flight: list[SaveRecord] = []
-            if self._inflight:  # most steps have none: no lock, no list
-                with self._lock:
-                    in_flight = [h.record for h in self._inflight if not h.done]
-            self.step_clock.tick(time.perf_counter(), in_flight, started=self._cut_since_tick)
+            running = self.in_flight.running_records()  # most steps have none: no lock, no list
+            self.step_clock.tick(time.perf_counter(), running, started=self._cut_since_tick)
             self._cut_since_tick = False
         if raise_errors:
             self.raise_pending()
-        if not self._inflight:
+        if not self.in_flight:
             return 0.0
-        waited, steps = 0.0, []
-        with self._lock:
-            handles = list(self._inflight)
-        for handle in handles:
-            w = handle.wait(fence)
-            if w:
-                handle.record.fence_wait_s[fence.value] = handle.record.fence_wait_s.get(fence.value, 0.0) + w
-                steps.append(handle.step)
-            waited += w
+        waited, steps = self.in_flight.wait_at(fence)
         if steps:
             self.events.emit("fence_wait", fence=fence.value, wait_s=waited, steps=steps)
         return waited
 
     def poll(self) -> None:
         """Raise a pending background error, if any."""
-        self._observe_staged()
-        self._reap()
+        self.in_flight.observe_staged()
+        self.in_flight.reap()
         self.raise_pending()
 
     def drain(self, timeout: float | None = None) -> bool:
@@ -382,34 +364,18 @@ class AsyncCheckpointer(Completion, Lifecycle, DrainOnExit):
         Returns:
             True if everything ended within ``timeout``.
         """
-        self._observe_staged()
+        self.in_flight.observe_staged()
         finished = self.drain_quietly(timeout)
         self.raise_pending()
         return finished
 
     def drain_quietly(self, timeout: float | None) -> bool:
         """Like :meth:`drain` but never raises (pending errors stay pending); returns whether everything ended."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        with self._lock:
-            handles = list(self._inflight)
-        finished = True
-        for handle in handles:
-            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-            try:
-                handle.committed.result(remaining)
-            except FutureTimeout:
-                finished = False
-                break
-            except Exception:  # noqa: BLE001 - delivered through raise_pending
-                pass
-        self._reap()
-        return finished
+        return self.in_flight.drain(timeout)
 
     def in_flight_steps(self) -> list[int]:
         """Steps of the saves admitted and not yet ended, oldest first."""
-        self._reap()
-        with self._lock:
-            return [h.step for h in self._inflight]
+        return self.in_flight.steps()
 
     # -- plain PyTorch loops -----------------------------------------------------------------------------
     def attach(

@@ -163,5 +163,5 @@ class Lifecycle:
         self._stop_workers(None if done else 0.0)
 
     def __del__(self) -> None:
-        if not getattr(self, "_closed", True) and getattr(self, "_inflight", None):
+        if not getattr(self, "_closed", True) and getattr(self, "in_flight", None):
             _log.warning("AsyncCheckpointer garbage-collected with saves outstanding; call close()")

@@ -225,7 +225,12 @@ class AsyncCheckpointCallback(CallbackArguments):
         final = final and not self.triggers.final_waits_for_epoch_end(trainer)
         if due or retake or final:
             self._cut(trainer, pl_module, step, final=final, ranked=ranked)
-        elif not self._preallocated and self.checkpointer is not None and step > self._fit_start_step:
+        elif (
+            not self._preallocated
+            and self.checkpointer is not None
+            and self._sharded is None  # sharded: allocated at the first cut (local shards, not DTensors)
+            and step > self._fit_start_step
+        ):
             self._preallocated = True
             preallocate(self.checkpointer, pl_module, trainer.optimizers)
         self._poll(trainer)

@@ -214,13 +214,16 @@ def setup_sharded(callback: Any, trainer: pl.Trainer, current: ShardedSetup | No
         )
     if current is not None and not current.checkpointer.closed:
         return current
-    error, store, committed = None, None, set()
+    error, store = None, None
     try:
         store = CheckpointStore(callback.dirpath, callback.storage_options, run_id=callback.run_id)
-        committed = {g.step for g in store.generations()}
     except Exception as exc:  # noqa: BLE001 - raised below on every rank
         error = exc
     agree_on(trainer, error, "setting up sharded checkpointing")
+    assert store is not None
+    from lightning_async_ckpt.lightning.resume import committed_steps_once  # resume imports this module
+
+    committed = committed_steps_once(store, trainer)  # listed on rank 0 only, broadcast (raises on every rank)
 
     def deferral_blocked(pl_module: Any) -> list[str]:
         return [reason for reasons in override_failures(trainer, pl_module, callback).values() for reason in reasons]

@@ -93,7 +93,10 @@ def test_transient_error_is_retried_then_committed(backend, op, path, error):
         retries = [e for e in ckpt.events.events if e["event"] == "retry"]
         fired = list(ckpt.store.fs.fired)
     assert isinstance(manifest, Manifest) and manifest.step == 1
-    assert len(fired) == 1 and [r["attempt"] for r in retries] == [1]
+    # A timed-out manifest PUT is retried in place, still exclusive, recognising its own bytes if it had landed
+    # (storage/throttling.py): the engine's whole-attempt retry is then not needed.
+    in_place = (op, error) == ("pipe_file", "timeout")
+    assert len(fired) == 1 and [r["attempt"] for r in retries] == ([] if in_place else [1])
     assert backend.manifests() == [1]
     assert backend.reader().verify(1).ok
     loaded = torch.load(backend.reader().open(1, "checkpoint.ckpt"), weights_only=True)
