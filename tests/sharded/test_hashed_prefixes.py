@@ -148,3 +148,25 @@ def test_two_gloo_ranks_spread_their_data_files_and_load_them_back(tmp_path: Pat
     assert rank0["steps"] == [2] and rank0["verified"]  # keep_last=1 removed step 1, its spread files too
     assert len(rank0["root_paths"]) == 2 and all("/step-00000002/__" in p for p in rank0["root_paths"])
     assert rank0["spread_files"] == rank0["root_paths"]
+
+
+def test_an_open_upload_under_a_committed_generation_s_spread_prefix_is_aborted(
+    s3_uri: tuple[str, dict[str, Any]],
+) -> None:
+    pytest.importorskip("s3fs")
+    import s3fs
+
+    uri, options = s3_uri
+    store = CheckpointStore(uri, options, hashed_prefixes=True)
+    _save(store, [1])
+    spread = next(o.root_path for o in store.manifest(1).objects if o.root_path)
+    key = f"{store.root}/{spread.rsplit('/', 1)[0]}/__9_0.distcp.deadbeef"  # a zombie attempt's upload, left open
+    fs = s3fs.S3FileSystem(skip_instance_cache=True, **options)
+    zombie = fs.open(key, "wb", block_size=5 << 20)
+    zombie.write(b"x" * (6 << 20))
+    zombie.flush()  # the first part is uploaded: a multipart upload is open
+    report = store.upload_sweeper.sweep(store)
+    aborted = [u.key for u in report.aborted]
+    assert aborted == [key.split("/", 1)[1]]  # committed step 1: no live attempt can still finish it
+    assert not fs.call_s3("list_multipart_uploads", Bucket=store.root.split("/", 1)[0]).get("Uploads")
+    zombie.closed = True  # its upload is gone: the zombie must not try to complete it when collected
