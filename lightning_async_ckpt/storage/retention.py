@@ -324,7 +324,7 @@ def _remove(store: CheckpointStore, info: GenerationInfo) -> None:
         own = {obj.key.split("/", 1)[0] for obj in info.manifest.objects if obj.path}
         files = store.fs.find(path)
         foreign = [f for f in files if _prefix(f, path) not in own and _prefix(f, path).startswith("w-")]
-        _remove_spread(store, info.manifest, sweep=not foreign)
+        _remove_spread(store, info.manifest)
         if not foreign:
             try:
                 store.fs.rm(path, recursive=True)
@@ -339,31 +339,40 @@ def _remove(store: CheckpointStore, info: GenerationInfo) -> None:
     store.invalidate_cache()
 
 
-def _remove_spread(store: CheckpointStore, manifest: Manifest, *, sweep: bool) -> None:
-    """Remove the generation's objects spread over hashed prefixes (outside its folder), after its manifest.
-
-    ``sweep`` (no other writer's prefix in the folder): the step's folder under each of the 16 spread prefixes goes
-    whole (one listing and one batched delete each, whatever the number of ranks; earlier attempts' files too);
-    otherwise only the objects the manifest lists, one request each (another writer of the step keeps its files).
-    """
+def _remove_spread(store: CheckpointStore, manifest: Manifest) -> None:
+    """Remove the generation's objects spread over hashed prefixes (outside its folder), after its manifest: one
+    batched delete (S3: ``DeleteObjects``, 1,000 keys per request), whatever the number of ranks."""
     spread = [f"{store.root}/{obj.root_path}" for obj in manifest.objects if obj.root_path]
-    if spread and sweep:
-        _sweep_spread(store, manifest.step)
-        return
-    for path in spread:
-        try:
-            store.fs.rm_file(path)
-        except FileNotFoundError:
-            pass
+    if spread:
+        _remove_files(store, spread)
+
+
+def _remove_files(store: CheckpointStore, paths: list[str]) -> None:
+    """Remove ``paths`` (S3: batched, ``DeleteObjects``; elsewhere one at a time), then their emptied folders."""
+    if store.backend.kind == "s3":
+        store.fs.rm(paths)  # missing keys are no error there
+    else:
+        for path in paths:
+            try:
+                store.fs.rm_file(path)
+            except FileNotFoundError:
+                pass
+    for folder in sorted({path.rsplit("/", 1)[0] for path in paths}):
+        store.backend.remove_folder_if_empty(folder)  # local disk: the emptied folders (object stores: none)
 
 
 def _sweep_spread(store: CheckpointStore, step: int) -> None:
-    """Remove generation ``step``'s folder under every spread prefix (``spread/<h>/step-N/``)."""
-    for digit in "0123456789abcdef":
+    """Remove generation ``step``'s folder under every spread prefix (``spread/<h>/step-N/``): one listing per
+    prefix, then one batched delete of what they found (S3: ``DeleteObjects``, 1,000 keys per request)."""
+    found: list[str] = []
+    folders = [f"{store.root}/{SPREAD_FOLDER}/{digit}/{generation_name(step)}" for digit in "0123456789abcdef"]
+    for folder in folders:
         try:
-            store.fs.rm(f"{store.root}/{SPREAD_FOLDER}/{digit}/{generation_name(step)}", recursive=True)
+            found += store.fs.find(folder)
         except FileNotFoundError:
-            pass
+            continue
+    if found:
+        _remove_files(store, found)
 
 
 def _prefix(file: str, folder: str) -> str:
