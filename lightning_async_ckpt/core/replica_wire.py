@@ -69,8 +69,9 @@ class Wire:
             data = payload if isinstance(payload, bytearray) else bytearray(payload)  # torch wants a writable buffer
             dist.send(torch.frombuffer(data, dtype=torch.uint8), dst, group=self.group)
 
-    def recv(self, src: int) -> tuple[int, bytes]:
-        """The next message from rank ``src``: its kind and payload."""
+    def recv(self, src: int) -> tuple[int, Any]:
+        """The next message from rank ``src``: its kind and payload (``bytes``; a ``memoryview`` over the received
+        buffer for ``DATA``, not copied again)."""
         header = torch.empty(2, dtype=torch.int64)
         dist.recv(header, src, group=self.group)
         kind, length = int(header[0]), int(header[1])
@@ -78,7 +79,7 @@ class Wire:
             return kind, b""
         payload = torch.empty(length, dtype=torch.uint8)
         dist.recv(payload, src, group=self.group)
-        return kind, payload.numpy().tobytes()
+        return kind, (payload.numpy().data if kind == Kind.DATA else payload.numpy().tobytes())
 
 
 class _Sink:
