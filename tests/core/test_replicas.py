@@ -55,3 +55,8 @@ def test_replicas_commit_whole_or_not_at_all_and_a_lost_folder_is_restored_from_
     # one, which is never overwritten; its ranks load v1, rank 0 its own.
     assert [r["agreed_damaged"] for r in results] == [[0, 3], [1, 3], [1, 3]]
     assert r1["damaged_v1"] == {"3": {"rank": 0, "step": 3}}
+    # Bounded: while step 10's copy was held, 11 was replaced by 12 (never sent); every source read ran on the
+    # replicate thread, and replicate() returned at once each time (the worker would have hung otherwise).
+    assert r0["bounded_replicated"] == {"10": [1, 2], "12": [1, 2]}
+    assert r0["bounded_readers"] == ["lightning_async_ckpt-replicate"]
+    assert {"10", "12"} <= set(r1["bounded"]) and "11" not in r1["bounded"]

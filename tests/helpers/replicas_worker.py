@@ -25,6 +25,7 @@ from lightning_async_ckpt.core.replicas import (  # noqa: E402
 )
 from lightning_async_ckpt.storage.finder import newest_intact  # noqa: E402
 from lightning_async_ckpt.storage.store import CheckpointStore  # noqa: E402
+from lightning_async_ckpt.testing import Fault  # noqa: E402
 
 
 def _commit(store: CheckpointStore, step: int) -> None:
@@ -56,6 +57,39 @@ def _restore(root: str, durable_step: int | None) -> list | None:
         newest_store=lambda version: CheckpointStore(f"{root}/v{version}" if version else root),
     )
     return None if agreed is None else list(agreed)
+
+
+def _bounded_round(root: str, targets: list[int]) -> dict:
+    """Rank 0's copy of step 10 is held (gated on an event) while steps 11 and 12 commit: ``replicate`` returns at
+    once each time, 12 replaces the pending 11, and every read of a source object happens on the replicate thread."""
+    rank = dist.get_rank()
+    if rank != 0:
+        receiver = Replicator(group, root, targets=[], sources=[0])
+        receiver.start_receiving()
+        receiver.close(120)  # joins the receiver: it ends at rank 0's stop message
+        return {"bounded": _state(root)}
+    opened, release, readers = threading.Event(), threading.Event(), []
+    faults = [
+        Fault(op="open", path="checkpoint.ckpt", times=None, callback=lambda c: readers.append(_thread_name())),
+        Fault(op="open", path="step-00000010/checkpoint.ckpt", callback=lambda c: opened.set(), stall=release),
+    ]
+    plain = CheckpointStore(root)
+    source = CheckpointStore(f"faulty://{root}", {"target_protocol": "file", "faults": faults})
+    sender = Replicator(group, root, targets=targets, sources=[])
+    _commit(plain, 10)
+    sender.replicate(source, 10)
+    assert opened.wait(60)  # the copy of step 10 is in flight, held before its first byte
+    for step in (11, 12):
+        _commit(plain, step)
+        sender.replicate(source, step)  # returns at once: the training thread never waits for a replica
+    release.set()
+    assert sender.drain(120)
+    sender.close(120)
+    return {"bounded_replicated": sender.replicated, "bounded_readers": sorted(set(readers))}
+
+
+def _thread_name() -> str:
+    return threading.current_thread().name
 
 
 def main() -> None:
@@ -125,6 +159,8 @@ def main() -> None:
     dist.barrier(group=group)
     result["agreed_damaged"] = _restore(root, durable_step=None)
     result["damaged_v1"] = _state(f"{root}/v1")
+    dist.barrier(group=group)
+    result.update(_bounded_round(root, targets))
     print("RESULT " + json.dumps(result), flush=True)
     dist.destroy_process_group()
 
