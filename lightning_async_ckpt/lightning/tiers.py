@@ -11,6 +11,9 @@ engine (``report_error``) and raised once at the next hook like a failed save's.
 Resuming (:func:`latest_checkpoint` with ``local_dirpath``, ``ckpt_path="last"``) takes the newest verified
 generation of either tier: the local one when it is at least as new and intact, else the durable one. Only
 single-file generations have tiers for now (not DCP/sharded ones, not ``ddp_layout="sliced"``).
+
+With ``replicas`` every local commit is also copied to peers' local tiers on other nodes, and ``"last"`` is agreed by
+every rank, restoring a lost local tier from a peer (:mod:`~lightning_async_ckpt.lightning.replicas`).
 """
 
 from __future__ import annotations
@@ -216,7 +219,8 @@ class Tiers:
                 self._deliver(handle)
 
     def drain(self, timeout: float | None) -> bool:
-        """Hand over the local commits, then wait for the promotions asked for; whether they ended in time."""
+        """Hand over the local commits, then wait for the promotions and replicas asked for; whether they ended in
+        time."""
         deadline = None if timeout is None else time.monotonic() + timeout
         self.flush()
         promoted = self.promoter is None or self.promoter.drain(timeout)
