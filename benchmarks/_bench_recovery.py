@@ -154,9 +154,9 @@ def measure_peer(base: dict[str, Any], folder: str, options: dict[str, Any], rep
     _wait_all(procs, "peer prepare", events)
     for rank in (0, 1):
         shutil.copytree(f"{local}-rank{rank}", f"{local}-saved{rank}")
-    out: dict[str, list[float]] = {"local": [], "peer": [], "durable": []}
+    out: dict[str, list[float]] = {k: [] for k in ("local", "peer", "durable", "local fit", "peer fit", "durable fit")}
     for r in range(repeats):
-        for scenario in out:
+        for scenario in ("local", "peer", "durable"):
             for rank in (0, 1):
                 shutil.rmtree(f"{local}-rank{rank}", ignore_errors=True)
                 if scenario == "local" or (scenario == "peer" and rank == 1):
@@ -164,13 +164,17 @@ def measure_peer(base: dict[str, Any], folder: str, options: dict[str, Any], rep
             events = os.path.join(folder, f"peer-{scenario}-{r}-{{rank}}.jsonl")
             procs, t_spawn = _spawn_ranks({**cfg, "events": events, "max_steps": base["every"] + 1, "resume": True})
             _wait_all(procs, f"peer restore ({scenario})", events)
-            firsts = []
+            firsts, fits = [], []
             for rank in (0, 1):
-                first = next(e for e in _events(events.replace("{rank}", str(rank))) if e["event"] == "step")
+                evs = _events(events.replace("{rank}", str(rank)))
+                first = next(e for e in evs if e["event"] == "step")
                 if first["step"] != base["every"] + 1:
                     raise RuntimeError(f"{scenario}: rank {rank} did not resume from step {base['every']}: {first}")
                 firsts.append(first["t"])
+                fits.append(next(e for e in evs if e["event"] == "resume")["t"])
             out[scenario].append(max(firsts) - t_spawn)
+            # From the fit's start (the ranks' agreement, a peer's copy, the load) to the first step of both.
+            out[f"{scenario} fit"].append(max(firsts) - min(fits))
     return out
 
 
@@ -281,6 +285,7 @@ def measure_goodput(
     config = {**base, "mode": mode, "events": events, "max_steps": args.total_steps}
     t_begin = time.time()
     restarts: list[dict[str, float]] = []
+    startups: list[float] = []
     kills = 0
     while True:
         seen = len(_events(events))
@@ -300,14 +305,19 @@ def measure_goodput(
                 launcher.kill(handle)
         evs = _events(events)[seen:]
         steps = [e for e in evs if e["event"] == "step"]
+        resumes = [e for e in evs if e["event"] == "resume"]
         if steps:
             restarts.append(
                 {"first_step_s": steps[0]["t"] - t_spawn, "resumed_at": steps[0]["step"] - 1, "last": steps[-1]["step"]}
             )
+        if resumes:  # start-up before the checkpoint lookup (a fork: no imports)
+            startups.append(resumes[0]["t"] - resumes[0]["lookup_s"] - t_spawn)
         if code == 0:
             break
-        if code != -signal.SIGKILL:
-            raise RuntimeError(f"{mode} exited {code}: see {events}.err or zygote.err")
+        if code != -signal.SIGKILL:  # the training failed: a result, reported with the tail of its error
+            err = os.path.join(folder, "zygote.err") if launcher.zygote is not None else events + ".err"
+            lines = [x for x in Path(err).read_text().splitlines() if "Error" in x]
+            return {"mode": mode, "error": f"exited {code}: {lines[-1] if lines else '?'}", "preemptions": kills}
         if time.time() - t_begin > 40 * args.total_steps * args.step_s + 600:
             raise RuntimeError(f"{mode}: no progress under this kill schedule (make --preempt-every longer)")
     wall = time.time() - t_begin
@@ -319,7 +329,15 @@ def measure_goodput(
         "preemptions": kills,
         "lost_steps": lost,
         "restore_s": [r["first_step_s"] for r in restarts[1:]],
+        "startup_s": startups,
     }
+
+
+def _dump(args: argparse.Namespace, result: dict[str, Any]) -> None:
+    """Write what was measured so far (a later part that fails leaves the earlier ones on disk)."""
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
 
 
 def run_recovery(argv: list[str]) -> int:
@@ -370,9 +388,12 @@ def run_recovery(argv: list[str]) -> int:
                 )
         result["restore"] = restore
         result["commit_s"] = measure_commit({t: stores[t] for t in tiers}, layers, args.width, args.repeats)
+        print(f"# restore: {restore}\n# commit: {result['commit_s']}", flush=True)
+        _dump(args, result)
         if args.peer:
             result["peer"] = measure_peer(base, folder, options, args.repeats)
             print(f"# peer: {result['peer']}", flush=True)
+            _dump(args, result)
         goodput = []
         launcher = _Launcher(args.fork, folder) if modes else None
         for repeat in range(args.goodput_repeats if modes else 0):
@@ -382,6 +403,7 @@ def run_recovery(argv: list[str]) -> int:
                 cfg["local_dirpath"] = gstores["local"][0]
                 goodput.append(measure_goodput(mode, cfg, args, folder, launcher) | {"repeat": repeat + 1})
                 print(f"# goodput {mode}: {goodput[-1]}", flush=True)
+                _dump(args, result | {"goodput": goodput})
         result["goodput"] = goodput
         if launcher is not None:
             launcher.close()

@@ -54,17 +54,19 @@ def markdown(result: dict[str, Any], args: argparse.Namespace) -> str:
             "Two DDP ranks on CPU, each its own node with its own local folder, `replicas=1`, restarted with "
             '`ckpt_path="last"` (the ranks agree on a step; a folder that lacks it is filled from a peer):',
             "",
-            "| restart with | process start → first step (both ranks) s |",
-            "|---|---|",
-            f"| both local folders intact (local) | {_med(peer['local'])} |",
-            f"| rank 0's folder deleted (from a peer) | {_med(peer['peer'])} |",
-            f"| both deleted (durable, moto S3) | {_med(peer['durable'])} |",
+            "| restart with | process start → first step (both ranks) s | fit start → first step s |",
+            "|---|---|---|",
+            f"| both local folders intact (local) | {_med(peer['local'])} | {_med(peer.get('local fit', []))} |",
+            f"| rank 0's folder deleted (from a peer) | {_med(peer['peer'])} | {_med(peer.get('peer fit', []))} |",
+            f"| both deleted (durable, moto S3) | {_med(peer['durable'])} | {_med(peer.get('durable fit', []))} |",
             "",
-            f"Ratios (medians): peer / durable {statistics.median(peer['peer']) / statistics.median(peer['durable']):.2f}x, "
-            f"local / durable {statistics.median(peer['local']) / statistics.median(peer['durable']):.2f}x.",
+            "Ratios (medians, from process start): peer / durable "
+            f"{statistics.median(peer['peer']) / statistics.median(peer['durable']):.2f}x, local / durable "
+            f"{statistics.median(peer['local']) / statistics.median(peer['durable']):.2f}x.",
         ]
     if result.get("goodput"):
-        startup = statistics.median(r["startup_s"] for runs in restore.values() for r in runs)
+        forked = [t for g in result["goodput"] for t in g.get("startup_s", [])]
+        startup = statistics.median(forked or [r["startup_s"] for runs in restore.values() for r in runs])
         b = result["state_mb"] * 1e6
         w_l = b / statistics.median(commit["local"]) if "local" in commit else 1e12
         w_d = b / statistics.median(commit["moto"]) if "moto" in commit else 1e12
@@ -86,18 +88,24 @@ def markdown(result: dict[str, Any], args: argparse.Namespace) -> str:
             "",
             f"Goodput: {args.total_steps} steps x {args.step_s:g} s, durable every {args.every} steps, local every "
             f"{args.local_every}, SIGKILL every {args.preempt_every:g} s of wall time (same node: the local folder "
-            f"survives); predicted with start-up {startup:.1f} s and bandwidths from the commit latencies above.",
+            f"survives); predicted with the restarts' median start-up before the lookup ({startup:.1f} s) and bandwidths "
+            "from the commit latencies above.",
             "",
             "| mode (repeat) | wall s | goodput (measured) | goodput (model) | preemptions | steps lost | "
             "restart → first step s |",
             "|---|---|---|---|---|---|---|",
         ]
         for g in sorted(result["goodput"], key=lambda g: (GOODPUT_MODES.index(g["mode"]), g["repeat"])):
+            if g.get("error"):
+                lines.append(
+                    f"| {g['mode']} ({g['repeat']}) | FAILED after {g['preemptions']} preemptions: {g['error']} |"
+                )
+                continue
             lines.append(
                 f"| {g['mode']} ({g['repeat']}) | {g['wall_s']:.1f} | {100 * g['goodput']:.1f}% | {model.get(g['mode'], '–')} | "
                 f"{g['preemptions']} | {g['lost_steps']} | {_med(g['restore_s'])} |"
             )
-        by = {(g["mode"], g["repeat"]): g["goodput"] for g in result["goodput"]}
+        by = {(g["mode"], g["repeat"]): g["goodput"] for g in result["goodput"] if not g.get("error")}
         for other in ("one_tier", "model_checkpoint"):
             pairs = [(by[("two_tiers", r)], by[(other, r)]) for m, r in by if m == other and ("two_tiers", r) in by]
             if pairs:
