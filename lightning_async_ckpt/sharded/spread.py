@@ -50,15 +50,77 @@ def storage_reader(store: CheckpointStore, step: int) -> FsspecReader:
     return reader
 
 
-def load_generation(state: dict[str, Any], store: CheckpointStore, step: int, **kwargs: Any) -> None:
+def load_generation(
+    state: dict[str, Any], store: CheckpointStore, step: int, *, verify: bool = True, **kwargs: Any
+) -> list[str]:
     """``dcp.load(state, ...)`` of generation ``step`` of ``store`` in place, spread data files included.
+
+    With ``verify``, each rank first re-reads **only the objects its own load plan reads** (DCP's data files that
+    hold its items, once each) against the manifest's sizes and checksums, so a job's ranks together read each
+    object about once, instead of every rank verifying the whole generation.
 
     Args:
         state: The state dict to load into (as for ``dcp.load``).
         store: The store.
         step: A committed step.
+        verify: Check the objects this rank reads before loading them.
         **kwargs: More arguments of ``dcp.load`` (``planner``, ``process_group``).
+
+    Returns:
+        The names of the objects this rank verified (empty without ``verify``).
+
+    Raises:
+        ManifestError: ``step`` is not committed, or an object this rank reads failed its size or checksum.
     """
     import torch.distributed.checkpoint as dcp
 
-    dcp.load(state, storage_reader=storage_reader(store, step), **kwargs)
+    reader = storage_reader(store, step)
+    verified: list[str] = []
+    failed: list[BaseException] = []
+    if verify:
+        plan_locally = reader.prepare_local_plan
+
+        def prepare_local_plan(plan: Any) -> Any:
+            try:
+                verified.extend(_verify_read(store, step, reader, plan))
+            except Exception as exc:
+                failed.append(exc)
+                raise
+            return plan_locally(plan)
+
+        reader.prepare_local_plan = prepare_local_plan
+    try:
+        dcp.load(state, storage_reader=reader, **kwargs)
+    except BaseException as exc:  # DCP's CheckpointException is a BaseException
+        if failed:  # DCP wrapped it: this rank's own verification error, as raised
+            raise failed[0] from exc
+        raise
+    return verified
+
+
+def _verify_read(store: CheckpointStore, step: int, reader: Any, plan: Any) -> list[str]:
+    """Verify the objects of ``step`` that ``plan`` (this rank's load plan) reads; their names."""
+    from lightning_async_ckpt.errors import ManifestError
+    from lightning_async_ckpt.storage.io import read_verified
+    from lightning_async_ckpt.storage.verification import object_path
+
+    folder = reader.path
+    wanted = {
+        reader.fs.concat_path(folder, reader.storage_data[item.storage_index].relative_path) for item in plan.items
+    }
+    names = []
+    for obj in store.manifest(step).objects:
+        path = object_path(store, step, obj)
+        if store.backend.url(path) not in wanted and path not in wanted:
+            continue
+        try:
+            read_verified(store.fs, path, obj, into=_Discard())
+        except ManifestError as exc:
+            raise ManifestError(f"generation step {step}: {obj.name} failed verification at load: {exc}") from exc
+        names.append(obj.name)
+    return names
+
+
+class _Discard:
+    def write(self, data: bytes) -> int:
+        return len(data)

@@ -3,7 +3,7 @@
 Usage: ``python spread_worker.py <out>`` under ``tests.helpers.dist.launch_ranks``. Saves steps 1 and 2 with
 ``keep_last=1`` into ``CheckpointStore(<out>/store, hashed_prefixes=True)``, finds the newest once
 (``latest_once``), loads it with DCP into a fresh FSDP2 model and prints one ``RESULT {json}``: the step found, whether
-the loaded local shards equal what was saved, and (rank 0) the manifest's spread paths and the spread files on disk.
+the loaded local shards equal what was saved, the objects ``load_generation`` verified on this rank, and (rank 0) the manifest's spread paths and the spread files on disk.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from torch.distributed.fsdp import fully_shard
 
 from lightning_async_ckpt.sharded import ShardedCheckpointer
 from lightning_async_ckpt.sharded.once import latest_once
+from lightning_async_ckpt.sharded.spread import load_generation
 from lightning_async_ckpt.storage.store import CheckpointStore
 
 
@@ -50,13 +51,15 @@ def main(out: str) -> None:
     dcp.load(state, checkpoint_id=info.dcp_path)  # DCP's reader follows .metadata's ../spread/... paths
     loaded = _local(state["model"])
     result: dict = {"rank": rank, "step": info.step, "equal": all(torch.equal(loaded[k], saved[k]) for k in saved)}
+    again = {"model": get_model_state_dict(fresh)}
+    result["verified"] = load_generation(again, CheckpointStore(f"{out}/store", check_writable=False), info.step)
     if rank == 0:
         store = CheckpointStore(f"{out}/store", check_writable=False)
         result["root_paths"] = sorted(o.root_path for o in store.manifest(2).objects if o.root_path)
         spread = Path(out, "store", "spread")
         result["spread_files"] = sorted(str(p.relative_to(spread.parent)) for p in spread.rglob("*") if p.is_file())
         result["steps"] = [g.step for g in store.generations(include_uncommitted=True)]
-        result["verified"] = store.verify(2).ok
+        result["store_verified"] = store.verify(2).ok
     dist.destroy_process_group()
     print("RESULT " + json.dumps(result), flush=True)
 

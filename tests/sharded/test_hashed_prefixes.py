@@ -60,6 +60,20 @@ def test_data_files_are_spread_recorded_and_read_back(tmp_path: Path) -> None:
     assert all(torch.equal(loaded[k], states[1][k]) for k in loaded)
 
 
+def test_load_generation_verifies_what_it_reads(tmp_path: Path) -> None:
+    from lightning_async_ckpt.sharded.spread import load_generation
+
+    store = CheckpointStore(str(tmp_path), hashed_prefixes=True)
+    states = _save(store, [1])
+    loaded = {k: torch.zeros_like(v) for k, v in states[1].items()}
+    assert load_generation(loaded, store, 1) == ["__0_0.distcp"]
+    assert all(torch.equal(loaded[k], states[1][k]) for k in loaded)
+    victim = next(o for o in store.manifest(1).objects if o.root_path)
+    (tmp_path / victim.root_path).write_bytes(b"x" * victim.size)  # same size, other bytes
+    with pytest.raises(ManifestError, match="failed verification at load"):
+        load_generation({k: torch.zeros_like(v) for k, v in states[1].items()}, store, 1)
+
+
 def test_a_damaged_spread_object_is_found_by_verify_and_latest(tmp_path: Path) -> None:
     store = CheckpointStore(str(tmp_path), hashed_prefixes=True)
     _save(store, [1, 2])
@@ -145,7 +159,9 @@ def test_two_gloo_ranks_spread_their_data_files_and_load_them_back(tmp_path: Pat
         results.append(json.loads([x for x in proc.stdout.splitlines() if x.startswith("RESULT ")][-1][7:]))
     rank0, rank1 = sorted(results, key=lambda r: r["rank"])
     assert rank0["step"] == rank1["step"] == 2 and rank0["equal"] and rank1["equal"]
-    assert rank0["steps"] == [2] and rank0["verified"]  # keep_last=1 removed step 1, its spread files too
+    assert rank0["steps"] == [2] and rank0["store_verified"]  # keep_last=1 removed step 1, its spread files too
+    # Each rank verified at load only the object its shards are in (not the whole generation).
+    assert rank0["verified"] == ["__0_0.distcp"] and rank1["verified"] == ["__1_0.distcp"]
     assert len(rank0["root_paths"]) == 2 and all("/step-00000002/__" in p for p in rank0["root_paths"])
     assert rank0["spread_files"] == rank0["root_paths"]
 
