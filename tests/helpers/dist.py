@@ -118,19 +118,17 @@ def _the_zygote() -> _Zygote | None:
     return _zygote
 
 
-def _launch_forked(
-    zygote: _Zygote, argv: list[str], port: int, world_size: int, timeout: float, fail_on_hang: bool
-) -> list[subprocess.CompletedProcess]:
-    import pytest
-
+def _run_forked(
+    zygote: _Zygote, argv: list[str], envs: list[dict[str, str]], timeout: float
+) -> tuple[list[subprocess.CompletedProcess], bool]:
+    """One process per environment, forked from ``zygote``; their results and whether one hung (all killed)."""
     global _zygote
     folder = Path(tempfile.mkdtemp(prefix="lac-ranks-"))
     pids: list[int] = []
     codes: list[int] = []  # of pids[: len(codes)], reaped: their pids may be reused, never signal them
     try:
         pids = [
-            zygote.spawn(argv, rank_env(rank, port, world_size), folder / f"{rank}.out", folder / f"{rank}.err")
-            for rank in range(world_size)
+            zygote.spawn(argv, env, folder / f"{rank}.out", folder / f"{rank}.err") for rank, env in enumerate(envs)
         ]
         hung = False
         for pid in pids:
@@ -167,9 +165,22 @@ def _launch_forked(
         raise
     finally:
         shutil.rmtree(folder, ignore_errors=True)
-    if hung and fail_on_hang:
-        pytest.fail("a rank hung instead of finishing or failing")
-    return results
+    return results, hung
+
+
+def run_script(argv: list[str], *, timeout: float) -> subprocess.CompletedProcess:
+    """``subprocess.run(argv, capture_output=True, text=True, timeout=timeout)`` for ``[sys.executable, script, ...]``,
+    forked from the session's zygote (this process's environment, as ``subprocess.run`` passes it): the same exit
+    status (negative for a signal) and output; a process still running after ``timeout`` is killed and
+    ``subprocess.TimeoutExpired`` raised. ``LAC_FRESH_RANKS=1`` runs a fresh interpreter, as before."""
+    with _zygote_lock:
+        zygote = _the_zygote() if argv[0] == sys.executable and len(argv) >= 2 else None
+        if zygote is not None:
+            (result,), hung = _run_forked(zygote, argv, [dict(os.environ)], timeout)
+            if hung:
+                raise subprocess.TimeoutExpired(argv, timeout, result.stdout, result.stderr)
+            return result
+    return subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
 
 
 def launch_ranks(
@@ -187,7 +198,11 @@ def launch_ranks(
     with _zygote_lock:
         zygote = _the_zygote() if argv[0] == sys.executable and len(argv) >= 2 else None
         if zygote is not None:
-            return _launch_forked(zygote, argv, port, world_size, timeout, fail_on_hang)
+            envs = [rank_env(rank, port, world_size) for rank in range(world_size)]
+            results, hung = _run_forked(zygote, argv, envs, timeout)
+            if hung and fail_on_hang:
+                pytest.fail("a rank hung instead of finishing or failing")
+            return results
     procs = [
         subprocess.Popen(
             argv,

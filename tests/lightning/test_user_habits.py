@@ -159,17 +159,18 @@ def test_verify_names_the_file_on_disk_and_ls_lists_version_folders(tmp_path, ca
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["default", "drain"])
 def test_sigterm_in_a_plain_loop_is_what_the_readme_says(tmp_path, mode):
-    import subprocess
     import sys
     from pathlib import Path
 
+    from tests.helpers.dist import run_script
+
     worker = Path(__file__).resolve().parents[1] / "helpers" / "sigterm_plain_worker.py"
-    proc = subprocess.run([sys.executable, str(worker), str(tmp_path), mode], capture_output=True, timeout=120)
+    proc = run_script([sys.executable, str(worker), str(tmp_path), mode], timeout=120)  # forked from the zygote
     committed = [g.step for g in CheckpointStore(str(tmp_path), check_writable=False).generations()]
     if mode == "default":  # SIGTERM's default action: the process ends at once, nothing drains
         assert proc.returncode == -signal.SIGTERM and committed == [10]
     else:  # the README's handler: SystemExit in the `with` block, whose exit drains the save in flight
-        assert proc.returncode == 128 + signal.SIGTERM and committed == [10, 20], proc.stderr.decode()[-2000:]
+        assert proc.returncode == 128 + signal.SIGTERM and committed == [10, 20], proc.stderr[-2000:]
 
 
 def test_an_s3_checkpoint_loads_outside_a_trainer_with_storage_options_only(s3_uri, monkeypatch):

@@ -174,7 +174,7 @@ def test_bad_arguments_are_config_errors(tmp_path):
 # need run one after the other in ONE 2-rank launch (a launch is mostly the ranks' imports of torch.distributed and
 # this package: ~10 s each on the 2-core machine, ~25 s under load), each from a fresh seeded model in its own
 # folder with its own checkpointer and gloo group; a scenario that fails is reported by its own test, and the
-# tests of the scenarios after it fail as not reached.
+# scenarios after it run again in a new launch.
 SCENARIOS = ("ok", "fault", "replicated", "load", "slow", "fenced", "kill")  # kill ends the pair: last
 #: The whole launch's hang guard (all scenarios: ~15 s quiet, ~30 s at load 5; below pytest's 300 s timeout).
 LAUNCH_TIMEOUT_S = 240
@@ -194,29 +194,22 @@ def scenario(mode: str):
 @dataclass
 class TwoRanks:
     out: Path
-    procs: list[subprocess.CompletedProcess]
     results: dict[str, list[dict[str, Any] | None]]  # mode -> what each rank reported (None: nothing)
+    procs: dict[str, list[subprocess.CompletedProcess]]  # mode -> the ranks of the launch it ran in
+    hung: set[str]  # the modes of a launch that its hang guard killed
     one_process_model: dict[str, torch.Tensor]  # the state the load scenario's generation was saved from
-    hung: bool  # the launch's hang guard killed the ranks
-
-    def failed_first(self) -> str:
-        for mode, per_rank in self.results.items():
-            reporting = per_rank[:1] if mode == "kill" else per_rank  # rank 1 dies in kill, on purpose
-            if any(r is None or "exception" in r for r in reporting):
-                return mode
-        return "none"
 
     def result(self, mode: str, rank: int) -> dict[str, Any]:
         """What ``rank`` reported for ``mode``; fails the test (naming the scenario) when it raised or never ran."""
         r = self.results[mode][rank]
         if r is not None and "exception" not in r:
             return r
-        lines = [f"scenario {mode!r} failed (the first scenario that failed: {self.failed_first()!r})"]
-        if self.hung:
-            lines.append(f"the ranks were killed after the launch's {LAUNCH_TIMEOUT_S} s hang guard")
-        for i, (got, proc) in enumerate(zip(self.results[mode], self.procs, strict=True)):
+        lines = [f"scenario {mode!r} failed"]
+        if mode in self.hung:
+            lines.append(f"its launch was killed by the {LAUNCH_TIMEOUT_S} s hang guard")
+        for i, (got, proc) in enumerate(zip(self.results[mode], self.procs[mode], strict=True)):
             if got is None:
-                lines.append(f"rank {i}: not reached (exit status {proc.returncode}):\n{proc.stderr[-3000:]}")
+                lines.append(f"rank {i}: did not report (exit status {proc.returncode}):\n{proc.stderr[-3000:]}")
             elif "exception" in got:
                 lines.append(f"rank {i} raised:\n{got['exception']}")
             else:
@@ -224,35 +217,50 @@ class TwoRanks:
         pytest.fail("\n".join(lines), pytrace=False)
 
     def ranks(self, mode: str) -> list[dict[str, Any]]:
-        return [self.result(mode, rank) for rank in range(len(self.procs))]
+        return [self.result(mode, rank) for rank in range(len(self.procs[mode]))]
+
+
+def _failed(mode: str, per_rank: list[dict[str, Any] | None]) -> bool:
+    reporting = per_rank[:1] if mode == "kill" else per_rank  # rank 1 dies in kill, on purpose
+    return any(r is None or "exception" in r for r in reporting)
 
 
 @pytest.fixture(scope="module")
 def two_ranks(request, tmp_path_factory) -> TwoRanks:
-    """One 2-rank launch running the scenarios of the selected tests of this module, in ``SCENARIOS`` order."""
+    """The scenarios of the selected tests of this module, in ``SCENARIOS`` order, in one 2-rank launch.
+
+    When a scenario fails (the worker stops there), the scenarios after it run again in a new launch, so that each
+    test reports its own scenario's outcome; after a hang the rest are not run.
+    """
     wanted = {
         getattr(getattr(item, "function", None), "sharded_scenario", None)
         for item in request.session.items
         if item.module is request.module
     }
-    modes = [m for m in SCENARIOS if m in wanted]
+    pending = [m for m in SCENARIOS if m in wanted]
     out = tmp_path_factory.mktemp("sharded_two_ranks")
     model, opt = _trained()
-    if "load" in modes:  # a generation written by this one process, loaded by the two ranks
+    if "load" in pending:  # a generation written by this one process, loaded by the two ranks
         with ShardedCheckpointer(str(out / "load" / "one")) as ckpt:
             ckpt.save(1, _state(model, opt)).result(timeout=60)
-    start = time.monotonic()
-    argv = [sys.executable, str(WORKER), str(out), ",".join(modes)]
-    procs = launch_ranks(argv, timeout=LAUNCH_TIMEOUT_S, fail_on_hang=False)
-    hung = time.monotonic() - start >= LAUNCH_TIMEOUT_S
-    results: dict[str, list[dict[str, Any] | None]] = {m: [None] * len(procs) for m in modes}
-    for rank, proc in enumerate(procs):
-        for line in proc.stdout.splitlines():
-            if line.startswith("RESULT "):
-                mode, _, payload = line.removeprefix("RESULT ").partition(" ")
-                results[mode][rank] = json.loads(payload)
-    state = {k: v.clone() for k, v in model.state_dict().items()}
-    return TwoRanks(out, procs, results, state, hung)
+    ranks = TwoRanks(out, {}, {}, set(), {k: v.clone() for k, v in model.state_dict().items()})
+    while pending:
+        start = time.monotonic()
+        argv = [sys.executable, str(WORKER), str(out), ",".join(pending)]
+        procs = launch_ranks(argv, timeout=LAUNCH_TIMEOUT_S, fail_on_hang=False)
+        hung = time.monotonic() - start >= LAUNCH_TIMEOUT_S
+        for mode in pending:
+            ranks.results[mode], ranks.procs[mode] = [None] * len(procs), procs
+            if hung:
+                ranks.hung.add(mode)
+        for rank, proc in enumerate(procs):
+            for line in proc.stdout.splitlines():
+                if line.startswith("RESULT "):
+                    mode, _, payload = line.removeprefix("RESULT ").partition(" ")
+                    ranks.results[mode][rank] = json.loads(payload)
+        failed = next((i for i, m in enumerate(pending) if _failed(m, ranks.results[m])), None)
+        pending = [] if failed is None or hung else pending[failed + 1 :]
+    return ranks
 
 
 def _not_a_timeout(error: str) -> bool:
@@ -315,7 +323,7 @@ def test_one_rank_storage_failure_no_manifest_both_ranks_raise(two_ranks):
 def test_a_rank_killed_mid_upload_fails_the_save_on_the_survivor_without_a_hang(two_ranks):
     out = two_ranks.out / "kill"
     survivor = two_ranks.result("kill", 0)
-    assert two_ranks.procs[1].returncode == -9, two_ranks.procs[1].stderr[-3000:]
+    assert two_ranks.procs["kill"][1].returncode == -9, two_ranks.procs["kill"][1].stderr[-3000:]
     assert two_ranks.results["kill"][1] is None  # rank 1 died before it could report
     assert "step 2 failed, not committed" in survivor["error"]
     # From the broken connection to the dead peer, not from a timeout: within the checkpoint group's timeout,
