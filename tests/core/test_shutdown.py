@@ -18,6 +18,7 @@ import pytest
 
 from lightning_async_ckpt import AsyncCheckpointCallback, CheckpointStore
 from lightning_async_ckpt.testing import Fault
+from tests.helpers.dist import run_script
 from tests.helpers.models import BNDropoutModel, make_loader, trainer_kwargs
 
 WORKER = Path(__file__).resolve().parents[1] / "helpers" / "crash_worker.py"
@@ -130,9 +131,8 @@ def test_keyboard_interrupt_with_a_save_in_flight_drains_it(tmp_path):
 
 
 def _run_worker(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, str(WORKER), *args], capture_output=True, text=True, timeout=timeout, cwd=str(REPO)
-    )
+    # Forked from the session's zygote (Lightning already imported); it still leaves through interpreter exit.
+    return run_script([sys.executable, str(WORKER), *args], timeout=timeout, cwd=REPO)
 
 
 @pytest.mark.slow

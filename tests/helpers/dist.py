@@ -78,8 +78,8 @@ class _Zygote:
         line = self._readline(timeout)
         return None if line is None else json.loads(line)
 
-    def spawn(self, argv: list[str], env: dict[str, str], stdout: Path, stderr: Path) -> int:
-        spec = {"argv": argv, "env": env, "cwd": os.getcwd(), "stdout": str(stdout), "stderr": str(stderr)}
+    def spawn(self, argv: list[str], env: dict[str, str], stdout: Path, stderr: Path, cwd: str | Path | None) -> int:
+        spec = {"argv": argv, "env": env, "cwd": str(cwd or os.getcwd()), "stdout": str(stdout), "stderr": str(stderr)}
         answer = self._ask({"spawn": spec})
         assert answer is not None
         return answer["pid"]
@@ -119,7 +119,7 @@ def _the_zygote() -> _Zygote | None:
 
 
 def _run_forked(
-    zygote: _Zygote, argv: list[str], envs: list[dict[str, str]], timeout: float
+    zygote: _Zygote, argv: list[str], envs: list[dict[str, str]], timeout: float, cwd: str | Path | None = None
 ) -> tuple[list[subprocess.CompletedProcess], bool]:
     """One process per environment, forked from ``zygote``; their results and whether one hung (all killed)."""
     global _zygote
@@ -128,7 +128,8 @@ def _run_forked(
     codes: list[int] = []  # of pids[: len(codes)], reaped: their pids may be reused, never signal them
     try:
         pids = [
-            zygote.spawn(argv, env, folder / f"{rank}.out", folder / f"{rank}.err") for rank, env in enumerate(envs)
+            zygote.spawn(argv, env, folder / f"{rank}.out", folder / f"{rank}.err", cwd)
+            for rank, env in enumerate(envs)
         ]
         hung = False
         for pid in pids:
@@ -168,19 +169,20 @@ def _run_forked(
     return results, hung
 
 
-def run_script(argv: list[str], *, timeout: float) -> subprocess.CompletedProcess:
+def run_script(argv: list[str], *, timeout: float, cwd: str | Path | None = None) -> subprocess.CompletedProcess:
     """``subprocess.run(argv, capture_output=True, text=True, timeout=timeout)`` for ``[sys.executable, script, ...]``,
     forked from the session's zygote (this process's environment, as ``subprocess.run`` passes it): the same exit
     status (negative for a signal) and output; a process still running after ``timeout`` is killed and
-    ``subprocess.TimeoutExpired`` raised. ``LAC_FRESH_RANKS=1`` runs a fresh interpreter, as before."""
+    ``subprocess.TimeoutExpired`` raised; in ``cwd`` (default: this process's). ``LAC_FRESH_RANKS=1`` runs a fresh
+    interpreter, as before."""
     with _zygote_lock:
         zygote = _the_zygote() if argv[0] == sys.executable and len(argv) >= 2 else None
         if zygote is not None:
-            (result,), hung = _run_forked(zygote, argv, [dict(os.environ)], timeout)
+            (result,), hung = _run_forked(zygote, argv, [dict(os.environ)], timeout, cwd)
             if hung:
                 raise subprocess.TimeoutExpired(argv, timeout, result.stdout, result.stderr)
             return result
-    return subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, cwd=cwd)
 
 
 def launch_ranks(
