@@ -118,6 +118,11 @@ def _the_zygote() -> _Zygote | None:
     return _zygote
 
 
+def _a_script(argv: list[str]) -> bool:
+    """``[sys.executable, script, ...]``: what the zygote can fork (not ``-c``, ``-m`` or other interpreters)."""
+    return len(argv) >= 2 and argv[0] == sys.executable and not argv[1].startswith("-")
+
+
 def _run_forked(
     zygote: _Zygote, argv: list[str], envs: list[dict[str, str]], timeout: float, cwd: str | Path | None = None
 ) -> tuple[list[subprocess.CompletedProcess], bool]:
@@ -176,7 +181,7 @@ def run_script(argv: list[str], *, timeout: float, cwd: str | Path | None = None
     ``subprocess.TimeoutExpired`` raised; in ``cwd`` (default: this process's). ``LAC_FRESH_RANKS=1`` runs a fresh
     interpreter, as before."""
     with _zygote_lock:
-        zygote = _the_zygote() if argv[0] == sys.executable and len(argv) >= 2 else None
+        zygote = _the_zygote() if _a_script(argv) else None
         if zygote is not None:
             (result,), hung = _run_forked(zygote, argv, [dict(os.environ)], timeout, cwd)
             if hung:
@@ -198,7 +203,7 @@ def launch_ranks(
 
     port = free_port()
     with _zygote_lock:
-        zygote = _the_zygote() if argv[0] == sys.executable and len(argv) >= 2 else None
+        zygote = _the_zygote() if _a_script(argv) else None
         if zygote is not None:
             envs = [rank_env(rank, port, world_size) for rank in range(world_size)]
             results, hung = _run_forked(zygote, argv, envs, timeout)
