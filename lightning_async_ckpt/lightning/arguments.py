@@ -221,11 +221,6 @@ def check_shared_dirpath(callback: Any, trainer: Any) -> None:
                 f"'{mine}/best' and '{mine}/periodic'); ModelCheckpoint instances can share one folder only because "
                 "their file names differ"
             )
-    # setup runs this on every rank once the process group exists: the peer replicas join their group here until
-    # AsyncCheckpointCallback.setup calls tiers.setup(trainer) itself (lightning/replicas.py).
-    tiers = getattr(callback, "tiers", None)
-    if tiers is not None and tiers.replicas:
-        tiers.setup(trainer)
 
 
 def check_tiers(

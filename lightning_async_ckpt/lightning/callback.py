@@ -96,6 +96,8 @@ class AsyncCheckpointCallback(CallbackArguments):
         self._fit_closed = False
         self.dirpath = resolve_dirpath(self.dirpath, trainer.default_root_dir)  # None: the default; "": the cwd
         check_shared_dirpath(self, trainer)
+        if self.tiers is not None:
+            self.tiers.setup(trainer)  # peer replicas' gloo group and receivers, on every rank (lightning/replicas.py)
         if self.run_id is None:
             # One run id across ranks and across fit() calls of this callback, so retention sees one run.
             run_id = CheckpointStore.new_run_id()

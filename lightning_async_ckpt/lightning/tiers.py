@@ -279,7 +279,11 @@ def emergency_drain(engine: Any, tiers: Tiers | None, grace_s: float | None, ste
 
 # -- resuming across tiers ---------------------------------------------------------------------------------
 def latest_checkpoint(
-    dirpath: str, storage_options: dict[str, Any] | None = None, *, local_dirpath: str | None = None
+    dirpath: str,
+    storage_options: dict[str, Any] | None = None,
+    *,
+    local_dirpath: str | None = None,
+    collective: bool = True,
 ) -> str | None:
     """Path of the newest committed, verified checkpoint of ``dirpath`` or, with ``local_dirpath``, of either tier.
 
@@ -292,16 +296,19 @@ def latest_checkpoint(
         dirpath: The durable tier (the callback's ``dirpath``), a local folder or fsspec URL.
         storage_options: fsspec options for ``dirpath``.
         local_dirpath: The callback's ``local_dirpath``.
+        collective: Without ``local_dirpath``, under a process group: rank 0 finds, every rank gets its answer
+            (``False``: this rank looks alone). With ``local_dirpath`` every process answers for its own node-local
+            tier and looks alone (a lookup on some ranks only must never wait for the others).
 
     Raises:
         StoreUnavailableError: ``dirpath`` cannot be listed.
     """
     if local_dirpath is None:
-        return resume.latest_checkpoint(dirpath, storage_options)
+        return resume.latest_checkpoint(dirpath, storage_options, collective=collective)
     local = _newest_local(local_dirpath, resumable=False)
     if local is not None and not _durable_newer(dirpath, storage_options, local.step):
         return local.path
-    durable = resume.latest_checkpoint(dirpath, storage_options)
+    durable = resume.latest_checkpoint(dirpath, storage_options, collective=False)
     return _pick(local, {durable} if durable else set(), single=True)
 
 
@@ -313,10 +320,11 @@ def find_last_across(callback: Any, trainer: Any) -> set[str]:
     if callback.tiers.replicas and trainer.world_size > 1:
         return _find_last_replicated(callback, trainer, dirpath)
     local = _agreed(trainer, _newest_local(callback.local_dirpath, resumable=True))
+    durable = resume.find_last(callback, trainer)  # on every rank: a collective once the process group exists
     if local is not None and not _durable_newer(dirpath, callback.storage_options, local.step):
         _log.info("ckpt_path='last' resumes from the local tier: %s", local.path)
         return {local.path}
-    return _pick(local, resume.find_last(callback, trainer), single=False)
+    return _pick(local, durable, single=False)
 
 
 def _find_last_replicated(callback: Any, trainer: Any, dirpath: str) -> set[str]:

@@ -97,6 +97,12 @@ def _gloo_group() -> Any:
 
 def lightning_broadcast(trainer: Any) -> Broadcast | None:
     """A broadcast through ``trainer.strategy.broadcast`` (works under every strategy), or ``None`` for one process."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        # Lightning resolves ckpt_path before it creates the process group (a first fit): its broadcast would then
+        # return each rank's own object, so every rank looks by itself, as it must.
+        return None
     if getattr(trainer, "world_size", 1) <= 1:
         return None
     return Broadcast(rank=trainer.global_rank, send=lambda obj: trainer.strategy.broadcast(obj, src=0))
