@@ -314,16 +314,17 @@ class AsyncCheckpointCallback(CallbackArguments):
         # validation or epoch-end bookkeeping after it must not reach it (it can never be refused and retaken).
         defer = self.defer and not final and not training_ends_here(trainer)
         try:
-            entry.planned = self._planned_path(step, entry)
+            # The file is named by the rendered template inside the step's folder (lightning/naming.py).
+            key, dcp = checkpoint_key(entry.filename, self.FILE_EXTENSION), self._sharded is not None
+            local = self.store if self.tiers is None else self.tiers.local_store  # where the engine writes
+            entry.planned = planned_path(local, step, key, sharded=dcp)
             self.selection.cutting = entry  # its own state is ModelCheckpoint's once it is saved (selection_state)
             try:
                 checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=self.save_weights_only)
             finally:
                 self.selection.cutting = None
-            objects, proof = (
-                {},
-                lightning_proof(trainer, pl_module, self) if defer else (FINAL_PROOF if self.defer else None),
-            )
+            objects: dict[str, bytes] = {}
+            proof = lightning_proof(trainer, pl_module, self) if defer else (FINAL_PROOF if self.defer else None)
             if self._sharded is not None:  # the strategy's DCP layout and meta.pt; the sharded capturer's own proof
                 checkpoint, objects, defer = self._sharded.layout.prepare(step, checkpoint, [pl_module], defer)
                 proof = None
@@ -339,7 +340,7 @@ class AsyncCheckpointCallback(CallbackArguments):
                     cut={"epoch": trainer.current_epoch, "global_step": step, "world_size": trainer.world_size},
                     admission="wait" if final else None,
                     extra=self.selection.extra(entry),
-                    **self._object_keys(entry),
+                    object_keys={CHECKPOINT_NAME: key} if key and not dcp else None,
                 )
                 decision = handle.decision.decision
                 if self.tiers is not None:
@@ -357,20 +358,6 @@ class AsyncCheckpointCallback(CallbackArguments):
             self.selection.admitted(entry, handle)
             self._model_checkpoint_step = step if ranked or not final else self._model_checkpoint_step
         self._schedule.recorded(step, decision, handle, deferred=defer)
-
-    def _object_keys(self, entry: Any) -> dict[str, Any]:
-        # The file is named by the rendered template inside the step's folder (lightning/naming.py).
-        key = checkpoint_key(entry.filename, self.FILE_EXTENSION)
-        return (
-            {"object_keys": {CHECKPOINT_NAME: key}}
-            if key and self.checkpointer is not None and not self.checkpointer.writes_dcp
-            else {}
-        )
-
-    def _planned_path(self, step: int, entry: Any) -> str:
-        sharded = self.checkpointer is not None and self.checkpointer.writes_dcp
-        store = self.store if self.tiers is None else self.tiers.local_store  # where the engine writes
-        return planned_path(store, step, checkpoint_key(entry.filename, self.FILE_EXTENSION), sharded=sharded)
 
     def _raise_collectively(self, trainer: pl.Trainer, local: BaseException | None = None) -> None:
         # A background error from an earlier save is raised here, at a collective point, on every rank.
