@@ -15,8 +15,8 @@ Listings cost one request per 1,000 keys (a *page*). The model:
   ``benchmarks/bench_scale.py``): every rank's attempt claim (PUT, DELETE) and data file (PUT), DCP's ``.metadata``
   published through a temporary object (PUT 2, HEAD 2, LIST 1, GET 1, DELETE 1), each other rank reading the
   manifest after the commit (GET ``N - 1``), then the commit and retention as above: PUT ``2N + 4``, DELETE
-  ``N + 3``, HEAD 3, GET ``N + K + 4``, LIST ``5 + 2 pages(2N + 2) + pages(G) + 3 pages(N + 2)`` with ``K = 2``
-  (``3 + 2 pages(2N + 2) + pages(G) + (K + 2) pages(N + 2)`` in general), POST ``pages(N + 2)``.
+  ``N + 3``, HEAD 3, GET ``N + K + 4``, LIST ``3 + 2 pages(2N + 2) + pages(G) + (K + 2) pages(N + 2)``, POST
+  ``pages(N + 2)``.
 
 Time: requests one after another at ``latency_s`` each, except what the ranks send at once (their claims, data
 files and manifest reads); never faster than the store's rate limits: ``put_rate`` for PUT, POST and DELETE,
