@@ -21,6 +21,7 @@ Call sequence of :func:`promote_generation`::
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -39,6 +40,10 @@ _log = logging.getLogger("lightning_async_ckpt")
 
 #: The manifest ``extra`` key a promoted generation records its source in (``{"uri": ..., "step": ...}``).
 PROMOTED_FROM_KEY = "promoted_from"
+
+
+#: The private prefix of an attempt that wrote beside another attempt's claim (``storage/claims.py``).
+_ATTEMPT_PREFIX = re.compile(r"^w-[0-9A-Za-z]+/")
 
 
 class PromotionError(CheckpointError):
@@ -114,8 +119,12 @@ def copy_objects(writer: Any, manifest: Manifest, read_into: Callable[[Any, Any]
             ``read_into`` raises. The caller aborts ``writer`` (nothing is committed).
     """
     for obj in manifest.objects:
-        if obj.key != obj.name:
-            writer.place(obj.name, obj.key)
+        # Where the object sits inside its attempt: a source committed under its own prefix (``w-<token>/``, a
+        # writer that found a dead attempt's claim still leased) keeps that prefix to itself; the target attempt
+        # has its own.
+        key = _ATTEMPT_PREFIX.sub("", obj.key, count=1)
+        if key != obj.name:
+            writer.place(obj.name, key)
         with writer.open(obj.name) as stream:
             read_into(obj, stream)
         written = {o.name: o for o in writer.objects}[obj.name]

@@ -68,3 +68,28 @@ def test_plain_loop_emergency_save_under_a_real_signal(tmp_path):
     assert _steps(tmp_path / "durable") == [5]
     assert ckpt.promoted_step == 5
     assert signal.getsignal(signal.SIGUSR1) == before
+
+
+def test_a_generation_committed_under_an_attempt_prefix_is_promoted(tmp_path):
+    # After a crash the restarted writer finds the dead attempt's claim still leased and commits under its own
+    # prefix (w-<token>/): promoting that generation failed ("object file name 'w-.../...' is reserved").
+    import subprocess
+    import sys
+
+    from lightning_async_ckpt.storage.promote import promote_generation
+
+    # A writer killed mid-save: its claim on step 4 stays leased (another process, gone without aborting).
+    code = "import os, sys; from lightning_async_ckpt import CheckpointStore; CheckpointStore(sys.argv[1]).begin(4); os._exit(0)"
+    subprocess.run([sys.executable, "-c", code, str(tmp_path / "local")], check=True, timeout=120)
+    local = CheckpointStore(str(tmp_path / "local"))
+    writer = local.begin(4)
+    assert writer.prefix.startswith("w-")
+    writer.place("checkpoint.ckpt", "epoch=0-step=4.ckpt")
+    with writer.open("checkpoint.ckpt") as stream:
+        stream.write(b"weights at step 4")
+    writer.commit()
+    durable = CheckpointStore(str(tmp_path / "durable"))
+    manifest = promote_generation(local, durable, 4)
+    assert manifest.step == 4 and durable.verify(4).ok
+    assert durable.manifest(4).object("checkpoint.ckpt").key == "epoch=0-step=4.ckpt"
+    assert durable.open(4, "checkpoint.ckpt").read() == b"weights at step 4"
