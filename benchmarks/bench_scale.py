@@ -234,6 +234,11 @@ def _rank(uri: str, options_json: str) -> None:
     handshake("resume")
     info = CheckpointStore(uri, options, check_writable=False).latest()
     assert info is not None and info.step == 3
+    handshake("once")
+    from lightning_async_ckpt.sharded.once import latest_once
+
+    info = latest_once(CheckpointStore(uri, options, check_writable=False))  # rank 0 finds, every rank gets it
+    assert info is not None and info.step == 3
     handshake("done")
     dist.destroy_process_group()
 
@@ -273,8 +278,10 @@ def measure_ranks(world_sizes: list[int], options: dict[str, Any], trace: bool =
             quiesce()  # the second save's retention runs after its commit, in the background
             kinds = count(functools.partial(_release_and_wait, lead, "resume"), trace)
             counted["save"] = dict(kinds)
-            kinds = count(functools.partial(_release_and_wait, lead, "done"))
+            kinds = count(functools.partial(_release_and_wait, lead, "once"))
             counted["resume"] = dict(kinds)
+            kinds = count(functools.partial(_release_and_wait, lead, "done"))
+            counted["resume_once"] = dict(kinds)
             lead.stdin.write("\n")
             lead.stdin.flush()
             for p in procs:
@@ -290,6 +297,7 @@ def measure_ranks(world_sizes: list[int], options: dict[str, Any], trace: bool =
             "wall_s": time.perf_counter() - t0,
             "save": (counted["save"], predict_sharded_save(ranks=n, generations=3, keep_last=2).requests),
             "resume": (counted["resume"], {k: v * n for k, v in per_rank.items()}),
+            "resume_once": (counted["resume_once"], per_rank),  # rank 0 alone reads
         }
         rows.append(row)
         print(f"# N={n}: {row}", flush=True)
@@ -333,6 +341,7 @@ def markdown(gen_rows: list[dict[str, Any]], rank_rows: list[dict[str, Any]]) ->
         for key, name in (
             ("save", "a later sharded save, `keep_last=2`"),
             ("resume", "resume: every rank `store.latest()`"),
+            ("resume_once", "resume once per job: every rank `latest_once(store)`"),
         ):
             out.append(f"| {name} | " + " | ".join(_cell(r[key]) for r in rank_rows) + " |")
     return "\n".join(out)

