@@ -324,10 +324,11 @@ class AsyncCheckpointCallback(CallbackArguments):
             finally:
                 self.selection.cutting = None
             objects: dict[str, bytes] = {}
-            proof = lightning_proof(trainer, pl_module, self) if defer else (FINAL_PROOF if self.defer else None)
             if self._sharded is not None:  # the strategy's DCP layout and meta.pt; the sharded capturer's own proof
                 checkpoint, objects, defer = self._sharded.layout.prepare(step, checkpoint, [pl_module], defer)
                 proof = None
+            else:
+                proof = lightning_proof(trainer, pl_module, self) if defer else (FINAL_PROOF if self.defer else None)
             if self.checkpointer is not None:
                 handle = self.checkpointer.save(
                     step,
