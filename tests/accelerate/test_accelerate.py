@@ -98,16 +98,25 @@ def test_fence_holds_the_update_until_the_weights_are_staged(tmp_path, monkeypat
         original(self)
 
     monkeypatch.setattr(StagingJob, "run", gated)
+    # Staging starts only when the update is imminent: the fence itself opens the gate, then waits for the copy.
+    # (An optimizer step pre-hook would do it too, but the proof sees such a hook and copies the weights at the cut.)
+    original_wait = StagingJob.wait
+
+    def fence(self, which):
+        if saved.is_set():
+            gate.set()
+        return original_wait(self, which)
+
+    monkeypatch.setattr(StagingJob, "wait", fence)
     run = make_run()
     saved = threading.Event()
-    # Registered before attach(), so it runs before our fence: staging starts only when the update is imminent.
-    run.opt.optimizer.register_step_pre_hook(lambda *_: gate.set() if saved.is_set() else None)
     ckpt = attach(run.acc)
     train(run, 2)
     at_cut = {k: v.clone() for k, v in run.model.state_dict().items()}
     run.acc.save_state(str(tmp_path / "async"))
     saved.set()
     handle = ckpt.handles[-1]
+    assert handle.record.deferred_bytes > 0  # the weights are deferred behind the optimizer-step fence
     assert not handle.staged.done()  # staging is gated: the weights still alias the model
     train(run, 1)  # without the fence this update would race the copy (and the guard would refuse the save)
     ckpt.close()
