@@ -124,14 +124,20 @@ def _ok(out: str, rank: int, model: torch.nn.Module, opt: torch.optim.Optimizer,
     result.update(committed=committed, blocked_s=blocked)
 
 
-def _fault(out: str, rank: int, model: torch.nn.Module, opt: torch.optim.Optimizer, result: dict) -> None:
-    faults = [Fault(op="open", path="__1_0.distcp", at=2, error="oserror")]
+def _step_two_fails(
+    out: str,
+    rank: int,
+    model: torch.nn.Module,
+    opt: torch.optim.Optimizer,
+    result: dict,
+    faults: list,
+    timeout_s: float,
+) -> ShardedCheckpointer:
+    """Step 1 commits; step 2 meets ``faults``: its error (if raised) and how long it took go into ``result``."""
     ckpt = ShardedCheckpointer(
-        f"faulty://{out}/store",
-        storage_options={"target_protocol": "file", "faults": faults},
-        timeout_s=GROUP_TIMEOUT_S,
+        f"faulty://{out}/store", storage_options={"target_protocol": "file", "faults": faults}, timeout_s=timeout_s
     )
-    result["group_timeout_s"] = GROUP_TIMEOUT_S
+    result["group_timeout_s"] = timeout_s
     ckpt.save(1, _state(model, opt)).result(timeout=2 * GROUP_TIMEOUT_S)
     _train_step(model, opt, rank, 1)
     ckpt.save(2, _state(model, opt))
@@ -141,6 +147,12 @@ def _fault(out: str, rank: int, model: torch.nn.Module, opt: torch.optim.Optimiz
     except ShardedSaveError as exc:
         result["error"] = str(exc)
     result["error_after_s"] = time.monotonic() - start
+    return ckpt
+
+
+def _fault(out: str, rank: int, model: torch.nn.Module, opt: torch.optim.Optimizer, result: dict) -> None:
+    faults = [Fault(op="open", path="__1_0.distcp", at=2, error="oserror")]
+    ckpt = _step_two_fails(out, rank, model, opt, result, faults, GROUP_TIMEOUT_S)
     ckpt.drain()  # raised once, then cleared
     latest = CheckpointStore(out + "/store", check_writable=False).latest()
     result["latest_after_failure"] = latest.step if latest else None
@@ -186,21 +198,7 @@ def _fenced(out: str, rank: int, model: torch.nn.Module, opt: torch.optim.Optimi
 
 def _kill(out: str, rank: int, model: torch.nn.Module, opt: torch.optim.Optimizer, result: dict) -> None:
     faults = [Fault(op="write", path="step-00000002/__1_0.distcp", at=2, callback=_kill_self)]
-    ckpt = ShardedCheckpointer(
-        f"faulty://{out}/store",
-        storage_options={"target_protocol": "file", "faults": faults},
-        timeout_s=KILL_GROUP_TIMEOUT_S,
-    )
-    result["group_timeout_s"] = KILL_GROUP_TIMEOUT_S
-    ckpt.save(1, _state(model, opt)).result(timeout=2 * GROUP_TIMEOUT_S)
-    _train_step(model, opt, rank, 1)
-    ckpt.save(2, _state(model, opt))
-    start = time.monotonic()
-    try:
-        ckpt.drain()
-    except ShardedSaveError as exc:
-        result["error"] = str(exc)
-    result["error_after_s"] = time.monotonic() - start
+    ckpt = _step_two_fails(out, rank, model, opt, result, faults, KILL_GROUP_TIMEOUT_S)
     latest = CheckpointStore(out + "/store", check_writable=False).latest()
     result["latest_after_failure"] = latest.step if latest else None
     ckpt.close()
