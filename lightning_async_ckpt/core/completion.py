@@ -21,7 +21,7 @@ from lightning_async_ckpt.core.stream_persister import PersistWork
 from lightning_async_ckpt.core.telemetry import EventLog, Outcome, SaveRecord
 from lightning_async_ckpt.errors import CheckpointError, TornSnapshotError
 
-__all__ = ["Completion", "Progress"]
+__all__ = ["Completion", "Progress", "ProgressView"]
 
 _log = logging.getLogger("lightning_async_ckpt")
 
@@ -66,6 +66,54 @@ class Progress:
             error = self.take()
             if error is not None:
                 raise error
+
+
+class ProgressView:
+    """The training thread's view of an engine's :class:`Progress` (the engine's ``progress`` attribute)."""
+
+    progress: Progress
+
+    @property
+    def committed_step(self) -> int | None:
+        """The newest step this checkpointer committed (or a resumed fit restored)."""
+        return self.progress.committed_step
+
+    @committed_step.setter
+    def committed_step(self, step: int | None) -> None:
+        self.progress.committed_step = step
+
+    @property
+    def last_committed(self) -> SaveRecord | None:
+        """The record of the newest commit."""
+        return self.progress.last_committed
+
+    @property
+    def torn_step(self) -> int | None:
+        """The newest admitted save the guard refused (cleared by the next admitted save)."""
+        return self.progress.torn_step
+
+    @property
+    def records(self) -> deque[SaveRecord]:
+        """One record per request, oldest first (bounded)."""
+        return self.progress.records
+
+    @property
+    def pending_errors(self) -> int:
+        """How many background errors wait to be raised."""
+        return len(self.progress.errors)
+
+    def raise_pending(self) -> None:
+        """Re-raise the oldest pending background error (each error is raised exactly once, oldest first)."""
+        self.progress.raise_pending()
+
+    def take_pending_error(self) -> BaseException | None:
+        """Remove and return the oldest pending background error, if any (for callers that raise collectively)."""
+        return self.progress.take()
+
+    def report_error(self, error: BaseException) -> None:
+        """Queue ``error`` from work that follows a commit (a promotion to another tier, from any thread): raised
+        once on the training thread like a failed save, or logged with ``on_error="warn"``."""
+        self.progress.report(error)
 
 
 class Completion:

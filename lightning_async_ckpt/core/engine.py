@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import deque
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -28,7 +27,7 @@ import torch
 from lightning_async_ckpt.core.admission import Admission, AdmissionDecision
 from lightning_async_ckpt.core.capture import DeferralProof, Fence
 from lightning_async_ckpt.core.capturer import PlainCapturer
-from lightning_async_ckpt.core.completion import Completion, Progress
+from lightning_async_ckpt.core.completion import Completion, Progress, ProgressView
 from lightning_async_ckpt.core.handle import DrainOnExit, SaveHandle
 from lightning_async_ckpt.core.hooks import FenceHooks
 from lightning_async_ckpt.core.in_flight import InFlight
@@ -49,7 +48,7 @@ __all__ = ["AsyncCheckpointer", "CheckpointOptions", "SaveHandle", "Serializer",
 _log = logging.getLogger("lightning_async_ckpt")
 
 
-class AsyncCheckpointer(Lifecycle, DrainOnExit):
+class AsyncCheckpointer(ProgressView, Lifecycle, DrainOnExit):
     """Framework-free asynchronous checkpointing into a :class:`CheckpointStore`.
 
     Thread-safety: ``save``, ``wait``, ``poll``, ``drain`` and ``close`` are called from one training thread; the
@@ -128,49 +127,6 @@ class AsyncCheckpointer(Lifecycle, DrainOnExit):
             abandoning=self.abandoning,
             retention=None if options.keep_last is None else lambda: self.store.gc(options.keep_last),
         )
-
-    # -- progress (shared with the upload thread through self.progress) ---------------------------------
-    @property
-    def committed_step(self) -> int | None:
-        """The newest step this checkpointer committed (or a resumed fit restored)."""
-        return self.progress.committed_step
-
-    @committed_step.setter
-    def committed_step(self, step: int | None) -> None:
-        self.progress.committed_step = step
-
-    @property
-    def last_committed(self) -> SaveRecord | None:
-        """The record of the newest commit."""
-        return self.progress.last_committed
-
-    @property
-    def torn_step(self) -> int | None:
-        """The newest admitted save the guard refused (cleared by the next admitted save)."""
-        return self.progress.torn_step
-
-    @property
-    def records(self) -> deque[SaveRecord]:
-        """One record per request, oldest first (bounded)."""
-        return self.progress.records
-
-    @property
-    def pending_errors(self) -> int:
-        """How many background errors wait to be raised."""
-        return len(self.progress.errors)
-
-    def raise_pending(self) -> None:
-        """Re-raise the oldest pending background error (each error is raised exactly once, oldest first)."""
-        self.progress.raise_pending()
-
-    def take_pending_error(self) -> BaseException | None:
-        """Remove and return the oldest pending background error, if any (for callers that raise collectively)."""
-        return self.progress.take()
-
-    def report_error(self, error: BaseException) -> None:
-        """Queue ``error`` from work that follows a commit (a promotion to another tier, from any thread): raised
-        once on the training thread like a failed save, or logged with ``on_error="warn"``."""
-        self.progress.report(error)
 
     # -- saving ------------------------------------------------------------------------------------------
     def save(
