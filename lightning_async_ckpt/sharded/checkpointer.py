@@ -137,16 +137,24 @@ class ShardedCheckpointer(AsyncCheckpointer):
                 ids = [CheckpointStore.new_run_id()]
                 dist.broadcast_object_list(ids, src=dist.get_global_rank(process_group, 0), group=process_group)
                 run_id = ids[0]
-            store = CheckpointStore(store, storage_options, run_id=run_id)
-        persister = DcpPersister(
+            store = self._open_store(store, storage_options, run_id)
+        persister = self._make_persister(store, plan_caching)
+        super().__init__(store, engine_options, persister=persister, capturer=ShardedCapturer())
+
+    def _open_store(self, uri: str, storage_options: dict[str, Any] | None, run_id: str | None) -> CheckpointStore:
+        """The store for ``uri`` (the tiered checkpointer opens this rank's local store instead)."""
+        return CheckpointStore(uri, storage_options, run_id=run_id)
+
+    def _make_persister(self, store: CheckpointStore, plan_caching: bool) -> Any:
+        """The persist step (the tiered checkpointer's writes every rank's own local generation)."""
+        return DcpPersister(
             store,
-            process_group=process_group,
+            process_group=self.process_group,
             rank=self.rank,
-            thread_count=thread_count,
-            write_retry=write_retry,
+            thread_count=self.thread_count,
+            write_retry=self.write_retry,
             plan_key=new_cache_key() if plan_caching and plan_caching_available() else None,
         )
-        super().__init__(store, engine_options, persister=persister, capturer=ShardedCapturer())
 
     def close(self, timeout: float | None = None, *, abandon: bool = False) -> None:
         """Drain (bounded by ``timeout``), stop the threads and release the gloo group created here; idempotent.

@@ -1,0 +1,219 @@
+"""Two tiers for sharded (DCP) plain loops: every cut committed to each rank's node-local store, the due ones
+promoted to a durable store in the background.
+
+:class:`TieredShardedCheckpointer` is the :class:`~lightning_async_ckpt.sharded.checkpointer.ShardedCheckpointer`
+(one cut staged once: fences, guard, pooled buffers) writing the local tier (:mod:`.local_tier`: every rank a
+self-contained generation in ``<local_dirpath>/rank-<r>``), plus a
+:class:`~lightning_async_ckpt.sharded.promote_dcp.DcpPromoter` that copies the generations due on the durable
+cadence to ``durable`` (every rank its own files, verified, rank 0's manifest last), and :meth:`resume` (every rank
+agrees on one step of either tier: :mod:`.tier_resume`). Names follow
+:class:`~lightning_async_ckpt.core.tiered.TieredCheckpointer` (``promote_every_n_steps``, ``keep_last``,
+``local_keep_last``).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import torch.distributed as dist
+
+from lightning_async_ckpt.core.handle import SaveHandle
+from lightning_async_ckpt.core.options import CheckpointOptions
+from lightning_async_ckpt.core.persist import RetryPolicy
+from lightning_async_ckpt.errors import ConfigError
+from lightning_async_ckpt.sharded.checkpointer import ShardedCheckpointer
+from lightning_async_ckpt.sharded.local_tier import LocalTierPersister, rank_store
+from lightning_async_ckpt.sharded.promote_dcp import DcpPromoter
+from lightning_async_ckpt.sharded.tier_resume import TierChoice, resolve_across_tiers, version_root
+from lightning_async_ckpt.storage.store import CheckpointStore
+
+__all__ = ["TieredShardedCheckpointer"]
+
+
+class TieredShardedCheckpointer(ShardedCheckpointer):
+    """Asynchronous sharded checkpoints to a node-local tier, promoted to a durable tier every
+    ``promote_every_n_steps``.
+
+    Construct on every rank in the same order (creates two gloo groups: collectives). Call :meth:`resume` (every
+    rank) before the first save to continue a run: it loads the newest generation every rank can load, from either
+    tier. Promotion errors are raised once, on every rank, at the next ``save``/``wait``/``poll``/``drain``.
+
+    Args:
+        local_dirpath: The node-local folder (``/local_nvme/run``, ``/dev/shm/run``); ranks may share one.
+        durable: The durable store (or its URL, opened with ``storage_options``).
+        promote_every_n_steps: Saves at multiples of this step are promoted (``None``: only ``save(...,
+            promote=True)``).
+        keep_last: Retention of the durable tier (rank 0, after each promotion).
+        local_keep_last: Retention of each rank's local store (the due generations not yet promoted are kept).
+        storage_options: For ``durable`` when it is a URL.
+        run_id: As for :class:`ShardedCheckpointer`.
+        timeout_s: Timeout of the checkpoint and promotion groups.
+        thread_count: DCP's I/O threads per rank.
+        guard: As for :class:`ShardedCheckpointer`.
+        host_memory_budget: As for :class:`ShardedCheckpointer`.
+        write_retry: As for :class:`ShardedCheckpointer`.
+        options: As for :class:`ShardedCheckpointer`.
+
+    Raises:
+        ConfigError: A bad argument (named).
+    """
+
+    def __init__(
+        self,
+        local_dirpath: str,
+        durable: CheckpointStore | str,
+        *,
+        promote_every_n_steps: int | None = None,
+        keep_last: int | None = None,
+        local_keep_last: int | None = None,
+        storage_options: dict[str, Any] | None = None,
+        run_id: str | None = None,
+        timeout_s: float = 300.0,
+        thread_count: int = 1,
+        guard: bool | str = True,
+        host_memory_budget: int | str | None = None,
+        write_retry: RetryPolicy | None = None,
+        options: CheckpointOptions | None = None,
+    ) -> None:
+        for name, value in (
+            ("promote_every_n_steps", promote_every_n_steps),
+            ("keep_last", keep_last),
+            ("local_keep_last", local_keep_last),
+        ):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ConfigError(f"{name} must be None or an int >= 1, got {value!r}")
+        if not isinstance(local_dirpath, str) or not local_dirpath.strip():
+            raise ConfigError(f"local_dirpath must be a non-empty node-local path, got {local_dirpath!r}")
+        if not isinstance(durable, CheckpointStore | str):
+            raise ConfigError(f"durable must be a CheckpointStore or a URL string, got {type(durable).__name__}")
+        self.local_dirpath = local_dirpath.rstrip("/")
+        self.version = 0
+        super().__init__(
+            self.local_dirpath,
+            timeout_s=timeout_s,
+            thread_count=thread_count,
+            run_id=run_id,
+            guard=guard,
+            host_memory_budget=host_memory_budget,
+            write_retry=write_retry,
+            plan_caching=False,
+            options=options,
+        )
+        if isinstance(durable, str):
+            durable = CheckpointStore(durable, storage_options, run_id=self.store.run_id)
+        self.durable = durable
+        self.promote_every_n_steps = promote_every_n_steps
+        self.promoter = DcpPromoter(
+            self.store,
+            durable,
+            keep_last=keep_last,
+            local_keep_last=local_keep_last,
+            timeout_s=timeout_s,
+            on_error=self.report_error,
+            on_event=self.events.emit,
+        )
+        self._lock = threading.Lock()
+        self._handles: list[tuple[SaveHandle, bool]] = []
+        self._delivered: set[int] = set()
+
+    def _open_store(self, uri: str, storage_options: dict[str, Any] | None, run_id: str | None) -> CheckpointStore:
+        return rank_store(uri, self.rank, run_id=run_id)
+
+    def _make_persister(self, store: CheckpointStore, plan_caching: bool) -> Any:
+        group = self.process_group
+        return LocalTierPersister(
+            store,
+            process_group=group,
+            rank=self.rank,
+            world_size=dist.get_world_size(group) if group is not None else 1,
+            thread_count=self.thread_count,
+            write_retry=self.write_retry,
+        )
+
+    @property
+    def promoted_step(self) -> int | None:
+        """The newest step committed on the durable tier by a promotion."""
+        return self.promoter.promoted_step
+
+    def resume(self, state: dict[str, Any], *, verify: bool = True) -> TierChoice | None:
+        """Load the newest generation every rank can load, from either tier, into ``state`` in place (collective).
+
+        Call on every rank before the first save. When a rank's local tier holds a generation newer than the one
+        loaded (a damaged or partial one, or a branch), this run writes a new local version folder.
+
+        Returns:
+            The choice (step, tier), or ``None`` when neither tier holds one (nothing loaded).
+        """
+        choice, newest_local, version = resolve_across_tiers(self.local_dirpath, self.durable, verify=verify)
+        if choice is not None:
+            choice.load(state, process_group=self.process_group)
+        if newest_local is not None and (choice is None or newest_local > choice.step):
+            self._use_version(version + 1)
+        elif version != self.version:
+            self._use_version(version)
+        return choice
+
+    def _use_version(self, version: int) -> None:
+        store = rank_store(version_root(self.local_dirpath, version), self.rank, run_id=self.store.run_id)
+        self.version = version
+        self.store = store
+        self.persister.store = store  # type: ignore[attr-defined]
+        self.promoter.local = store
+
+    def save(self, step: int, state: Any, *, promote: bool | None = None, **kwargs: Any) -> SaveHandle:
+        """Save ``state`` to the local tier (every rank, the same steps); promoted when ``promote`` (default: on
+        the cadence)."""
+        every = self.promote_every_n_steps
+        due = promote if promote is not None else (every is not None and step % every == 0)
+        handle = super().save(step, state, **kwargs)
+        with self._lock:
+            self._handles = [(h, d) for h, d in self._handles if id(h) not in self._delivered]
+            self._delivered &= {id(h) for h, _ in self._handles}
+            self._handles.append((handle, due))
+        handle.committed.add_done_callback(lambda _: self._deliver(handle, due))
+        return handle
+
+    def _deliver(self, handle: SaveHandle, due: bool) -> None:
+        future = handle.committed
+        if future.cancelled() or future.exception() is not None:
+            return
+        with self._lock:
+            if id(handle) in self._delivered:
+                return
+            self._delivered.add(id(handle))
+        self.promoter.committed(handle.step, promote=due)
+
+    def _flush(self) -> None:
+        with self._lock:
+            handles = list(self._handles)
+        for handle, due in handles:
+            if handle.committed.done():
+                self._deliver(handle, due)
+
+    def drain(self, timeout: float | None = None) -> bool:
+        """Wait for the saves, then their promotions; re-raise a background error. Whether both ended in time."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        saved = self.drain_quietly(timeout)
+        self._flush()
+        promoted = self.promoter.drain(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        self.raise_pending()
+        return saved and promoted
+
+    def close(self, timeout: float | None = None, *, abandon: bool = False) -> None:
+        """Drain the saves and promotions, stop the promotion threads of every rank, release the groups.
+
+        Raises:
+            ShardedSaveError: A save error not raised yet.
+            PromotionError: A promotion error not raised yet.
+        """
+        if self.closed:
+            return
+        try:
+            if not abandon:
+                self.drain_quietly(timeout)
+                self._flush()
+            self.promoter.close(timeout)
+        finally:
+            super().close(timeout, abandon=abandon)
