@@ -37,5 +37,13 @@ from lightning_async_ckpt.accelerate._attach import attach, save_state
 from lightning_async_ckpt.accelerate._checkpointer import AccelerateCheckpointer
 from lightning_async_ckpt.accelerate._layout import INCOMPLETE_MARKER
 from lightning_async_ckpt.accelerate._load import load_state
+from lightning_async_ckpt.accelerate._tiers import TieredAccelerateCheckpointer
 
-__all__ = ["INCOMPLETE_MARKER", "AccelerateCheckpointer", "attach", "load_state", "save_state"]
+__all__ = [
+    "INCOMPLETE_MARKER",
+    "AccelerateCheckpointer",
+    "TieredAccelerateCheckpointer",
+    "attach",
+    "load_state",
+    "save_state",
+]

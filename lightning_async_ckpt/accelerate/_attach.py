@@ -7,6 +7,7 @@ from typing import Any
 from lightning_async_ckpt.accelerate._bounded import bounded_collective
 from lightning_async_ckpt.accelerate._checkpointer import AccelerateCheckpointer
 from lightning_async_ckpt.accelerate._layout import _ATTR, _check_supported
+from lightning_async_ckpt.accelerate._tiers import TieredAccelerateCheckpointer, check_tier_options
 from lightning_async_ckpt.core.engine import CheckpointOptions, SaveHandle
 from lightning_async_ckpt.errors import ConfigError
 
@@ -19,6 +20,12 @@ def attach(
     storage_options: dict[str, Any] | None = None,
     defer: bool = True,
     collective_timeout_s: float | None = None,
+    local_dirpath: str | None = None,
+    local_every_n_steps: int | None = None,
+    local_keep_last: int | None = None,
+    promote_every_n_steps: int | None = None,
+    preemption_signal: Any = None,
+    preemption_grace_s: float | None = None,
     **options: Any,
 ) -> AccelerateCheckpointer:
     """Make ``accelerator.save_state`` asynchronous for the weights, and enable :func:`save_state` to ``uri``.
@@ -37,6 +44,17 @@ def attach(
             ``load_state``, ``close``, accelerate's ``save_state``/``load_state``) waits for the other processes
             before it raises a ``CheckpointError`` naming the fix (a call made on the main process only). Default
             300 s; keep it below the process group's timeout and above how late a process can legitimately be.
+        local_dirpath: A node-local folder (NVMe, ``/dev/shm``): two tiers. Every fully asynchronous save is
+            committed there and the due ones are promoted to ``uri`` in the background
+            (:class:`~lightning_async_ckpt.accelerate._tiers.TieredAccelerateCheckpointer`, ``docs/tiers.md``).
+        local_every_n_steps: With ``local_dirpath``: ``save_state`` at a step due on neither cadence takes no cut
+            (call it after every step); ``None``: every call is a local cut.
+        local_keep_last: With ``local_dirpath``: retention of the local tier (``keep_last`` is ``uri``'s).
+        promote_every_n_steps: With ``local_dirpath``: generations at multiples of this step are promoted to
+            ``uri`` (also ``final=True`` and the emergency save).
+        preemption_signal: With ``local_dirpath``: a signal (``signal.SIGUSR1``, ``signal.SIGTERM``) that turns the
+            next ``save_state`` into the emergency save on every process.
+        preemption_grace_s: The emergency save's bound for its local commit and promotion together.
         **options: :class:`~lightning_async_ckpt.core.engine.CheckpointOptions` fields (``max_outstanding``,
             ``admission`` in ``wait``/``skip``/``abort``, ``host_memory_budget``, ``keep_last`` for ``uri``, ...).
 
@@ -46,9 +64,17 @@ def attach(
     Raises:
         ConfigError: Unsupported distributed type, bad options, or already attached with other settings.
     """
+    tiers = {
+        "local_every_n_steps": local_every_n_steps,
+        "local_keep_last": local_keep_last,
+        "promote_every_n_steps": promote_every_n_steps,
+        "preemption_signal": preemption_signal,
+        "preemption_grace_s": preemption_grace_s,
+    }
     existing = getattr(accelerator, _ATTR, None)
     if existing is not None and not existing.closed:
-        unchanged = storage_options is None and defer and collective_timeout_s is None
+        unchanged = storage_options is None and defer and collective_timeout_s is None and local_dirpath is None
+        unchanged = unchanged and all(v is None for v in tiers.values())
         if (uri is None or uri == existing.uri) and not options and unchanged:
             return existing
         raise ConfigError(
@@ -73,7 +99,32 @@ def attach(
         raise ConfigError("serializer cannot be set: the Accelerate integration writes accelerate's own file layout")
     if uri is not None and (not isinstance(uri, str) or not uri.strip()):
         raise ConfigError(f"uri must be None or a non-empty path or URL string, got {uri!r}")
-    checkpointer = AccelerateCheckpointer(accelerator, uri, storage_options=storage_options, defer=defer, options=opts)
+    if local_dirpath is None:
+        given = [name for name, value in tiers.items() if value is not None]
+        if given:
+            raise ConfigError(f"{', '.join(given)} need local_dirpath=<node-local folder> (the local tier)")
+        checkpointer = AccelerateCheckpointer(
+            accelerator, uri, storage_options=storage_options, defer=defer, options=opts
+        )
+    else:
+        if not isinstance(local_dirpath, str) or not local_dirpath.strip() or "://" in local_dirpath:
+            raise ConfigError(f"local_dirpath must be a node-local folder path, got {local_dirpath!r}")
+        if uri is None:
+            raise ConfigError("local_dirpath needs uri: the durable tier the local generations are promoted to")
+        check_tier_options(
+            local_every_n_steps=local_every_n_steps,
+            local_keep_last=local_keep_last,
+            promote_every_n_steps=promote_every_n_steps,
+        )
+        checkpointer = TieredAccelerateCheckpointer(
+            accelerator,
+            uri,
+            local_dirpath=local_dirpath,
+            storage_options=storage_options,
+            defer=defer,
+            options=opts,
+            **tiers,
+        )
     bounded = bounded_collective(accelerator, collective_timeout_s)  # collective: every process is in attach()
     if bounded is not None:
         checkpointer._collective_group = bounded
@@ -82,8 +133,14 @@ def attach(
 
 
 def save_state(
-    accelerator: Any, uri: str | None = None, step: int | None = None, *, final: bool = False, **options: Any
-) -> SaveHandle:
+    accelerator: Any,
+    uri: str | None = None,
+    step: int | None = None,
+    *,
+    final: bool = False,
+    promote: bool | None = None,
+    **options: Any,
+) -> SaveHandle | None:
     """Asynchronously save everything ``accelerator.save_state`` would, as one committed generation.
 
     Uses the attached checkpointer (attaching one with ``options`` on first use). Collective: every process must
@@ -99,10 +156,13 @@ def save_state(
         step: The manifest's step; default: optimizer updates seen by the checkpointer.
         final: The checkpoint that ends training: copied at the cut, so nothing after the loop can reach it or
             make the guard refuse it (pass it for the last save of a run).
+        promote: With two tiers (``attach(..., local_dirpath=...)``): promote this cut to ``uri`` (``True``) or not
+            (``False``) whatever the cadence.
         **options: Options for :func:`attach` on first use.
 
     Returns:
-        The save's :class:`~lightning_async_ckpt.core.engine.SaveHandle`.
+        The save's :class:`~lightning_async_ckpt.core.engine.SaveHandle`; with two tiers and
+        ``local_every_n_steps``, ``None`` at a step due on neither cadence (no cut).
 
     Raises:
         ConfigError: Another ``uri`` or new ``options`` while a checkpointer is attached, or ``uri=None`` without
@@ -116,4 +176,8 @@ def save_state(
             f"a checkpointer with uri={existing.uri!r} is attached; pass uri and options to attach() once, "
             "then call save_state(accelerator, that uri)"
         )
+    if isinstance(existing, TieredAccelerateCheckpointer):
+        return existing.save_state(step, final=final, promote=promote)
+    if promote is not None:
+        raise ConfigError("promote needs two tiers: attach(accelerator, uri, local_dirpath=...)")
     return existing.save_state(step, automatic=uri is None, final=final)

@@ -25,6 +25,7 @@ from lightning_async_ckpt.accelerate._choose import Choice, choose
 from lightning_async_ckpt.accelerate._collective import collective_for
 from lightning_async_ckpt.accelerate._layout import _ATTR, _RNG_FILE_RE
 from lightning_async_ckpt.accelerate._numbering import continue_numbering, next_free_index
+from lightning_async_ckpt.accelerate._tier_load import choose_across_tiers
 from lightning_async_ckpt.core.collective import agree
 from lightning_async_ckpt.errors import CheckpointError
 from lightning_async_ckpt.storage import inflight
@@ -44,6 +45,7 @@ def load_state(
     storage_options: dict[str, Any] | None = None,
     *,
     trust_pickled_objects: bool = False,
+    local_dirpath: str | None = None,
     **load_kwargs: Any,
 ) -> Manifest | None:
     """Restore the newest committed generation under ``uri`` (or ``step``) with ``accelerator.load_state``.
@@ -68,6 +70,10 @@ def load_state(
         trust_pickled_objects: Let accelerate unpickle ``custom_checkpoint_{i}.pkl`` files that the restricted
             ``weights_only=True`` unpickler refuses. Unpickling runs code chosen by whoever wrote the file: pass
             it only when everyone who can write ``uri`` is trusted. Default ``False``: such a file is refused.
+        local_dirpath: The local tier of ``attach(..., local_dirpath=...)``: resume from the newest verified
+            generation of either tier, every process the same step (:mod:`~lightning_async_ckpt.accelerate._tier_load`:
+            each process loads it from its own folder when every process holds it intact and ``uri`` lists nothing
+            newer; otherwise every process loads from ``uri`` together).
         **load_kwargs: Passed to ``accelerator.load_state``.
 
     Returns:
@@ -105,25 +111,33 @@ def load_state(
     choice: Choice | None = None
     next_index: int | None = None
     error: BaseException | None = None
-    if accelerator.is_main_process:
-        try:
-            # Saves this process has in flight there land first (another Accelerator's too): never an older one.
-            inflight.wait_for(uri, options, timeout_s=_wait_bound(collective), doing="load_state")
-            choice = choose(fs, root, uri, options, step)
-            next_index = next_free_index(accelerator)
-        except Exception as exc:  # noqa: BLE001 - raised on every process by agree
-            error = exc
-    choice, next_index = agree(
-        collective, error, (choice, next_index), doing=f"load_state({uri!r}): choosing the generation"
-    )[0]
-    continue_numbering(accelerator, next_index)
+    if local_dirpath is not None:
+        if attached and callable(getattr(checkpointer, "drain", None)):
+            checkpointer.drain(_wait_bound(collective))  # this process's local commits and promotions land first
+        choice = choose_across_tiers(accelerator, collective, uri, local_dirpath, options, step)
+    if choice is None:
+        if accelerator.is_main_process:
+            try:
+                # Saves this process has in flight there land first (another Accelerator's too): never an older one.
+                inflight.wait_for(uri, options, timeout_s=_wait_bound(collective), doing="load_state")
+                choice = choose(fs, root, uri, options, step)
+                next_index = next_free_index(accelerator)
+            except Exception as exc:  # noqa: BLE001 - raised on every process by agree
+                error = exc
+        choice, next_index = agree(
+            collective, error, (choice, next_index), doing=f"load_state({uri!r}): choosing the generation"
+        )[0]
+        continue_numbering(accelerator, next_index)
+        read_options = options
+    else:
+        read_options = {}  # this process's own local folder
     if choice is None:
         _log.warning("load_state: no committed checkpoint under %s; nothing was loaded (a first run starts fresh)", uri)
         return None
     prepared: _Prepared | None = None
     error = None
     try:
-        prepared = _prepare(choice, options, accelerator.process_index, trust_pickled_objects)
+        prepared = _prepare(choice, read_options, accelerator.process_index, trust_pickled_objects)
     except Exception as exc:  # noqa: BLE001 - raised on every process by agree
         error = exc
     try:
@@ -158,7 +172,11 @@ def _continue_run(checkpointer: Any, run_id: str) -> None:
     _log.info("load_state: continuing run %s (this process attached as %s)", run_id, checkpointer.run_id)
     checkpointer.run_id = run_id
     engines = (checkpointer._engine, checkpointer._folder_engine)
-    for store in {id(e.store): e.store for e in engines if e is not None}.values():
+    stores = [e.store for e in engines if e is not None]
+    promoter = getattr(checkpointer, "promoter", None)  # two tiers: the durable store the promotions write
+    if promoter is not None:
+        stores.append(promoter.target)
+    for store in {id(s): s for s in stores}.values():
         store.run_id = run_id
 
 

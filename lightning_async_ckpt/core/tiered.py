@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -19,12 +20,79 @@ from lightning_async_ckpt.core.handle import SaveHandle
 from lightning_async_ckpt.core.options import CheckpointOptions
 from lightning_async_ckpt.core.preemption import PreemptionHandler, check_preemption
 from lightning_async_ckpt.errors import ConfigError
+from lightning_async_ckpt.storage.generation import version_folders
 from lightning_async_ckpt.storage.promote import Promoter
 from lightning_async_ckpt.storage.store import CheckpointStore
 
-__all__ = ["TieredCheckpointer"]
+__all__ = ["CommitRelay", "TieredCheckpointer", "local_location"]
 
 _log = logging.getLogger("lightning_async_ckpt")
+
+
+def local_location(local_dirpath: str, start_step: int) -> str:
+    """Where a run that starts at ``start_step`` writes its local tier: the newest of ``local_dirpath`` and its
+    version folders (``v1``, ...) holding no generation newer than ``start_step`` (committed or not), else a new
+    version folder, so a damaged or branched-off newer local generation is never overwritten."""
+    root = CheckpointStore(local_dirpath, check_writable=False)
+    versions = [0, *version_folders(root.fs, root.root)]
+
+    def uri(version: int) -> str:
+        return f"{local_dirpath.rstrip('/')}/v{version}" if version else local_dirpath
+
+    for version in reversed(versions):
+        store = CheckpointStore(uri(version), check_writable=False) if version else root
+        steps = [g.step for g in store.scan(include_uncommitted=True).generations if g.holds_step]
+        if not steps or max(steps) <= start_step:
+            return uri(version)
+    return uri(max(versions) + 1)
+
+
+class CommitRelay:
+    """Hands each local commit to the promoter (promoted when it was due) and to ``also`` (peer replicas), once.
+
+    Thread-safety: :meth:`track` on the training thread; the hand-over runs on the thread that resolves the commit
+    future (the engine's upload thread) or in :meth:`flush` (a waiter may wake before a future's callbacks ran).
+
+    Args:
+        promoter: Told of every local commit (:meth:`Promoter.committed`).
+        also: Called with each committed step after the promoter (e.g. :meth:`Replicator.replicate`).
+    """
+
+    def __init__(self, promoter: Promoter, also: Callable[[int], None] | None = None) -> None:
+        self.promoter = promoter
+        self.also = also
+        self._lock = threading.Lock()
+        self._handles: list[tuple[SaveHandle, bool]] = []
+        self._delivered: set[int] = set()
+
+    def track(self, handle: SaveHandle, due: bool) -> None:
+        """Once ``handle`` commits locally: promote it when ``due``, apply local retention, call ``also``."""
+        with self._lock:
+            # Handed over ones are dropped, so a long loop keeps only the saves still in flight.
+            self._handles = [(h, d) for h, d in self._handles if id(h) not in self._delivered]
+            self._delivered &= {id(h) for h, _ in self._handles}
+            self._handles.append((handle, due))
+        handle.committed.add_done_callback(lambda _: self._deliver(handle, due))
+
+    def _deliver(self, handle: SaveHandle, due: bool) -> None:
+        future = handle.committed
+        if future.cancelled() or future.exception() is not None:
+            return
+        with self._lock:
+            if id(handle) in self._delivered:
+                return
+            self._delivered.add(id(handle))
+        self.promoter.committed(handle.step, promote=due)
+        if self.also is not None:
+            self.also(handle.step)
+
+    def flush(self) -> None:
+        """Hand over every commit seen so far."""
+        with self._lock:
+            handles = list(self._handles)
+        for handle, due in handles:
+            if handle.committed.done():
+                self._deliver(handle, due)
 
 
 class TieredCheckpointer:
@@ -97,11 +165,9 @@ class TieredCheckpointer:
             on_event=self.engine.events.emit,
         )
         self.promote_every_n_steps = promote_every_n_steps
+        self.relay = CommitRelay(self.promoter)
         self.preemption = PreemptionHandler(signum)
         self.preemption.install()
-        self._lock = threading.Lock()
-        self._handles: list[tuple[SaveHandle, bool]] = []
-        self._delivered: set[int] = set()
 
     @property
     def preempted(self) -> bool:
@@ -128,31 +194,11 @@ class TieredCheckpointer:
         every = self.promote_every_n_steps
         due = promote if promote is not None else (every is not None and step % every == 0)
         handle = self.engine.save(step, state, **kwargs)
-        with self._lock:
-            # Handed over ones are dropped, so a long loop keeps only the saves still in flight.
-            self._handles = [(h, d) for h, d in self._handles if id(h) not in self._delivered]
-            self._delivered &= {id(h) for h, _ in self._handles}
-            self._handles.append((handle, due))
-        handle.committed.add_done_callback(lambda _: self._deliver(handle, due))
+        self.relay.track(handle, due)
         return handle
 
-    def _deliver(self, handle: SaveHandle, due: bool) -> None:
-        future = handle.committed
-        if future.cancelled() or future.exception() is not None:
-            return
-        with self._lock:
-            if id(handle) in self._delivered:
-                return
-            self._delivered.add(id(handle))
-        self.promoter.committed(handle.step, promote=due)
-
     def _flush(self) -> None:
-        # A waiter may wake before a future's callbacks ran: hand over every commit seen so far.
-        with self._lock:
-            handles = list(self._handles)
-        for handle, due in handles:
-            if handle.committed.done():
-                self._deliver(handle, due)
+        self.relay.flush()
 
     def wait(self, fence: Any, *, raise_errors: bool = True) -> float:
         """:meth:`AsyncCheckpointer.wait`."""

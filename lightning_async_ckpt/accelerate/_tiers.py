@@ -1,0 +1,221 @@
+"""Two tiers for Accelerate: every ``save_state`` cut committed to a node-local tier, the due ones promoted to ``uri``.
+
+:class:`TieredAccelerateCheckpointer` is what :func:`~lightning_async_ckpt.accelerate.attach` returns with
+``local_dirpath``. The fully asynchronous path's engine writes ``local_dirpath`` (accelerate's file layout, manifest
+last, as with one tier); a :class:`~lightning_async_ckpt.storage.promote.Promoter` copies each generation due on the
+durable cadence (``promote_every_n_steps``, ``final=True``, the emergency save) from its committed local objects to
+``uri`` on the thread ``lightning_async_ckpt-promote``: nothing is staged twice and nothing of it runs on the training
+thread. Only the main process writes, so only it holds the engine and the promoter.
+
+The emergency save: ``preemption_signal`` installs a handler (main thread, in ``attach``) that only records the
+signal. Every process's flag travels with the next ``save_state`` (an exchange on the checkpointer's group each
+call while ``preemption_signal`` is set), so any process's signal counts: that call becomes the emergency save on
+every process (copied at the cut, committed locally, promoted, within ``preemption_grace_s``; logged) and
+:attr:`TieredAccelerateCheckpointer.preempted` turns true everywhere.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+from typing import Any
+
+from lightning_async_ckpt.accelerate._checkpointer import AccelerateCheckpointer
+from lightning_async_ckpt.accelerate._layout import _log
+from lightning_async_ckpt.core.engine import AsyncCheckpointer, CheckpointOptions, SaveHandle
+from lightning_async_ckpt.core.preemption import PreemptionHandler, check_preemption
+from lightning_async_ckpt.core.tiered import CommitRelay, local_location
+from lightning_async_ckpt.errors import ConfigError
+from lightning_async_ckpt.storage.promote import Promoter
+from lightning_async_ckpt.storage.store import CheckpointStore
+
+__all__ = ["TieredAccelerateCheckpointer", "check_tier_options"]
+
+
+def check_tier_options(**values: Any) -> None:
+    """Validate the step counts and retentions of the tiers (``None`` or an int >= 1).
+
+    Raises:
+        ConfigError: Naming the argument.
+    """
+    for name, value in values.items():
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ConfigError(f"{name} must be None or an int >= 1, got {value!r}")
+
+
+class TieredAccelerateCheckpointer(AccelerateCheckpointer):
+    """An :class:`AccelerateCheckpointer` whose fully asynchronous saves go to a local tier, promoted to ``uri``.
+
+    Thread-safety: as :class:`AccelerateCheckpointer` (the training thread); promotions run on
+    ``lightning_async_ckpt-promote`` and their errors are raised on every process at the next collective call.
+
+    Args:
+        accelerator: The ``Accelerator``.
+        uri: The durable tier (local folder or fsspec URL).
+        local_dirpath: The node-local tier (NVMe, ``/dev/shm``).
+        local_every_n_steps: With it, a ``save_state`` at a step due on neither cadence takes no cut (returns
+            ``None``), so ``save_state`` can be called after every step; ``None``: every call is a local cut.
+        local_keep_last: Retention of the local tier (the newest generation due on ``uri`` is kept until its
+            promotion committed).
+        promote_every_n_steps: Generations at multiples of this step are promoted (``None``: only ``final=True``,
+            ``promote=True`` and the emergency save).
+        preemption_signal: A signal that turns the next ``save_state`` into the emergency save.
+        preemption_grace_s: The emergency save's bound for the local commit and the promotion together.
+        storage_options, defer, options: As :class:`AccelerateCheckpointer` (``options.keep_last`` is ``uri``'s
+            retention).
+    """
+
+    def __init__(
+        self,
+        accelerator: Any,
+        uri: str,
+        *,
+        local_dirpath: str,
+        local_every_n_steps: int | None,
+        local_keep_last: int | None,
+        promote_every_n_steps: int | None,
+        preemption_signal: Any,
+        preemption_grace_s: float | None,
+        storage_options: dict[str, Any] | None,
+        defer: bool,
+        options: CheckpointOptions,
+    ) -> None:
+        self.local_dirpath = local_dirpath
+        self.local_every_n_steps = local_every_n_steps
+        self.local_keep_last = local_keep_last
+        self.promote_every_n_steps = promote_every_n_steps
+        signum, self.preemption_grace_s = check_preemption(preemption_signal, preemption_grace_s)
+        self.preemption = PreemptionHandler(signum)
+        self.promoter: Promoter | None = None
+        self.relay: CommitRelay | None = None
+        self.preempted = False
+        self.last_emergency: str | None = None
+        super().__init__(accelerator, uri, storage_options=storage_options, defer=defer, options=options)
+        self.preemption.install()
+
+    @property
+    def promoted_step(self) -> int | None:
+        """The newest step this checkpointer promoted to ``uri`` (main process; ``None`` elsewhere)."""
+        return None if self.promoter is None else self.promoter.promoted_step
+
+    def save_state(
+        self,
+        step: int | None = None,
+        *,
+        automatic: bool | None = None,
+        final: bool = False,
+        promote: bool | None = None,
+    ) -> SaveHandle | None:  # type: ignore[override]
+        """A cut committed to the local tier, promoted to ``uri`` when due; the emergency save when signalled.
+
+        Collective: every process must call it (with the same ``step``). Returns ``None`` when ``local_every_n_steps``
+        is set and ``step`` is due on neither cadence (no cut, no exchange unless ``preemption_signal`` is set).
+
+        Args:
+            step: The manifest's step; default :attr:`step` (optimizer updates).
+            automatic: Not available with two tiers (accelerate's ``checkpoint_N`` folders have one location).
+            final: The checkpoint that ends training: copied at the cut and promoted.
+            promote: Override the durable cadence for this cut.
+
+        Raises:
+            ConfigError: ``automatic=True``, or a bad ``step``.
+        """
+        self._check_open()
+        if automatic:
+            raise ConfigError(
+                "save_state(automatic=True) writes accelerate's checkpoint_N folders, which have no local tier: "
+                "save to the attached uri (attach(accelerator, uri, local_dirpath=...))"
+            )
+        step = self.step if step is None else step
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ConfigError(f"step must be a non-negative int, got {step!r}")
+        if self.preemption.signum is not None:
+            flags = self._collective(payload=self.preemption.requested.is_set(), doing="the preemption check")
+            if any(flags):
+                return self.emergency_save(step)
+        due = final or (promote if promote is not None else _on(self.promote_every_n_steps, step))
+        if self.local_every_n_steps is not None and not due and not _on(self.local_every_n_steps, step):
+            return None
+        return self._tiered_save(step, final=final, due=due)
+
+    def emergency_save(self, step: int | None = None) -> SaveHandle:
+        """Collective: a cut copied at the cut, committed locally, then promoted, within ``preemption_grace_s``.
+
+        The main process waits for both (within the grace period) and logs at WARNING what was committed where
+        (:attr:`last_emergency`); :attr:`preempted` is true afterwards on every process.
+        """
+        step = self.step if step is None else step
+        self.preemption.requested.clear()
+        handle = self._tiered_save(step, final=True, due=True)
+        self.preempted = True
+        if self._main and self._engine is not None:
+            self.last_emergency = self._drain_tiers(self.preemption_grace_s)[1]
+            _log.warning("emergency checkpoint at step %d: %s", step, self.last_emergency)
+        return handle
+
+    def drain(self, timeout: float | None = None) -> bool:
+        """Wait for this process's local commits, then their promotions (main process); whether both ended in time.
+        Errors stay pending (raised at the next collective call)."""
+        return self._drain_tiers(timeout)[0] if self._main else True
+
+    def close(self, timeout: float | None = None) -> None:
+        """Drain the local commits and the promotions (within ``timeout``), restore the signal handler, and close as
+        :meth:`AccelerateCheckpointer.close` (collective; raises a save's or a promotion's error on every process)."""
+        if self.closed:
+            return
+        self.preemption.remove()
+        if self._main and self.promoter is not None:
+            deadline = None if timeout is None else time.monotonic() + timeout
+            self._drain_tiers(timeout)
+            self.promoter.close(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        super().close(timeout)
+
+    # -- internals -----------------------------------------------------------------------------------------
+    def _tiered_save(self, step: int, *, final: bool, due: bool) -> SaveHandle:
+        handle = super().save_state(step, automatic=False, final=final)
+        if self._main and self.relay is not None and handle.decision.decision in ("admit", "wait"):
+            self.relay.track(handle, due)
+        return handle
+
+    def _drain_tiers(self, timeout: float | None) -> tuple[bool, str]:
+        engine, promoter, relay = self._engine, self.promoter, self.relay
+        if engine is None or promoter is None or relay is None:
+            return True, "nothing saved"
+        deadline = None if timeout is None else time.monotonic() + timeout
+        saved = engine.drain_quietly(timeout)
+        relay.flush()
+        promoted = promoter.drain(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        where = f"committed step {engine.committed_step} to {engine.store.uri}"
+        if not saved:
+            where += f" (steps {engine.in_flight_steps()} still in flight after {timeout}s)"
+        where += f"; promoted step {promoter.promoted_step} to {promoter.target.uri}"
+        if not promoted:
+            where += f" (a promotion was still running after {timeout}s)"
+        return saved and promoted, where
+
+    def _get_engine(self) -> AsyncCheckpointer:
+        if self._engine is None:
+            assert self.uri is not None
+            local = CheckpointStore(local_location(self.local_dirpath, self.step), run_id=self.run_id)
+            durable = CheckpointStore(self.uri, self.storage_options, run_id=self.run_id)
+            # Retention of the local tier is the promoter's: it keeps the generation due on uri until promoted.
+            self._engine = self._new_engine(local, replace(self.options, keep_last=None))
+            self.promoter = Promoter(
+                local,
+                durable,
+                keep_last=self.options.keep_last,
+                source_keep_last=self.local_keep_last,
+                on_error=self._engine.report_error,
+                on_event=self._engine.events.emit,
+            )
+            self.relay = CommitRelay(self.promoter)
+            _log.info("local tier of this run: %s (promoted to %s)", local.uri, durable.uri)
+        return self._engine
+
+    def _exit(self) -> None:
+        self.preemption.remove()
+        super()._exit()
+
+
+def _on(every: int | None, step: int) -> bool:
+    return every is not None and step > 0 and step % every == 0
