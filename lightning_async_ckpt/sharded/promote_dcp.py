@@ -139,15 +139,21 @@ class DcpPromoter:
         return frozenset(steps)
 
     def drain(self, timeout: float | None = None) -> bool:
-        """Wait until no promotion is pending or in flight (rank 0 decides; the others follow its rounds)."""
+        """Wait until no promotion is pending or in flight and a round ran for the newest due step (rank 0 decides
+        which; the others follow its rounds). Whether that happened within ``timeout``."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
-            while not self._stopped and (self._pending is not None or self._in_flight is not None):
+            while not self._stopped and self._busy():
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
                     return False
                 self._cond.wait(remaining)
         return True
+
+    def _busy(self) -> bool:
+        # Rank 0 has the due step pending or in flight; another rank waits for rank 0's round of its newest due step.
+        behind = self._newest_due is not None and (self._last_round is None or self._newest_due > self._last_round)
+        return self._pending is not None or self._in_flight is not None or behind
 
     def close(self, timeout: float | None = None) -> bool:
         """Finish the promotions asked for (within ``timeout``), stop every rank's thread; call on every rank."""
@@ -185,6 +191,7 @@ class DcpPromoter:
         return out
 
     def _run(self) -> None:
+        step = None
         try:
             while True:
                 step = None
@@ -199,18 +206,16 @@ class DcpPromoter:
                     return
                 with self._cond:
                     self._in_flight = step
-                try:
-                    self._round(step)
-                finally:
-                    with self._cond:
-                        self._in_flight = None
-                        self._last_round = max(step, self._last_round or step)
-                        self._due = {s for s in self._due if s > self._last_round}
-                        self._cond.notify_all()
+                self._round(step)
+                with self._cond:
+                    self._in_flight = None
+                    self._last_round = max(step, self._last_round or step)
+                    self._due = {s for s in self._due if s > self._last_round}
+                    self._cond.notify_all()
         except BaseException as exc:  # noqa: BLE001 - a broken group (dead peer, timeout): promotions stop
+            # Reported before a waiter can see the round end, so a drain that returns raises it.
             self.broken = exc
-            _log.warning("promotions to %s stopped: %s: %s", self.durable.uri, type(exc).__name__, exc)
-            self._fail(self._in_flight, PromotionError(f"promotions to {self.durable.uri!r} stopped: {exc}"))
+            self._fail(step, PromotionError(f"promotions to {self.durable.uri!r} stopped: {exc}"))
         finally:
             with self._cond:
                 self._stopped = True
