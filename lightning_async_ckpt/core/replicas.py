@@ -47,6 +47,7 @@ __all__ = [
     "ReplicaError",
     "Replicator",
     "folder_id",
+    "replica_plan",
     "replica_targets",
     "restore_from_peers",
 ]
@@ -73,6 +74,20 @@ def replica_targets(rank: int, world_size: int, *, replicas: int, ranks_per_node
             f"node(s) of {ranks_per_node} rank(s) ({world_size} ranks), so at most {limit}"
         )
     return [(rank + i * jump) % world_size for i in range(1, replicas + 1)]
+
+
+def replica_plan(
+    rank: int, world_size: int, *, replicas: int, ranks_per_node: int, writers: tuple[int, ...] = (0,)
+) -> tuple[list[int], list[int], list[int]]:
+    """This rank's part in the single-writer layout: ``(targets, sources, every target)``: the ranks this rank's
+    generations go to (it is a writer), the writers whose generations it receives, and all targets (for the log).
+
+    Raises:
+        ValueError: As :func:`replica_targets`.
+    """
+    plan = {w: replica_targets(w, world_size, replicas=replicas, ranks_per_node=ranks_per_node) for w in writers}
+    sources = [w for w in writers if rank in plan[w]]
+    return plan.get(rank, []), sources, sorted({t for targets in plan.values() for t in targets})
 
 
 def folder_id(root: str) -> str:

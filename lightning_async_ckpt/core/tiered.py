@@ -13,12 +13,21 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import replace
+from functools import partial
 from typing import Any
 
 from lightning_async_ckpt.core.engine import AsyncCheckpointer
 from lightning_async_ckpt.core.handle import SaveHandle
 from lightning_async_ckpt.core.options import CheckpointOptions
 from lightning_async_ckpt.core.preemption import PreemptionHandler, check_preemption
+from lightning_async_ckpt.core.replicas import Replicator
+from lightning_async_ckpt.core.tiered_replicas import (
+    WRITERS,
+    Restored,
+    open_replicas,
+    restore_across_ranks,
+    restore_single,
+)
 from lightning_async_ckpt.errors import ConfigError
 from lightning_async_ckpt.storage.generation import version_folders
 from lightning_async_ckpt.storage.promote import Promoter
@@ -111,6 +120,10 @@ class TieredCheckpointer:
             its promotion committed).
         preemption_signal: A signal that sets :attr:`preempted` (handler installed here, on the main thread,
             removed by :meth:`close`).
+        replicas: Under ``torch.distributed``: copy each local commit to this many other ranks' local tiers over a
+            separate gloo group (created here: construct it on every rank), on other nodes by the node layout
+            (:mod:`~lightning_async_ckpt.core.tiered_replicas`). Rank 0 saves, alone; :meth:`restore` on every rank.
+        ranks_per_node: The node layout for ``replicas`` (default ``LOCAL_WORLD_SIZE``, else one node).
         options: Engine options for the local tier (``keep_last`` there is ignored: retention is per tier).
         **overrides: Any :class:`CheckpointOptions` field.
 
@@ -138,6 +151,8 @@ class TieredCheckpointer:
         keep_last: int | None = None,
         local_keep_last: int | None = None,
         preemption_signal: int | None = None,
+        replicas: int | None = None,
+        ranks_per_node: int | None = None,
         options: CheckpointOptions | None = None,
         **overrides: Any,
     ) -> None:
@@ -145,6 +160,8 @@ class TieredCheckpointer:
             ("promote_every_n_steps", promote_every_n_steps),
             ("keep_last", keep_last),
             ("local_keep_last", local_keep_last),
+            ("replicas", replicas),
+            ("ranks_per_node", ranks_per_node),
         ):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ConfigError(f"{name} must be None or an int >= 1, got {value!r}")
@@ -165,7 +182,17 @@ class TieredCheckpointer:
             on_event=self.engine.events.emit,
         )
         self.promote_every_n_steps = promote_every_n_steps
-        self.relay = CommitRelay(self.promoter)
+        self.local_dirpath = local if isinstance(local, str) else self.local.root
+        self.group: Any = None
+        self.replicator: Replicator | None = None
+        if replicas:
+            self.group, self.replicator = open_replicas(
+                self.local_dirpath, replicas, ranks_per_node=ranks_per_node, keep_last=local_keep_last
+            )
+            self.replicator.on_error = self.engine.report_error  # raised at the next save/wait/poll/drain
+            self.replicator.on_event = self.engine.events.emit
+        replicate = None if self.replicator is None else partial(self.replicator.replicate, self.local)
+        self.relay = CommitRelay(self.promoter, replicate)
         self.preemption = PreemptionHandler(signum)
         self.preemption.install()
 
@@ -191,6 +218,14 @@ class TieredCheckpointer:
 
     def save(self, step: int, state: Any, *, promote: bool | None = None, **kwargs: Any) -> SaveHandle:
         """:meth:`AsyncCheckpointer.save` to the local tier; promoted when ``promote`` (default: on the cadence)."""
+        if self.replicator is not None and self.group is not None:
+            import torch.distributed as dist
+
+            if dist.get_rank() not in WRITERS:
+                raise ConfigError(
+                    f"with replicas only rank {WRITERS[0]} saves (the single-writer layout: its generation holds the "
+                    f"whole state); rank {dist.get_rank()} receives replicas and calls restore() and close() only"
+                )
         every = self.promote_every_n_steps
         due = promote if promote is not None else (every is not None and step % every == 0)
         handle = self.engine.save(step, state, **kwargs)
@@ -199,6 +234,21 @@ class TieredCheckpointer:
 
     def _flush(self) -> None:
         self.relay.flush()
+
+    def restore(self) -> Restored | None:
+        """The generation to resume from: the newest intact local one unless ``durable`` lists a newer step, then
+        ``durable``'s newest verified one; ``None`` on a first run. Its run continues (the stores' run id).
+
+        With ``replicas`` it is collective (every rank calls it): every rank agrees on one step, and a rank whose
+        local folder lacks it receives it from a peer first (:func:`restore_across_ranks`).
+        """
+        if self.group is not None:
+            restored = restore_across_ranks(self.group, self.local_dirpath, self.durable)
+        else:
+            restored = restore_single(self.local_dirpath, self.durable)
+        if restored is not None and restored.manifest.run_id:
+            self.local.run_id = self.durable.run_id = restored.manifest.run_id
+        return restored
 
     def wait(self, fence: Any, *, raise_errors: bool = True) -> float:
         """:meth:`AsyncCheckpointer.wait`."""
@@ -214,8 +264,9 @@ class TieredCheckpointer:
         saved = self.engine.drain_quietly(timeout)
         self._flush()
         promoted = self.promoter.drain(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        replicated = self.replicator is None or self.replicator.drain(_left(deadline))
         self.engine.raise_pending()
-        return saved and promoted
+        return saved and promoted and replicated
 
     def emergency_save(self, step: int, state: Any, *, grace_s: float | None = None, **kwargs: Any) -> str:
         """Save ``state`` copied at the cut, commit it locally, promote it within ``grace_s``; say where it landed.
@@ -232,6 +283,9 @@ class TieredCheckpointer:
         promoted = self.promoter.drain(left)
         where = f"committed step {self.committed_step} to {self.local.uri}" + ("" if saved else " (not in time)")
         where += f"; promoted step {self.promoted_step} to {self.durable.uri}" + ("" if promoted else " (not in time)")
+        if self.replicator is not None:
+            replicated = self.replicator.drain(_left(deadline))
+            where += f"; replicated to ranks {self.replicator.targets}" + ("" if replicated else " (not in time)")
         _log.warning("emergency checkpoint at step %d: %s", step, where)
         return where
 
@@ -242,15 +296,22 @@ class TieredCheckpointer:
             CheckpointError: A save or promotion error not raised yet.
         """
         self.preemption.remove()
+        deadline = None if timeout is None else time.monotonic() + timeout
         try:
             self.engine.drain_quietly(timeout)
             self._flush()
-            self.promoter.close(timeout)
+            self.promoter.close(_left(deadline))
+            if self.replicator is not None:
+                self.replicator.close(_left(deadline))  # rank 0 tells its targets to stop; they wait for that
         finally:
-            self.engine.close(timeout)
+            self.engine.close(_left(deadline))
 
     def __enter__(self) -> TieredCheckpointer:
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _left(deadline: float | None) -> float | None:
+    return None if deadline is None else max(0.0, deadline - time.monotonic())

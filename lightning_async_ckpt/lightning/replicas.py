@@ -19,7 +19,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from lightning_async_ckpt.core.replicas import Replicator, replica_targets, restore_from_peers
+from lightning_async_ckpt.core.replicas import Replicator, replica_plan, restore_from_peers
 from lightning_async_ckpt.errors import ConfigError
 from lightning_async_ckpt.storage.store import CheckpointStore
 
@@ -56,11 +56,12 @@ def setup_replicas(tiers: Any, trainer: Any) -> None:
     world, rank = trainer.world_size, trainer.global_rank
     per_node = max(1, world // max(1, trainer.num_nodes))
     try:
-        targets = {w: replica_targets(w, world, replicas=tiers.replicas, ranks_per_node=per_node) for w in WRITERS}
+        mine, sources, every = replica_plan(
+            rank, world, replicas=tiers.replicas, ranks_per_node=per_node, writers=WRITERS
+        )
     except ValueError as exc:
         raise ConfigError(f"{exc}: pass replicas=N with N below that (or more nodes)") from exc
     group = ensure_group(tiers, trainer)
-    mine, sources = targets.get(rank, []), [w for w in WRITERS if rank in targets[w]]
     current = tiers.replicator
     # Idempotent within a fit (two receivers on one link would split its messages); a new fit gets a new sender
     # (the last one closed) and restarts the receivers (they ended at the stop message).
@@ -69,7 +70,7 @@ def setup_replicas(tiers: Any, trainer: Any) -> None:
             group, tiers.local_dirpath, targets=mine, sources=sources, keep_last=tiers.local_keep_last
         )
     tiers.replicator.start_receiving()
-    _log.info("replicas of rank %s's local tier go to ranks %s", WRITERS, sorted({*sum(targets.values(), [])}))
+    _log.info("replicas of rank %s's local tier go to ranks %s", WRITERS, every)
 
 
 def agree_on_local(

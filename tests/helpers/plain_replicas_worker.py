@@ -1,0 +1,81 @@
+"""One rank of a two-process plain loop with two tiers and ``replicas=1``, launched by tests/core/test_tiered_replicas.py.
+
+Usage: python plain_replicas_worker.py BASE PHASE
+    Each rank has its own "node-local" folder ``BASE/local-<rank>``; the durable tier is ``faulty://BASE/durable``
+    (a wrapper counting every call). A DDP model on gloo; rank 0 saves (single writer).
+    PHASE ``train``: steps 1..8, saves at 2, 4, 6 (promoted every 4); prints the weights after step 8.
+    PHASE ``resume``: ``restore()`` on both ranks (the test deleted rank 1's folder), load, train steps 7..8; prints
+    the weights, the tier and step restored and how many durable reads (open/cat_file) ``restore()`` made.
+Prints one line ``RESULT {json}``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+import lightning_async_ckpt.testing  # noqa: E402, F401 - registers faulty://
+from lightning_async_ckpt import CheckpointStore  # noqa: E402
+from lightning_async_ckpt.core.tiered import TieredCheckpointer  # noqa: E402
+
+
+def _model() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = torch.nn.parallel.DistributedDataParallel(
+        torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+    )
+    return model, torch.optim.Adam(model.parameters(), lr=0.01)
+
+
+def _step(model: torch.nn.Module, opt: torch.optim.Optimizer, step: int) -> None:
+    gen = torch.Generator().manual_seed(1000 * step + dist.get_rank())
+    loss = model(torch.randn(4, 8, generator=gen)).pow(2).mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+
+
+def _reads(fs: object) -> int:
+    return sum(fs.count(op) for op in ("open", "cat_file"))  # type: ignore[attr-defined]
+
+
+def main() -> None:
+    base, phase = sys.argv[1], sys.argv[2]
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    durable = CheckpointStore(f"faulty://{base}/durable", {"target_protocol": "file"})
+    ckpt = TieredCheckpointer(f"{base}/local-{rank}", durable, promote_every_n_steps=4, replicas=1)
+    model, opt = _model()
+    report: dict = {"rank": rank}
+    first = 1
+    if phase == "resume":
+        before = _reads(durable.fs)
+        restored = ckpt.restore()
+        report["durable_reads"] = _reads(durable.fs) - before
+        assert restored is not None
+        report.update(tier=restored.tier, step=restored.step, where=restored.store.uri)
+        with restored.open() as f:
+            state = torch.load(f, weights_only=True)
+        model.module.load_state_dict(state["model"])
+        opt.load_state_dict(state["optim"])
+        first = restored.step + 1
+    for step in range(first, 9):
+        _step(model, opt, step)
+        if phase == "train" and rank == 0 and step in (2, 4, 6):
+            state = {"model": model.module.state_dict(), "optim": opt.state_dict(), "step": step}
+            ckpt.save(step, state, modules=[model], optimizers=[opt])
+    ckpt.close()
+    report["weights"] = {k: v.tolist() for k, v in model.module.state_dict().items()}
+    dist.barrier()
+    dist.destroy_process_group()
+    print("RESULT " + json.dumps(report), flush=True)
+
+
+if __name__ == "__main__":
+    main()
