@@ -25,6 +25,7 @@ from lightning_async_ckpt.core.tiered_replicas import (
     WRITERS,
     Restored,
     open_replicas,
+    require_process_group,
     restore_across_ranks,
     restore_single,
 )
@@ -166,6 +167,8 @@ class TieredCheckpointer:
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ConfigError(f"{name} must be None or an int >= 1, got {value!r}")
         signum, _ = check_preemption(preemption_signal, None)
+        if replicas:
+            require_process_group()  # before any thread or handler exists
         self.local = CheckpointStore(local) if isinstance(local, str) else local
         self.durable = CheckpointStore(durable, run_id=self.local.run_id) if isinstance(durable, str) else durable
         if options is None:

@@ -25,7 +25,7 @@ from lightning_async_ckpt.storage.finder import list_steps, newest_intact
 from lightning_async_ckpt.storage.manifest import Manifest
 from lightning_async_ckpt.storage.store import CheckpointStore
 
-__all__ = ["WRITERS", "Restored", "open_replicas", "restore_across_ranks", "restore_single"]
+__all__ = ["WRITERS", "Restored", "open_replicas", "require_process_group", "restore_across_ranks", "restore_single"]
 
 _log = logging.getLogger("lightning_async_ckpt")
 
@@ -54,6 +54,21 @@ class Restored:
         return self.store.open(self.step, name)
 
 
+def require_process_group() -> None:
+    """Raise unless a ``torch.distributed`` process group exists (checked before anything is built).
+
+    Raises:
+        ConfigError: Naming ``replicas`` and the fix.
+    """
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        raise ConfigError(
+            "replicas needs torch.distributed: call torch.distributed.init_process_group on every rank before "
+            "TieredCheckpointer(..., replicas=F)"
+        )
+
+
 def open_replicas(
     local_dirpath: str, replicas: int, *, ranks_per_node: int | None, keep_last: int | None
 ) -> tuple[Any, Replicator]:
@@ -66,11 +81,7 @@ def open_replicas(
     """
     import torch.distributed as dist
 
-    if not dist.is_available() or not dist.is_initialized():
-        raise ConfigError(
-            "replicas needs torch.distributed: call torch.distributed.init_process_group on every rank before "
-            "TieredCheckpointer(..., replicas=F)"
-        )
+    require_process_group()
     if "://" in local_dirpath and not local_dirpath.startswith("file://"):
         raise ConfigError(f"replicas needs a node-local folder as the local tier, got {local_dirpath!r}")
     world, rank = dist.get_world_size(), dist.get_rank()

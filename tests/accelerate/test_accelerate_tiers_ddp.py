@@ -5,6 +5,8 @@ when every process holds it intact."""
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -39,8 +41,14 @@ def test_two_processes_stop_together_on_one_signal_and_agree_on_the_tier_to_resu
     assert _steps(tmp_path / "local") == [2, 4, 6, 8, 9]
     assert _steps(tmp_path / "durable") == [4, 8, 9]
     assert CheckpointStore(str(tmp_path / "durable"), check_writable=False).verify(9).ok
+    shutil.copytree(tmp_path / "local", tmp_path / "local-damaged")
+    with open(tmp_path / "local-damaged" / "step-00000009" / "model.safetensors", "r+b") as f:
+        f.seek(-4, os.SEEK_END)
+        f.write(b"\0\0\0\1")  # same size, other bytes: only re-reading against the checksum tells
     resumed = _phase(tmp_path, "resume")
     # One node (a shared folder): both processes load step 9 from the local tier.
     assert [r["shared"] for r in resumed] == [{"step": 9, "promoted": False}] * 2
     # Process 1's folder is empty (another node): both fall back to uri, the same step.
     assert [r["own"] for r in resumed] == [{"step": 9, "promoted": True}] * 2
+    # Process 1's step 9 is damaged: its newest intact (8) is older than uri's 9, so both load uri's 9.
+    assert [r["damaged"] for r in resumed] == [{"step": 9, "promoted": True}] * 2

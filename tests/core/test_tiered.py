@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 
 import torch
@@ -93,3 +94,33 @@ def test_a_generation_committed_under_an_attempt_prefix_is_promoted(tmp_path):
     assert manifest.step == 4 and durable.verify(4).ok
     assert durable.manifest(4).object("checkpoint.ckpt").key == "epoch=0-step=4.ckpt"
     assert durable.open(4, "checkpoint.ckpt").read() == b"weights at step 4"
+
+
+def test_restore_takes_the_newest_intact_local_generation_else_the_durable_one(tmp_path):
+    local, durable = tmp_path / "local", tmp_path / "durable"
+    ckpt = TieredCheckpointer(str(local), str(durable), promote_every_n_steps=4)
+    _loop(ckpt, 10)  # local 2..10, durable 4, 8
+    ckpt.close()
+    again = TieredCheckpointer(str(local), str(durable), promote_every_n_steps=4)
+    restored = again.restore()
+    assert (restored.tier, restored.step) == ("local", 10)
+    with restored.open() as f:
+        assert torch.load(f, weights_only=True)["step"] == 10
+    assert again.local.run_id == restored.manifest.run_id  # the restored run continues (retention counts it)
+    again.close()
+    shutil.rmtree(local)  # a new node
+    fresh = TieredCheckpointer(str(local), str(durable), promote_every_n_steps=4)
+    restored = fresh.restore()
+    assert (restored.tier, restored.step) == ("durable", 8)
+    fresh.close()
+
+
+def test_replicas_need_a_process_group(tmp_path):
+    import pytest
+
+    from lightning_async_ckpt.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="replicas needs torch.distributed"):
+        TieredCheckpointer(str(tmp_path / "local"), str(tmp_path / "durable"), replicas=1)
+    with pytest.raises(ConfigError, match="replicas must be None or an int >= 1"):
+        TieredCheckpointer(str(tmp_path / "local"), str(tmp_path / "durable"), replicas=0)

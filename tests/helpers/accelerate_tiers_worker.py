@@ -4,7 +4,8 @@ Usage: python accelerate_tiers_worker.py BASE PHASE
     PHASE ``train``: 10 steps, ``save_state`` after each (local every 2, promoted every 4) into the local folder both
     processes share (one node); process 1 receives a real SIGUSR1 after step 9, so step 9 is the emergency save on
     both. PHASE ``resume``: ``load_state`` with the shared folder (both resume locally), then with a folder of its own
-    per process (process 1's is empty: both fall back to ``uri`` together).
+    per process (process 1's is empty: both fall back to ``uri`` together), then with process 1 on a copy whose step 9
+    is damaged (its newest intact is 8, older than ``uri``'s 9: both load ``uri``).
 Prints one line ``RESULT {json}``.
 """
 
@@ -56,6 +57,8 @@ def main() -> None:
         report["shared"] = _loaded(load_state(run.acc, durable, local_dirpath=shared))
         own = shared if rank == 0 else f"{base}/local-{rank}"
         report["own"] = _loaded(load_state(run.acc, durable, local_dirpath=own))
+        damaged = shared if rank == 0 else f"{base}/local-damaged"  # the test damaged step 9 in that copy
+        report["damaged"] = _loaded(load_state(run.acc, durable, local_dirpath=damaged))
     print("RESULT " + json.dumps(report), flush=True)
 
 
