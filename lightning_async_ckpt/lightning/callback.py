@@ -23,7 +23,6 @@ from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
 from lightning_async_ckpt.core.capture import Fence
-from lightning_async_ckpt.errors import ConfigError
 from lightning_async_ckpt.lightning.arguments import (
     check_shared_dirpath,
     check_strategy,
@@ -104,9 +103,7 @@ class AsyncCheckpointCallback(CallbackArguments):
             self.run_id = trainer.strategy.broadcast(run_id, src=0) if self._distributed else run_id
         self.preemption.install()  # the emergency save's signal, when one is configured (lightning/preemption.py)
         self._sharded = setup_sharded(self, trainer, self._sharded)  # DCP: a writer on every rank (sharded.py)
-        if self._sharded is not None:
-            if self.tiers is not None:
-                raise ConfigError("local_dirpath is not supported with sharded or sliced (DCP) checkpoints yet")
+        if self._sharded is not None:  # with local_dirpath: every rank's own local tier (sharded_tiers.py)
             self.checkpointer, self.store = self._sharded.checkpointer, self._sharded.store
             self._committed_before = self._sharded.committed
             return

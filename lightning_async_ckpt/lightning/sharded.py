@@ -122,12 +122,14 @@ class LightningDcpLayout:
             buffers out (see :mod:`~lightning_async_ckpt.lightning.sliced`) and DCP deduplicates the rest.
         deferral_blocked: Called with the LightningModule at each cut; returns the reasons deferral is unsafe
             (overridden hooks that may write state before a fence), empty when it may defer.
+        every_rank_meta: Every rank writes ``meta.pt`` (the local tier: each rank loads from its own folder).
     """
 
     model_key: str
     rank: int
     replicated: bool = False
     deferral_blocked: Callable[[Any], list[str]] = lambda module: []
+    every_rank_meta: bool = False
 
     def prepare(
         self, step: int, checkpoint: dict[str, Any], modules: list[Any], defer: bool
@@ -141,7 +143,7 @@ class LightningDcpLayout:
         if self.replicated and self.rank != 0 and modules:
             state[self.model_key] = replicated_only(state[self.model_key], modules[0])
         objects: dict[str, bytes] = {}
-        if self.rank == 0:
+        if self.rank == 0 or self.every_rank_meta:
             buffer = io.BytesIO()
             torch.save(meta, buffer)
             objects[LIGHTNING_META_NAME] = buffer.getvalue()
@@ -230,17 +232,23 @@ def setup_sharded(callback: Any, trainer: pl.Trainer, current: ShardedSetup | No
 
     # Every rank creates the checkpoint's gloo group (a collective), on the training thread, before training.
     rank = trainer.global_rank
-    checkpointer = ShardedCheckpointer(
-        store,
-        options=replace(options, event_log=options.event_log if rank == 0 else None),
-        keep_last=options.keep_last,
-        guard=options.guard,
-        host_memory_budget=options.host_memory_budget,
-    )
+    tiered = getattr(callback, "tiers", None) is not None
+    if tiered:  # local_dirpath: every rank's own local generation, the due ones promoted to store
+        from lightning_async_ckpt.lightning.sharded_tiers import open_tiered_sharded
+
+        checkpointer = open_tiered_sharded(callback, store, options, rank)
+    else:
+        checkpointer = ShardedCheckpointer(
+            store,
+            options=replace(options, event_log=options.event_log if rank == 0 else None),
+            keep_last=options.keep_last,
+            guard=options.guard,
+            host_memory_budget=options.host_memory_budget,
+        )
     checkpointer.declare_fences({Fence.BATCH_START, Fence.OPTIMIZER_STEP})
     return ShardedSetup(
         checkpointer=checkpointer,
         store=store,
-        layout=LightningDcpLayout(model_key, rank, replicated, deferral_blocked),
+        layout=LightningDcpLayout(model_key, rank, replicated, deferral_blocked, every_rank_meta=tiered),
         committed=committed,
     )

@@ -34,6 +34,7 @@ from lightning_async_ckpt.lightning.last import weights_only
 from lightning_async_ckpt.lightning.naming import CHECKPOINT_NAME, loadable_path
 from lightning_async_ckpt.lightning.replicas import agree_on_local, setup_replicas
 from lightning_async_ckpt.lightning.rerun import run_locations, version_uri
+from lightning_async_ckpt.lightning.sharded_tiers import find_last_sharded, place_sharded, writes_sharded
 from lightning_async_ckpt.storage.finder import list_steps, newest_intact
 from lightning_async_ckpt.storage.promote import Promoter
 from lightning_async_ckpt.storage.store import CheckpointStore
@@ -133,8 +134,8 @@ class Tiers:
         newer than the step training starts from; otherwise (a damaged or branched-off newer local generation) the fit writes
         a new local version, so nothing there is overwritten.
         """
-        if engine is None:
-            return None
+        if engine is None or engine.writes_dcp:  # sharded: every rank's local tier (lightning/sharded_tiers.py)
+            return place_sharded(self, engine, start_step)
         target = self._local_location(start_step)
         local = self.local_store
         promoter = self.promoter
@@ -316,6 +317,8 @@ def find_last_across(callback: Any, trainer: Any) -> set[str]:
     """``ckpt_path="last"`` of a callback with ``local_dirpath``: :func:`latest_checkpoint`'s rule, resumable
     generations only (never ``save_weights_only`` ones). With ``replicas`` every rank agrees on one step, and a rank
     whose local tier lacks it gets it from a peer first (:mod:`~lightning_async_ckpt.lightning.replicas`)."""
+    if writes_sharded(callback, trainer):  # DCP generations: every rank agrees (lightning/sharded_tiers.py)
+        return find_last_sharded(callback, trainer)
     dirpath = resolve_dirpath(callback.dirpath, trainer.default_root_dir)
     if callback.tiers.replicas and trainer.world_size > 1:
         return _find_last_replicated(callback, trainer, dirpath)

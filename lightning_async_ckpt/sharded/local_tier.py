@@ -89,13 +89,16 @@ class LocalSavePlanner(DefaultSavePlanner):
 
     def __init__(self) -> None:
         super().__init__(enable_plan_caching=False)
+        #: Which rank's copy of each item the global metadata names: the one DCP's de-duplication kept.
+        self.owner: dict[Any, int] = {}
 
     def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
         """The de-duplicated global plan's metadata, with every rank's dropped items given back to it."""
         planned, metadata = super().create_global_plan(all_plans)
         full = []
-        for original, plan in zip(all_plans, planned, strict=True):
+        for rank, (original, plan) in enumerate(zip(all_plans, planned, strict=True)):
             kept = {item.index for item in plan.items}
+            self.owner.update(dict.fromkeys(kept, rank))
             dropped = [item for item in original.items if item.index not in kept]
             full.append(dataclasses.replace(plan, items=[*plan.items, *dropped]))
         self.global_plan = full
@@ -109,8 +112,9 @@ class LocalTierWriter(StoreStorageWriter):
     persister commits every rank's generation after DCP's save returned.
     """
 
-    def __init__(self, store: CheckpointStore, step: int, **kwargs: Any) -> None:
+    def __init__(self, store: CheckpointStore, step: int, *, planner: LocalSavePlanner, **kwargs: Any) -> None:
         super().__init__(store, step, **kwargs)
+        self.planner = planner
         self.global_metadata: Metadata | None = None
         self.own: list[WriteResult] = []
 
@@ -135,10 +139,16 @@ class LocalTierWriter(StoreStorageWriter):
         return out
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        """Keep the global metadata (every rank's files, paths relative to that rank's generation folder)."""
+        """Keep the global metadata (every rank's files, paths relative to that rank's generation folder); a
+        replicated item points at the copy DCP's de-duplication kept, as a plain DCP save would."""
         storage: dict[Any, Any] = {}
-        for rank in results:
-            storage.update({wr.index: wr.storage_data for wr in rank if not isinstance(wr.storage_data, RankObjects)})
+        owner = self.planner.owner
+        for rank, written in enumerate(results):
+            for wr in written:
+                if not isinstance(wr.storage_data, RankObjects) and (
+                    wr.index not in storage or owner.get(wr.index) == rank
+                ):
+                    storage[wr.index] = wr.storage_data
         self.global_metadata = dataclasses.replace(metadata, storage_data=storage)
 
     def commit_local(self, metadata: Metadata, *, rank: int, world_size: int, cut: dict[str, Any]) -> Manifest:
@@ -223,9 +233,11 @@ class LocalTierPersister:
             record.mark("upload", started)
             work.uploaded(report, nbytes)
 
+        planner = LocalSavePlanner()
         writer = LocalTierWriter(
             self.store,
             work.step,
+            planner=planner,
             thread_count=self.thread_count,
             on_written=written,
             on_plan=staged_ok,
@@ -235,9 +247,7 @@ class LocalTierPersister:
         )
         pg = self.process_group
         try:
-            dcp.save(
-                work.state, storage_writer=writer, planner=LocalSavePlanner(), process_group=pg, no_dist=pg is None
-            )
+            dcp.save(work.state, storage_writer=writer, planner=planner, process_group=pg, no_dist=pg is None)
         except (Exception, CheckpointException) as exc:  # noqa: BLE001 - DCP failed it on every rank
             writer.abort()
             error = ShardedSaveError(f"local save of step {work.step} failed, not committed: {describe_failure(exc)}")

@@ -105,6 +105,7 @@ class DcpPromoter:
         self._last_round: int | None = None
         self._closing = False
         self._stopped = False
+        self._retaining = threading.Lock()  # the training side's and the promotion thread's retention, one at a time
         self._thread = threading.Thread(target=self._run, name="lightning_async_ckpt-promote-dcp", daemon=True)
         self._thread.start()
 
@@ -313,7 +314,12 @@ class DcpPromoter:
                 if obj.name in (METADATA_NAME, GLOBAL_METADATA_NAME):
                     continue
                 if not _DATA_RE.match(obj.name):
-                    fs.tokened.add(obj.name)  # an extra object (Lightning's meta.pt): token-named like a data file
+                    # An extra object (Lightning's meta.pt, which every rank keeps locally to load from its own
+                    # folder): rank 0's copy, under its fixed name, written by the step claim's holder.
+                    if claim is not None:
+                        with claim.open(obj.name) as stream:
+                            read_verified(self.local.fs, object_path(self.local, step, obj), obj, into=stream)
+                    continue
                 target = f"{folder}/{obj.name}"
                 with fs.create_stream(target, "wb") as stream:
                     read_verified(self.local.fs, object_path(self.local, step, obj), obj, into=stream)
@@ -381,7 +387,8 @@ class DcpPromoter:
 
     def _retain_local(self) -> None:
         if self.local_keep_last is not None:
-            _retain(self.local, self.local_keep_last, self.protected())
+            with self._retaining:
+                _retain(self.local, self.local_keep_last, self.protected())
 
 
 def _retain(store: CheckpointStore, keep_last: int, protect: frozenset[int]) -> None:

@@ -31,7 +31,7 @@ from lightning_async_ckpt.sharded.once import _gloo_group, job_broadcast, latest
 from lightning_async_ckpt.sharded.spread import load_generation
 from lightning_async_ckpt.storage.store import CheckpointStore
 
-__all__ = ["TierChoice", "latest_across_tiers", "local_roots", "resolve_across_tiers", "version_root"]
+__all__ = ["TierChoice", "latest_across_tiers", "local_roots", "local_state", "resolve_across_tiers", "version_root"]
 
 _log = logging.getLogger("lightning_async_ckpt")
 _VERSION_RE = re.compile(r"^v([0-9]+)$")
@@ -87,7 +87,7 @@ def local_roots(local_dirpath: str) -> list[int]:
     return sorted(versions)
 
 
-def _mine(local_dirpath: str, rank: int, world_size: int) -> tuple[dict[int, int], int, int | None]:
+def local_state(local_dirpath: str, rank: int, world_size: int) -> tuple[dict[int, int], int, int | None]:
     """This rank's committed local steps (step -> version), its newest version, that version's newest step."""
     steps: dict[int, int] = {}
     per_version: dict[int, list[int]] = {}
@@ -142,7 +142,7 @@ def resolve_across_tiers(
         dist.all_gather_object(out, obj, group=group)
         return out
 
-    steps, version, newest = _mine(local_dirpath, rank, world)
+    steps, version, newest = local_state(local_dirpath, rank, world)
     everyone = gather((sorted(steps), version, newest))
     top_version = max(v for _, v, _ in everyone)
     newest_local = max((n for _, v, n in everyone if v == top_version and n is not None), default=None)

@@ -26,7 +26,7 @@ from lightning_async_ckpt.errors import ConfigError
 from lightning_async_ckpt.sharded.checkpointer import ShardedCheckpointer
 from lightning_async_ckpt.sharded.local_tier import LocalTierPersister, rank_store
 from lightning_async_ckpt.sharded.promote_dcp import DcpPromoter
-from lightning_async_ckpt.sharded.tier_resume import TierChoice, resolve_across_tiers, version_root
+from lightning_async_ckpt.sharded.tier_resume import TierChoice, local_state, resolve_across_tiers, version_root
 from lightning_async_ckpt.storage.store import CheckpointStore
 
 __all__ = ["TieredShardedCheckpointer"]
@@ -123,11 +123,12 @@ class TieredShardedCheckpointer(ShardedCheckpointer):
 
     def _make_persister(self, store: CheckpointStore, plan_caching: bool) -> Any:
         group = self.process_group
+        self.world_size = dist.get_world_size(group) if group is not None else 1
         return LocalTierPersister(
             store,
             process_group=group,
             rank=self.rank,
-            world_size=dist.get_world_size(group) if group is not None else 1,
+            world_size=self.world_size,
             thread_count=self.thread_count,
             write_retry=self.write_retry,
         )
@@ -146,14 +147,24 @@ class TieredShardedCheckpointer(ShardedCheckpointer):
         Returns:
             The choice (step, tier), or ``None`` when neither tier holds one (nothing loaded).
         """
-        choice, newest_local, version = resolve_across_tiers(self.local_dirpath, self.durable, verify=verify)
+        choice = resolve_across_tiers(self.local_dirpath, self.durable, verify=verify)[0]
         if choice is not None:
             choice.load(state, process_group=self.process_group)
-        if newest_local is not None and (choice is None or newest_local > choice.step):
-            self._use_version(version + 1)
-        elif version != self.version:
-            self._use_version(version)
+        self.continue_from(choice.step if choice is not None else 0)
         return choice
+
+    def continue_from(self, start_step: int) -> None:
+        """Choose where this run's local generations go, before its first save (collective over the checkpoint
+        group): the newest local version folder when no rank holds a generation (or leftover) there newer than
+        ``start_step``, else a new version folder (committed names are never rewritten)."""
+        _, version, newest = local_state(self.local_dirpath, self.rank, self.world_size)
+        everyone = [(version, newest)]
+        if self.process_group is not None:
+            everyone = [None] * self.world_size
+            dist.all_gather_object(everyone, (version, newest), group=self.process_group)
+        top = max(v for v, _ in everyone)
+        newest_top = max((n for v, n in everyone if v == top and n is not None), default=None)
+        self._use_version(top + 1 if newest_top is not None and newest_top > start_step else top)
 
     def _use_version(self, version: int) -> None:
         store = rank_store(version_root(self.local_dirpath, version), self.rank, run_id=self.store.run_id)

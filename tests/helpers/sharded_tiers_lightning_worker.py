@@ -1,0 +1,118 @@
+"""One rank of the Lightning sharded two-tier test: ``ModelParallelStrategy`` (FSDP2 ``fully_shard``) on 2 CPU ranks.
+
+Usage: ``python sharded_tiers_lightning_worker.py <out>`` under ``tests.helpers.dist.launch_ranks``; prints
+``RESULT {json}``. Each rank has its own node-local folder ``<out>/node<r>`` (as on two nodes).
+
+1. ``reference``: 12 steps without checkpoints; the full weights at step 12 are recorded (rank 0 holds them).
+2. ``first``: 8 steps with ``AsyncCheckpointCallback(dirpath=<out>/durable, every_n_train_steps=4,
+   local_dirpath=<out>/node<r>, local_every_n_train_steps=2, local_keep_last=2)``; both tiers are copied to
+   ``<out>/lost`` and rank 1's local folder there is deleted.
+3. ``local``: a fresh model with ``ckpt_path="last"``: every rank resumes step 8 from its own local folder, trains to 12.
+4. ``durable``: the same in ``<out>/lost``: both ranks resume step 8 from the durable tier, train to 12.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.pytorch.strategies import ModelParallelStrategy
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+from lightning_async_ckpt import AsyncCheckpointCallback  # noqa: E402
+from lightning_async_ckpt.storage.store import CheckpointStore  # noqa: E402
+from tests.helpers.lightning_sharded_worker import ShardedModel, loader  # noqa: E402
+
+
+def _full(model: pl.LightningModule) -> dict[str, torch.Tensor]:
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+class Record(pl.Callback):
+    """The full weights at the given steps (a collective on every rank)."""
+
+    def __init__(self, steps: set[int]) -> None:
+        self.steps, self.weights = steps, {}
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step in self.steps:
+            self.weights[trainer.global_step] = _full(pl_module)
+
+
+def _fit(callbacks: list, max_steps: int, ckpt_path: str | None = None) -> tuple[ShardedModel, pl.Trainer]:
+    model = ShardedModel("plain")
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1),
+        max_steps=max_steps,
+        callbacks=callbacks,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
+    pl.seed_everything(7)
+    trainer.fit(model, loader(), ckpt_path=ckpt_path)
+    return model, trainer
+
+
+def _callback(out: str, rank: int) -> AsyncCheckpointCallback:
+    return AsyncCheckpointCallback(
+        dirpath=f"{out}/durable",
+        every_n_train_steps=4,
+        local_dirpath=f"{out}/node{rank}",
+        local_every_n_train_steps=2,
+        local_keep_last=2,
+    )
+
+
+def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[str]:
+    return sorted(k for k in set(a) | set(b) if k not in a or k not in b or not torch.equal(a[k], b[k]))
+
+
+def main(out: str) -> None:
+    result: dict = {}
+    record = Record({12})
+    _fit([record], 12)
+    rank = dist.get_rank()
+    result["rank"] = rank
+
+    _fit([_callback(out, rank)], 8)
+    local_store = CheckpointStore(f"{out}/node{rank}/rank-{rank}", check_writable=False)
+    result["first_local"] = [g.step for g in local_store.generations()]
+    result["first_durable"] = [g.step for g in CheckpointStore(f"{out}/durable", check_writable=False).generations()]
+    result["first_local_meta"] = "meta.pt" in {o.name for o in local_store.manifest(8).objects}
+    # A copy of both tiers for the fallback fit (rank 1 then loses its local folder there).
+    shutil.copytree(f"{out}/node{rank}", f"{out}/lost/node{rank}")
+    if rank == 0:
+        shutil.copytree(f"{out}/durable", f"{out}/lost/durable")
+    dist.barrier()
+    if rank == 1:
+        shutil.rmtree(f"{out}/lost/node1")
+    dist.barrier()
+
+    model, trainer = _fit([_callback(out, rank)], 12, ckpt_path="last")
+    result.update(local_start=model.start_step, local_path=str(trainer.ckpt_path))
+    weights = _full(model)  # a collective; rank 0 holds the full weights
+    result["local_vs_reference_12"] = _same(weights, record.weights[12]) if rank == 0 else None
+
+    model, trainer = _fit([_callback(f"{out}/lost", rank)], 12, ckpt_path="last")
+    result.update(durable_start=model.start_step, durable_path=str(trainer.ckpt_path))
+    weights = _full(model)
+    result["durable_vs_reference_12"] = _same(weights, record.weights[12]) if rank == 0 else None
+    result["last_durable"] = [
+        g.step for g in CheckpointStore(f"{out}/lost/durable", check_writable=False).generations()
+    ]
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

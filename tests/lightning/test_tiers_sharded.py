@@ -1,0 +1,52 @@
+"""``AsyncCheckpointCallback(local_dirpath=...)`` under ``ModelParallelStrategy`` (FSDP2) on 2 CPU ranks (gloo).
+
+One launch (``tests/helpers/sharded_tiers_lightning_worker.py``): each rank has its own node-local folder; a fit
+writes both tiers; ``ckpt_path="last"`` resumes every rank from its own local folder, and, with rank 1's folder
+lost, every rank from the durable tier; both continue exactly like an uninterrupted fit.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.helpers.dist import launch_ranks
+
+WORKER = Path(__file__).resolve().parents[1] / "helpers" / "sharded_tiers_lightning_worker.py"
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory) -> list[dict]:
+    out = tmp_path_factory.mktemp("tiers_sharded")
+    procs = launch_ranks([sys.executable, str(WORKER), str(out)], timeout=280)
+    results = []
+    for proc in procs:
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        line = next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))
+        results.append(json.loads(line.split(" ", 1)[1]))
+    return sorted(results, key=lambda r: r["rank"])
+
+
+def test_every_cut_lands_in_each_rank_s_own_local_folder_and_the_due_ones_on_dirpath(ranks):
+    for result in ranks:
+        assert result["first_local"] == [6, 8]  # local_keep_last=2 of the cuts every 2 steps
+        assert result["first_durable"] == [4, 8]  # every_n_train_steps=4 (8 is also the final one)
+        assert result["first_local_meta"] is True  # each rank's folder loads alone: Lightning's meta.pt included
+
+
+def test_ckpt_path_last_resumes_every_rank_from_its_own_local_folder_and_continues_identically(ranks):
+    for result in ranks:
+        assert result["local_start"] == 8
+        assert f"node{result['rank']}/rank-{result['rank']}/step-00000008" in result["local_path"]
+    assert ranks[0]["local_vs_reference_12"] == []  # full weights after resuming equal an uninterrupted fit's
+
+
+def test_a_lost_local_folder_on_one_rank_makes_every_rank_resume_from_dirpath_and_continue_identically(ranks):
+    for result in ranks:
+        assert result["durable_start"] == 8
+        assert result["durable_path"].endswith("lost/durable/step-00000008")
+        assert result["last_durable"] == [4, 8, 12]
+    assert ranks[0]["durable_vs_reference_12"] == []
