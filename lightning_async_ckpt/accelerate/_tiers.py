@@ -90,6 +90,7 @@ class TieredAccelerateCheckpointer(AccelerateCheckpointer):
         self.relay: CommitRelay | None = None
         self.preempted = False
         self.last_emergency: str | None = None
+        self._last_cut: SaveHandle | None = None
         super().__init__(accelerator, uri, storage_options=storage_options, defer=defer, options=options)
         self.preemption.install()
 
@@ -146,7 +147,14 @@ class TieredAccelerateCheckpointer(AccelerateCheckpointer):
         """
         step = self.step if step is None else step
         self.preemption.requested.clear()
-        handle = self._tiered_save(step, final=True, due=True)
+        # A cut of this step was just taken (save_state, then emergency_save): promote it instead of cutting again.
+        last = self._last_cut  # the same on every process: each took part in every cut
+        if last is None or last.step != step or last.committed.cancelled() or not last.decision.admitted:
+            handle = self._tiered_save(step, final=True, due=True)
+        else:
+            handle = last
+            if self.relay is not None:
+                self.relay.promote(step)
         self.preempted = True
         if self._main and self._engine is not None:
             self.last_emergency = self._drain_tiers(self.preemption_grace_s)[1]
@@ -173,7 +181,8 @@ class TieredAccelerateCheckpointer(AccelerateCheckpointer):
     # -- internals -----------------------------------------------------------------------------------------
     def _tiered_save(self, step: int, *, final: bool, due: bool) -> SaveHandle:
         handle = super().save_state(step, automatic=False, final=final)
-        if self._main and self.relay is not None and handle.decision.decision in ("admit", "wait"):
+        self._last_cut = handle
+        if self._main and self.relay is not None and handle.decision.admitted:
             self.relay.track(handle, due)
         return handle
 

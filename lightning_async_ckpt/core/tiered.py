@@ -72,26 +72,45 @@ class CommitRelay:
         self.promoter = promoter
         self.also = also
         self._lock = threading.Lock()
-        self._handles: list[tuple[SaveHandle, bool]] = []
+        self._due: dict[int, tuple[SaveHandle, bool]] = {}  # id(handle) -> (handle, due), until handed over
         self._delivered: set[int] = set()
+        self._newest: SaveHandle | None = None
 
     def track(self, handle: SaveHandle, due: bool) -> None:
         """Once ``handle`` commits locally: promote it when ``due``, apply local retention, call ``also``."""
         with self._lock:
             # Handed over ones are dropped, so a long loop keeps only the saves still in flight.
-            self._handles = [(h, d) for h, d in self._handles if id(h) not in self._delivered]
-            self._delivered &= {id(h) for h, _ in self._handles}
-            self._handles.append((handle, due))
-        handle.committed.add_done_callback(lambda _: self._deliver(handle, due))
+            self._due = {k: v for k, v in self._due.items() if k not in self._delivered}
+            self._delivered &= set(self._due)
+            self._due[id(handle)] = (handle, due)
+            self._newest = handle
+        handle.committed.add_done_callback(lambda _: self._deliver(handle))
 
-    def _deliver(self, handle: SaveHandle, due: bool) -> None:
+    def promote(self, step: int) -> SaveHandle | None:
+        """Make the newest save, when it is of ``step``, due on the durable tier too (an emergency save right after
+        a local cut of the same step); its handle, or ``None`` when the newest save is of another step."""
+        with self._lock:
+            handle = self._newest
+            if handle is None or handle.step != step or handle.committed.cancelled():
+                return None
+            entry = self._due.get(id(handle))
+            if entry is None or entry[1]:  # handed over long ago (not the newest then), or due already
+                return handle
+            self._due[id(handle)] = (handle, True)
+            handed_over = id(handle) in self._delivered
+        if handed_over:
+            self.promoter.committed(step, promote=True)
+        return handle
+
+    def _deliver(self, handle: SaveHandle) -> None:
         future = handle.committed
         if future.cancelled() or future.exception() is not None:
             return
         with self._lock:
-            if id(handle) in self._delivered:
+            if id(handle) in self._delivered or id(handle) not in self._due:
                 return
             self._delivered.add(id(handle))
+            due = self._due[id(handle)][1]
         self.promoter.committed(handle.step, promote=due)
         if self.also is not None:
             self.also(handle.step)
@@ -99,10 +118,10 @@ class CommitRelay:
     def flush(self) -> None:
         """Hand over every commit seen so far."""
         with self._lock:
-            handles = list(self._handles)
-        for handle, due in handles:
+            handles = [h for h, _ in self._due.values()]
+        for handle in handles:
             if handle.committed.done():
-                self._deliver(handle, due)
+                self._deliver(handle)
 
 
 class TieredCheckpointer:
@@ -279,7 +298,8 @@ class TieredCheckpointer:
         """
         self.preemption.requested.clear()
         deadline = None if grace_s is None else time.monotonic() + grace_s
-        self.save(step, state, promote=True, final=True, **kwargs)
+        if self.relay.promote(step) is None:  # not just cut at this step: cut it now
+            self.save(step, state, promote=True, final=True, **kwargs)
         saved = self.engine.drain_quietly(grace_s)
         self._flush()
         left = None if deadline is None else max(0.0, deadline - time.monotonic())

@@ -164,3 +164,16 @@ def test_tier_arguments_are_checked(tmp_path: Path) -> None:
         attach(run.acc, str(tmp_path / "d"), local_dirpath=str(tmp_path / "l"), local_keep_last=0)
     with pytest.raises(ConfigError, match="preemption_signal"):
         attach(run.acc, str(tmp_path / "d"), local_dirpath=str(tmp_path / "l"), preemption_signal=signal.SIGKILL)
+
+
+def test_an_emergency_save_right_after_a_local_cut_of_the_same_step_promotes_that_cut(tmp_path: Path) -> None:
+    local, durable = str(tmp_path / "local"), str(tmp_path / "durable")
+    run = make_run()
+    ckpt = attach(run.acc, durable, local_dirpath=local, promote_every_n_steps=8)
+    train(run, 4)
+    save_state(run.acc)  # step 4: local only (not due on uri)
+    ckpt.emergency_save()  # the same step: no second cut (a committed name is never written twice); promoted
+    assert ckpt.preempted and "promoted step 4" in (ckpt.last_emergency or "")
+    ckpt.close()
+    assert _steps(local) == [4]
+    assert _steps(durable) == [4]

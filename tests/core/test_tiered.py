@@ -124,3 +124,15 @@ def test_replicas_need_a_process_group(tmp_path):
         TieredCheckpointer(str(tmp_path / "local"), str(tmp_path / "durable"), replicas=1)
     with pytest.raises(ConfigError, match="replicas must be None or an int >= 1"):
         TieredCheckpointer(str(tmp_path / "local"), str(tmp_path / "durable"), replicas=0)
+
+
+def test_an_emergency_save_right_after_a_local_cut_of_the_same_step_promotes_that_cut(tmp_path):
+    ckpt = TieredCheckpointer(str(tmp_path / "local"), str(tmp_path / "durable"), promote_every_n_steps=8)
+    _loop(ckpt, 4)  # saves at 2 and 4, local only
+    where = ckpt.emergency_save(4, {"step": 4}, grace_s=60)
+    ckpt.close()
+    assert "promoted step 4" in where
+    assert _steps(tmp_path / "local") == [2, 4]
+    assert _steps(tmp_path / "durable") == [4]
+    durable = CheckpointStore(str(tmp_path / "durable"), check_writable=False)
+    assert durable.manifest(4).extra["promoted_from"]["step"] == 4
