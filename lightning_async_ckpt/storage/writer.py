@@ -17,16 +17,18 @@ Call sequence of one generation (``CheckpointStore.begin`` does step 0):
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import logging
 import time
-from typing import IO, TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any
 
 from lightning_async_ckpt.errors import GenerationExistsError, ManifestError, StorageError, WriterUsageError
 from lightning_async_ckpt.storage.claims import CLAIM_NAME, Lease, claim_body, claim_step, new_token, read_claim
-from lightning_async_ckpt.storage.io import Checksum, WriteOnlyStream, file_identity, same_file
+from lightning_async_ckpt.storage.io import file_identity, same_file
 from lightning_async_ckpt.storage.listing_check import check_listed, replaced_files
 from lightning_async_ckpt.storage.manifest import MANIFEST_NAME, Manifest, ObjectEntry, validate_object_name
+from lightning_async_ckpt.storage.object_stream import ObjectStream
 
 if TYPE_CHECKING:
     from lightning_async_ckpt.storage.store import CheckpointStore
@@ -41,76 +43,6 @@ __all__ = [
 ]
 
 _log = logging.getLogger(__name__)
-
-
-class ObjectStream(WriteOnlyStream):
-    """A writable stream for one data object: counts and checksums bytes as they pass, holds none whole."""
-
-    def __init__(self, writer: GenerationWriter, name: str, raw: IO[bytes]) -> None:
-        self._writer = writer
-        self.name = name
-        self._raw = raw
-        self._sum = Checksum(writer.checksum)
-        self.size = 0
-        self.closed = False
-        self.failure: StorageError | None = None
-
-    def write(self, data: Any) -> int:
-        """Write ``data``; a storage failure is kept so it, not a serializer's wrapper, decides retries."""
-        view = memoryview(data).cast("B")
-        try:
-            self._raw.write(view)
-        except Exception as exc:
-            self.failure = StorageError(f"could not write object {self.name!r} of {self._writer.path}: {exc}")
-            raise self.failure from exc
-        self._sum.update(view)
-        self.size += len(view)
-        self._writer.renew()
-        return len(view)
-
-    def flush(self) -> None:
-        self._raw.flush()
-
-    def close(self) -> None:
-        """Make the object durable and record it in the generation; idempotent."""
-        if self.closed:
-            return
-        if self.failure is not None:
-            # A write failed but the serializer carried on: the object is incomplete, never record it.
-            self.abandon()
-            raise self.failure
-        self.closed = True
-        try:
-            self._writer.store.backend.finish(self._raw)
-        except Exception as exc:
-            self._writer._discard(self.name)
-            raise StorageError(f"could not finish object {self.name!r} of {self._writer.path}: {exc}") from exc
-        entry = ObjectEntry(name=self.name, size=self.size, checksum=self._sum.hexdigest())
-        key = self._writer.key_of(self.name)
-        if key != self.name:
-            entry = ObjectEntry(**{**entry.__dict__, "path": key})
-        self._writer._record(entry)
-
-    def abandon(self) -> None:
-        """Close without recording or publishing (after a failed write; aborts a multipart upload)."""
-        if not self.closed:
-            self.closed = True
-            try:
-                self._writer.store.backend.discard(self._raw)
-            except Exception:  # noqa: BLE001 - the write already failed; its error is the one that matters
-                _log.debug("closing abandoned object %s failed", self.name, exc_info=True)
-            self._writer._discard(self.name, partial=True)
-
-    def __enter__(self) -> ObjectStream:
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is None:
-            self.close()
-        else:
-            self.abandon()
-            if self.failure is not None and exc is not self.failure:
-                raise self.failure
 
 
 class GenerationWriter:
@@ -264,7 +196,7 @@ class GenerationWriter:
             run_id=self.store.run_id,
             objects=self.objects,
             cut=dict(cut or {}),
-            versions=_versions(),
+            versions=dict(_versions()),
             plan=dict(plan or {}),
             timings=dict(timings or {}),
             extra=dict(extra or {}),
@@ -406,7 +338,10 @@ class GenerationWriter:
             raise WriterUsageError(f"generation step {self.step} is already committed or aborted")
 
 
+@functools.cache
 def _versions() -> dict[str, str]:
+    # Read once per process: looking the distributions up scans every site-packages entry (5-30 ms per commit on
+    # the 2-core machine, docs/benchmarks.md); callers copy the dict.
     out = {}
     for dist in ("lightning_async_ckpt", "torch", "lightning", "fsspec"):
         try:

@@ -1,0 +1,94 @@
+"""One data object of a generation being written: a checksummed, counted, write-only stream.
+
+:class:`ObjectStream` is what :meth:`GenerationWriter.open <lightning_async_ckpt.storage.writer.GenerationWriter.open>`
+returns: every byte passes through the generation's checksum on its way to the backend's raw file, none is held
+whole, and closing it makes the object durable (the backend's ``finish``: flush and ``fsync`` on local disk, the
+multipart completion on S3) before it is recorded in the generation. A failed write is kept so that the storage
+error, not a serializer's wrapper of it, decides retries; an object whose write failed is never recorded.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import IO, TYPE_CHECKING, Any
+
+from lightning_async_ckpt.errors import StorageError
+from lightning_async_ckpt.storage.io import Checksum, WriteOnlyStream
+from lightning_async_ckpt.storage.manifest import ObjectEntry
+
+if TYPE_CHECKING:
+    from lightning_async_ckpt.storage.writer import GenerationWriter
+
+__all__ = ["ObjectStream"]
+
+_log = logging.getLogger("lightning_async_ckpt.storage.writer")
+
+
+class ObjectStream(WriteOnlyStream):
+    """A writable stream for one data object: counts and checksums bytes as they pass, holds none whole."""
+
+    def __init__(self, writer: GenerationWriter, name: str, raw: IO[bytes]) -> None:
+        self._writer = writer
+        self.name = name
+        self._raw = raw
+        self._sum = Checksum(writer.checksum)
+        self.size = 0
+        self.closed = False
+        self.failure: StorageError | None = None
+
+    def write(self, data: Any) -> int:
+        """Write ``data``; a storage failure is kept so it, not a serializer's wrapper, decides retries."""
+        view = memoryview(data).cast("B")
+        try:
+            self._raw.write(view)
+        except Exception as exc:
+            self.failure = StorageError(f"could not write object {self.name!r} of {self._writer.path}: {exc}")
+            raise self.failure from exc
+        self._sum.update(view)
+        self.size += len(view)
+        self._writer.renew()
+        return len(view)
+
+    def flush(self) -> None:
+        self._raw.flush()
+
+    def close(self) -> None:
+        """Make the object durable and record it in the generation; idempotent."""
+        if self.closed:
+            return
+        if self.failure is not None:
+            # A write failed but the serializer carried on: the object is incomplete, never record it.
+            self.abandon()
+            raise self.failure
+        self.closed = True
+        try:
+            self._writer.store.backend.finish(self._raw)
+        except Exception as exc:
+            self._writer._discard(self.name)
+            raise StorageError(f"could not finish object {self.name!r} of {self._writer.path}: {exc}") from exc
+        entry = ObjectEntry(name=self.name, size=self.size, checksum=self._sum.hexdigest())
+        key = self._writer.key_of(self.name)
+        if key != self.name:
+            entry = ObjectEntry(**{**entry.__dict__, "path": key})
+        self._writer._record(entry)
+
+    def abandon(self) -> None:
+        """Close without recording or publishing (after a failed write; aborts a multipart upload)."""
+        if not self.closed:
+            self.closed = True
+            try:
+                self._writer.store.backend.discard(self._raw)
+            except Exception:  # noqa: BLE001 - the write already failed; its error is the one that matters
+                _log.debug("closing abandoned object %s failed", self.name, exc_info=True)
+            self._writer._discard(self.name, partial=True)
+
+    def __enter__(self) -> ObjectStream:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abandon()
+            if self.failure is not None and exc is not self.failure:
+                raise self.failure
