@@ -111,9 +111,9 @@ def load_state(
     choice: Choice | None = None
     next_index: int | None = None
     error: BaseException | None = None
+    if attached and callable(getattr(checkpointer, "drain", None)):
+        checkpointer.drain(_wait_bound(collective))  # two tiers: this process's local commits and promotions first
     if local_dirpath is not None:
-        if attached and callable(getattr(checkpointer, "drain", None)):
-            checkpointer.drain(_wait_bound(collective))  # this process's local commits and promotions land first
         choice = choose_across_tiers(accelerator, collective, uri, local_dirpath, options, step)
     if choice is None:
         if accelerator.is_main_process:
