@@ -122,7 +122,9 @@ class LightningDcpLayout:
             buffers out (see :mod:`~lightning_async_ckpt.lightning.sliced`) and DCP deduplicates the rest.
         deferral_blocked: Called with the LightningModule at each cut; returns the reasons deferral is unsafe
             (overridden hooks that may write state before a fence), empty when it may defer.
-        every_rank_meta: Every rank writes ``meta.pt`` (the local tier: each rank loads from its own folder).
+        every_rank_meta: The local tier: each rank loads from its own folder, so every rank writes ``meta.pt`` and,
+            under ``ddp_layout="sliced"``, its whole state (the durable generation names rank 0's copy of what
+            DCP de-duplicates, :mod:`~lightning_async_ckpt.sharded.local_tier`).
     """
 
     model_key: str
@@ -140,7 +142,7 @@ class LightningDcpLayout:
             ``(state, {"meta.pt": ...} on rank 0 else {}, defer)``; ``meta.pt`` is serialized here, at the cut.
         """
         state, meta = to_strategy_layout(checkpoint, self.model_key)
-        if self.replicated and self.rank != 0 and modules:
+        if self.replicated and self.rank != 0 and modules and not self.every_rank_meta:  # local tier: keep all
             state[self.model_key] = replicated_only(state[self.model_key], modules[0])
         objects: dict[str, bytes] = {}
         if self.rank == 0 or self.every_rank_meta:

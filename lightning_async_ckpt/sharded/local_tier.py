@@ -81,14 +81,15 @@ def rank_store(local_dirpath: str, rank: int, *, run_id: str | None = None) -> C
 class LocalSavePlanner(DefaultSavePlanner):
     """DCP's default save planner, except that every rank writes every item it holds (no de-duplication).
 
-    The global metadata is built from the de-duplicated plans (so it is valid: no overlapping chunks), and each
-    rank gets back its de-duplicated plan plus the replicated items DCP dropped from it. Write results of a
+    The global metadata is built from the plans de-duplicated to the lowest rank (so it is valid: no overlapping
+    chunks, and a replicated item is rank 0's copy, as a single writer's checkpoint under DDP holds rank 0's
+    buffers), and each rank gets back its de-duplicated plan plus the replicated items DCP dropped from it. Write results of a
     replicated item from two ranks share one ``MetadataIndex`` (its hint is not compared), so each rank's own
     results address its own copy.
     """
 
     def __init__(self) -> None:
-        super().__init__(enable_plan_caching=False)
+        super().__init__(dedup_save_to_lowest_rank=True, enable_plan_caching=False)
         #: Which rank's copy of each item the global metadata names: the one DCP's de-duplication kept.
         self.owner: dict[Any, int] = {}
 

@@ -1,7 +1,8 @@
 """One rank of the Lightning sharded two-tier test: ``ModelParallelStrategy`` (FSDP2 ``fully_shard``) on 2 CPU ranks.
 
-Usage: ``python sharded_tiers_lightning_worker.py <out>`` under ``tests.helpers.dist.launch_ranks``; prints
-``RESULT {json}``. Each rank has its own node-local folder ``<out>/node<r>`` (as on two nodes).
+Usage: ``python sharded_tiers_lightning_worker.py <out> <kind>`` under ``tests.helpers.dist.launch_ranks``; prints
+``RESULT {json}``. Each rank has its own node-local folder ``<out>/node<r>`` (as on two nodes). ``kind``: ``mp``
+(``ModelParallelStrategy``, FSDP2) or ``sliced`` (``DDPStrategy`` with ``ddp_layout="sliced"``, BatchNorm, dropout).
 
 1. ``reference``: 12 steps without checkpoints; the full weights at step 12 are recorded (rank 0 holds them).
 2. ``first``: 8 steps with ``AsyncCheckpointCallback(dirpath=<out>/durable, every_n_train_steps=4,
@@ -9,6 +10,9 @@ Usage: ``python sharded_tiers_lightning_worker.py <out>`` under ``tests.helpers.
    ``<out>/lost`` and rank 1's local folder there is deleted.
 3. ``local``: a fresh model with ``ckpt_path="last"``: every rank resumes step 8 from its own local folder, trains to 12.
 4. ``durable``: the same in ``<out>/lost``: both ranks resume step 8 from the durable tier, train to 12.
+
+``sliced`` has dropout, whose random state Lightning does not restore: its resumed fits are compared with each other
+(local against durable), not with the uninterrupted one.
 """
 
 from __future__ import annotations
@@ -29,9 +33,19 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 from lightning_async_ckpt import AsyncCheckpointCallback  # noqa: E402
 from lightning_async_ckpt.storage.store import CheckpointStore  # noqa: E402
 from tests.helpers.lightning_sharded_worker import ShardedModel, loader  # noqa: E402
+from tests.helpers.models import BNDropoutModel, make_loader  # noqa: E402
+
+KIND = sys.argv[2] if len(sys.argv) > 2 else "mp"
+
+
+class SlicedModel(BNDropoutModel):
+    def on_train_start(self) -> None:
+        self.start_step = self.trainer.global_step
 
 
 def _full(model: pl.LightningModule) -> dict[str, torch.Tensor]:
+    if KIND == "sliced":
+        return {k: v.detach().clone() for k, v in model.state_dict().items()}
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
@@ -46,12 +60,13 @@ class Record(pl.Callback):
             self.weights[trainer.global_step] = _full(pl_module)
 
 
-def _fit(callbacks: list, max_steps: int, ckpt_path: str | None = None) -> tuple[ShardedModel, pl.Trainer]:
-    model = ShardedModel("plain")
+def _fit(callbacks: list, max_steps: int, ckpt_path: str | None = None) -> tuple[pl.LightningModule, pl.Trainer]:
+    sliced = KIND == "sliced"
+    model = SlicedModel() if sliced else ShardedModel("plain")
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=2,
-        strategy=ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1),
+        strategy="ddp" if sliced else ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1),
         max_steps=max_steps,
         callbacks=callbacks,
         logger=False,
@@ -60,7 +75,7 @@ def _fit(callbacks: list, max_steps: int, ckpt_path: str | None = None) -> tuple
         num_sanity_val_steps=0,
     )
     pl.seed_everything(7)
-    trainer.fit(model, loader(), ckpt_path=ckpt_path)
+    trainer.fit(model, make_loader(n=64) if sliced else loader(), ckpt_path=ckpt_path)
     return model, trainer
 
 
@@ -71,6 +86,7 @@ def _callback(out: str, rank: int) -> AsyncCheckpointCallback:
         local_dirpath=f"{out}/node{rank}",
         local_every_n_train_steps=2,
         local_keep_last=2,
+        ddp_layout="sliced" if KIND == "sliced" else "single",
     )
 
 
@@ -83,7 +99,7 @@ def main(out: str) -> None:
     record = Record({12})
     _fit([record], 12)
     rank = dist.get_rank()
-    result["rank"] = rank
+    result.update(rank=rank, kind=KIND)
 
     _fit([_callback(out, rank)], 8)
     local_store = CheckpointStore(f"{out}/node{rank}/rank-{rank}", check_writable=False)
@@ -106,8 +122,9 @@ def main(out: str) -> None:
 
     model, trainer = _fit([_callback(f"{out}/lost", rank)], 12, ckpt_path="last")
     result.update(durable_start=model.start_step, durable_path=str(trainer.ckpt_path))
-    weights = _full(model)
+    local_weights, weights = weights, _full(model)
     result["durable_vs_reference_12"] = _same(weights, record.weights[12]) if rank == 0 else None
+    result["durable_vs_local_12"] = _same(weights, local_weights) if rank == 0 else None
     result["last_durable"] = [
         g.step for g in CheckpointStore(f"{out}/lost/durable", check_writable=False).generations()
     ]
