@@ -1,6 +1,7 @@
 """Peer replicas for plain loops (issue 25): ``TieredCheckpointer(..., replicas=1)`` under gloo copies rank 0's
 local generations to rank 1's own folder; after rank 1's folder is lost, ``restore()`` refills it from rank 0
-without reading the durable tier, every rank resumes the same step, and training continues identically."""
+without reading the durable tier, every rank resumes the same step, and training continues identically; with both
+folders lost every rank reads the durable tier's newest generation (chosen by rank 0)."""
 
 from __future__ import annotations
 
@@ -47,3 +48,9 @@ def test_a_lost_local_folder_is_restored_from_the_peer_and_training_continues_id
     assert _steps(tmp_path / "local-1") == [6]
     assert CheckpointStore(str(tmp_path / "local-1"), check_writable=False).verify(6).ok
     assert [r["weights"] for r in resumed] == [trained[0]["weights"]] * 2
+    # Both local tiers lost (new nodes): every rank reads the durable tier's newest generation, chosen by rank 0.
+    shutil.rmtree(tmp_path / "local-0")
+    shutil.rmtree(tmp_path / "local-1")
+    fallen_back = _phase(tmp_path, "resume")
+    assert [(r["tier"], r["step"]) for r in fallen_back] == [("durable", 4)] * 2
+    assert [r["weights"] for r in fallen_back] == [trained[0]["weights"]] * 2
