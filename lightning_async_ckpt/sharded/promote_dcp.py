@@ -109,6 +109,11 @@ class DcpPromoter:
         self._thread = threading.Thread(target=self._run, name="lightning_async_ckpt-promote-dcp", daemon=True)
         self._thread.start()
 
+    @property
+    def target(self) -> CheckpointStore:
+        """The durable store (the name :class:`~lightning_async_ckpt.storage.promote.Promoter` uses)."""
+        return self.durable
+
     # -- the training side ------------------------------------------------------------------------------------
     def committed(self, step: int, *, promote: bool) -> None:
         """Local generation ``step`` was committed on every rank; ``promote`` asks for its promotion."""

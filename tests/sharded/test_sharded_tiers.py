@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -16,8 +17,10 @@ import pytest
 import torch
 
 from lightning_async_ckpt.errors import ConfigError
+from lightning_async_ckpt.sharded.tier_resume import TierChoice
 from lightning_async_ckpt.sharded.tiered import TieredShardedCheckpointer
 from lightning_async_ckpt.storage.store import CheckpointStore
+from lightning_async_ckpt.testing import Fault
 from tests.helpers.dist import launch_ranks
 
 WORKER = Path(__file__).resolve().parents[1] / "helpers" / "sharded_tiers_worker.py"
@@ -121,3 +124,30 @@ def test_one_process_saves_promotes_and_resumes_from_the_newest_tier(tmp_path):
         choice = again.resume(fresh)
     assert choice is not None and (choice.step, choice.tier) == (3, "local")
     assert torch.equal(fresh["model"]["weight"], model.weight.detach())
+
+
+def test_a_stalled_promoter_that_wakes_after_another_committed_the_step_never_touches_it(tmp_path):
+    reached, release = threading.Event(), threading.Event()
+    stall = Fault(op="write", path="step-00000002/__0_0.distcp", stall=release, callback=lambda call: reached.set())
+    durable_url = str(tmp_path / "durable")
+    stalled_durable = CheckpointStore(
+        f"faulty://{durable_url}", {"target_protocol": "file", "faults": [stall]}, check_writable=False
+    )
+    zombie = TieredShardedCheckpointer(str(tmp_path / "a"), stalled_durable, promote_every_n_steps=2)
+    zombie.save(2, {"w": torch.zeros(4)})
+    assert reached.wait(60)  # its promotion claimed step 2 and stalls in its first durable write
+    with TieredShardedCheckpointer(str(tmp_path / "b"), durable_url, promote_every_n_steps=2) as winner:
+        winner.save(2, {"w": torch.ones(4)})
+        winner.drain()
+        assert winner.promoted_step == 2
+    release.set()
+    zombie.drain()
+    zombie.close()
+    durable = CheckpointStore(durable_url, check_writable=False)
+    assert [g.step for g in durable.generations()] == [2]
+    assert durable.verify(2).ok
+    assert durable.manifest(2).extra["promoted_from"]["uri"].endswith("b/rank-0")
+    state = {"w": torch.zeros(4)}
+    TierChoice(2, "durable", durable).load(state)
+    assert torch.equal(state["w"], torch.ones(4))
+    assert zombie.promoted_step is None
