@@ -5,7 +5,7 @@ Usage: ``python sharded_tiers_lightning_worker.py <out> <kind>`` under ``tests.h
 (``ModelParallelStrategy``, FSDP2) or ``sliced`` (``DDPStrategy`` with ``ddp_layout="sliced"``, BatchNorm, dropout).
 
 1. ``reference``: 12 steps without checkpoints; the full weights at step 12 are recorded (rank 0 holds them).
-2. ``first``: 8 steps with ``AsyncCheckpointCallback(dirpath=<out>/durable, every_n_train_steps=4,
+2. ``first``: 8 steps (``ckpt_path="last"`` with both tiers empty: a fresh start) with ``AsyncCheckpointCallback(dirpath=<out>/durable, every_n_train_steps=4,
    local_dirpath=<out>/node<r>, local_every_n_train_steps=2, local_keep_last=2)``; both tiers are copied to
    ``<out>/lost`` and rank 1's local folder there is deleted.
 3. ``local``: a fresh model with ``ckpt_path="last"``: every rank resumes step 8 from its own local folder, trains to 12.
@@ -101,7 +101,8 @@ def main(out: str) -> None:
     rank = dist.get_rank()
     result.update(rank=rank, kind=KIND)
 
-    _fit([_callback(out, rank)], 8)
+    first, _ = _fit([_callback(out, rank)], 8, ckpt_path="last")  # nothing on either tier yet: a fresh start
+    result["first_start"] = first.start_step
     local_store = CheckpointStore(f"{out}/node{rank}/rank-{rank}", check_writable=False)
     result["first_local"] = [g.step for g in local_store.generations()]
     result["first_durable"] = [g.step for g in CheckpointStore(f"{out}/durable", check_writable=False).generations()]

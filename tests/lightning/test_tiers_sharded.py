@@ -34,6 +34,7 @@ def ranks(request, tmp_path_factory) -> list[dict]:
 
 def test_every_cut_lands_in_each_rank_s_own_local_folder_and_the_due_ones_on_dirpath(ranks):
     for result in ranks:
+        assert result["first_start"] == 0  # ckpt_path="last" with both tiers empty starts fresh on every rank
         assert result["first_local"] == [6, 8]  # local_keep_last=2 of the cuts every 2 steps
         assert result["first_durable"] == [4, 8]  # every_n_train_steps=4 (8 is also the final one)
         assert result["first_local_meta"] is True  # each rank's folder loads alone: Lightning's meta.pt included
