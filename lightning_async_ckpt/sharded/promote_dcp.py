@@ -16,14 +16,13 @@ the survivors' collectives fail on the broken connection and the promoter stops 
 hook). A stalled promoter that wakes later writes only its own token's names, and its commit loses to a committed
 manifest (``GenerationExistsError``), so it never touches a committed durable generation.
 
-Bounded like :class:`~lightning_async_ckpt.storage.promote.Promoter`: rank 0 keeps one round in flight and the
-newest due step pending (a newer one replaces it, counted in ``skipped``). Retention runs per tier: a rank keeps
-locally every due step newer than the last round, and the newest due step until a promotion at least as new
-committed.
+Bounded like :class:`~lightning_async_ckpt.storage.promote.Promoter`: one round in flight, the newest due step
+pending (a newer one replaces it). Retention per tier: :meth:`DcpPromoter.protected`.
 """
 
 from __future__ import annotations
 
+import io
 import logging
 import pickle
 import re
@@ -354,8 +353,6 @@ class DcpPromoter:
             paths.update(moved)
         entry = next(o for o in manifest.objects if o.name == GLOBAL_METADATA_NAME)
         data = read_verified(self.local.fs, object_path(self.local, step, entry), entry)
-        import io
-
         metadata = load_metadata(io.BytesIO(data), where=GLOBAL_METADATA_NAME)
         storage = {}
         for index, info in metadata.storage_data.items():
@@ -363,9 +360,8 @@ class DcpPromoter:
                 raise PromotionError(f"step {step}: {info.relative_path!r} of the global metadata was not uploaded")
             storage[index] = replace(info, relative_path=paths[info.relative_path])
         claim.write_bytes(METADATA_NAME, pickle.dumps(replace(metadata, storage_data=storage)))
-        cut = {k: v for k, v in manifest.cut.items()}
         claim.commit(
-            cut={**cut, "step": step, "world_size": self.world_size},
+            cut={**manifest.cut, "step": step, "world_size": self.world_size},
             plan=manifest.plan,
             extra={
                 "format": DCP_FORMAT,
