@@ -255,8 +255,12 @@ class LocalTierPersister:
             error.torn = bool(job.torn_categories) or is_torn(exc)
             raise error from exc
         box = [writer.global_metadata]
-        if pg is not None:
-            dist.broadcast_object_list(box, src=dist.get_global_rank(pg, 0), group=pg)
+        try:
+            if pg is not None:
+                dist.broadcast_object_list(box, src=dist.get_global_rank(pg, 0), group=pg)
+        except Exception as exc:  # a dead peer: nothing committed here
+            writer.abort()
+            raise ShardedSaveError(f"local save of step {work.step} failed, not committed: {exc}") from exc
         manifest: Manifest | None = None
         failure: BaseException | None = None
         try:
@@ -265,8 +269,11 @@ class LocalTierPersister:
             failure = exc
             writer.abort()
         ok = torch.tensor([0 if failure is not None else 1], dtype=torch.int32)
-        if pg is not None:
-            dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=pg)
+        try:
+            if pg is not None:
+                dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=pg)
+        except Exception as exc:  # a dead peer: this rank's part may be committed, an orphan resume never uses
+            raise ShardedSaveError(f"local commit of step {work.step}: the ranks could not agree: {exc}") from exc
         if int(ok.item()) == 0:
             where = f"rank {self.rank}: {type(failure).__name__}: {failure}" if failure else "on another rank"
             raise ShardedSaveError(f"local commit of step {work.step} failed {where}; the step is not committed")
