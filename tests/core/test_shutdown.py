@@ -19,6 +19,7 @@ import pytest
 from lightning_async_ckpt import AsyncCheckpointCallback, CheckpointStore
 from lightning_async_ckpt.testing import Fault
 from tests.helpers.dist import run_script
+from tests.helpers.forked import start_script
 from tests.helpers.models import BNDropoutModel, make_loader, trainer_kwargs
 
 WORKER = Path(__file__).resolve().parents[1] / "helpers" / "crash_worker.py"
@@ -162,24 +163,16 @@ def test_interpreter_exit_drain_is_bounded(tmp_path):
 @pytest.mark.slow
 def test_sigterm_during_a_run_commits_the_save_in_flight_and_exits(tmp_path):
     root = str(tmp_path / "ckpt")
-    proc = subprocess.Popen(
-        [sys.executable, str(WORKER), "sigterm", root],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        cwd=str(REPO),
-    )
-    try:
-        line = proc.stdout.readline()
-        assert line.startswith("IN_FLIGHT"), line
+    # Forked from the session zygote (Lightning already imported): a separate process that gets the real signal, runs
+    # Lightning's handler and its own, and leaves through interpreter exit.
+    with start_script([sys.executable, str(WORKER), "sigterm", root], cwd=REPO) as proc:
+        line = proc.readline(timeout=120)
+        assert line.startswith("IN_FLIGHT"), (line, proc.stderr[-4000:])
         in_flight = int(line.split("step-")[1].split("/")[0])
         assert CheckpointStore(root, check_writable=False).manifest(2)  # the first save committed
         os.kill(proc.pid, signal.SIGTERM)
-        out, err = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        proc.wait(timeout=120)
+        out, err = proc.stdout, proc.stderr
     assert "FIT RETURNED" not in out  # SIGTERMException propagated out of fit
     assert "training stopped by SIGTERMException" in err, err[-4000:]
     store = CheckpointStore(root, check_writable=False)

@@ -78,8 +78,18 @@ class _Zygote:
         line = self._readline(timeout)
         return None if line is None else json.loads(line)
 
-    def spawn(self, argv: list[str], env: dict[str, str], stdout: Path, stderr: Path, cwd: str | Path | None) -> int:
+    def spawn(
+        self,
+        argv: list[str],
+        env: dict[str, str],
+        stdout: Path,
+        stderr: Path,
+        cwd: str | Path | None,
+        stdin: Path | None = None,
+    ) -> int:
         spec = {"argv": argv, "env": env, "cwd": str(cwd or os.getcwd()), "stdout": str(stdout), "stderr": str(stderr)}
+        if stdin is not None:
+            spec["stdin"] = str(stdin)
         answer = self._ask({"spawn": spec})
         assert answer is not None
         return answer["pid"]

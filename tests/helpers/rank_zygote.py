@@ -1,18 +1,20 @@
 """A pre-imported zygote that forks the ranks ``tests.helpers.dist.launch_ranks`` starts (one per pytest session).
 
 Usage: ``python rank_zygote.py`` with the ranks' common environment (``OMP_NUM_THREADS=1``, ``PYTHONUNBUFFERED=1``).
-It imports torch, torch.distributed (DCP, FSDP2, device mesh), Lightning and this package once, freezes the
+It imports torch, torch.distributed (DCP, FSDP2, device mesh), Lightning, s3fs and this package once, freezes the
 imported heap (``gc.freeze``), prints ``READY`` and then serves JSON lines on stdin, one answer line each on stdout:
 
-    {"spawn": {"argv": [...], "env": {...}, "cwd": ..., "stdout": path, "stderr": path}} -> {"pid": pid}
+    {"spawn": {"argv": [...], "env": {...}, "cwd": ..., "stdout": path, "stderr": path[, "stdin": path]}}
+        -> {"pid": pid}
     {"wait": pid} -> {"rc": exit code, negative for a signal, as ``subprocess`` reports it}
 
 A spawned child is what ``python <script> <args>`` would be from there on: its own environment, working directory,
-``sys.argv`` and ``sys.path[0]`` (the script's folder), stdin from ``/dev/null``, stdout and stderr into the given
-files, the script run as ``__main__``; an uncaught exception prints its traceback and exits 1; it leaves through
-``sys.exit``, so atexit handlers and interpreter finalization run as in a fresh process. What differs: the modules
-above are already imported (with the zygote's environment: Lightning's ``rank_zero_only.rank``, read from the
-environment at import, is set again from the child's), and its parent is the zygote.
+``sys.argv`` and ``sys.path[0]`` (the script's folder), stdin from ``/dev/null`` (or the given path), stdout and
+stderr into the given files (or FIFOs: ``tests/helpers/forked.py``), the script run as ``__main__``; an uncaught
+exception prints its traceback and exits 1; it leaves through ``sys.exit``, so atexit handlers and interpreter
+finalization run as in a fresh process. What differs: the modules above are already imported (with the zygote's
+environment: Lightning's ``rank_zero_only.rank``, read from the environment at import, is set again from the
+child's), and its parent is the zygote.
 
 Each rank of a launch that way skips the imports that are most of its start-up (~8 s of CPU per rank with Lightning
 on the 2-core machine, about as long as most scenarios themselves).
@@ -41,6 +43,10 @@ def _preload() -> None:
     import lightning_async_ckpt  # noqa: F401
     import lightning_async_ckpt.sharded  # noqa: F401
 
+    try:
+        import s3fs  # noqa: F401 - the S3 workers' (~1 s); optional like the package's own extra
+    except ImportError:
+        pass
     del torch
 
 
@@ -48,7 +54,7 @@ def _become(spec: dict, protocol: list) -> None:
     """In the child: turn into ``python <argv[1]> <argv[2:]>`` and run it; never returns (``sys.exit``)."""
     for channel in protocol:
         channel.close()
-    null = os.open(os.devnull, os.O_RDONLY)
+    null = os.open(spec.get("stdin", os.devnull), os.O_RDONLY)
     os.dup2(null, 0)
     for fd, path in ((1, spec["stdout"]), (2, spec["stderr"])):
         out = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)

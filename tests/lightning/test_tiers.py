@@ -354,14 +354,14 @@ def test_an_exception_in_training_lands_the_save_in_flight_locally_then_promotes
 
 @pytest.mark.parametrize("stage", ["object", "manifest"])
 def test_a_process_killed_while_promoting_leaves_no_durable_generation_and_resumes(tmp_path, stage):
-    import subprocess
     import sys
     from pathlib import Path
 
+    from tests.helpers.dist import run_script
+
     worker = Path(__file__).resolve().parents[1] / "helpers" / "promotion_kill_worker.py"
-    proc = subprocess.run(
-        [sys.executable, str(worker), str(tmp_path), stage], capture_output=True, text=True, timeout=300
-    )
+    # Forked from the session's zygote (Lightning imported once): a separate process that os._exit()s mid-promotion.
+    proc = run_script([sys.executable, str(worker), str(tmp_path), stage], timeout=300)
     assert proc.returncode == 17, proc.stderr[-3000:]
     assert _steps(tmp_path / "durable") == []  # killed before or while step 4's manifest was written: none
     local = _steps(tmp_path / "local")

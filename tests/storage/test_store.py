@@ -14,7 +14,6 @@ import logging
 import os
 import re
 import signal
-import subprocess
 import sys
 import textwrap
 import warnings
@@ -35,6 +34,7 @@ from lightning_async_ckpt.errors import (
 from lightning_async_ckpt.storage.manifest import FORMAT_VERSION, MANIFEST_NAME
 from lightning_async_ckpt.storage.store import CheckpointStore
 from lightning_async_ckpt.storage.writer import CLAIM_NAME
+from tests.helpers.forked import start_script
 
 CKPT = "checkpoint.ckpt"
 EXTRA = "extra/notes.bin"
@@ -681,28 +681,13 @@ def test_sigkill_while_writing_keeps_the_previous_generation(
     script = tmp_path / "crash_writer.py"
     script.write_text(_CRASH_WRITER)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])))
-    stderr_path = tmp_path / "crash_writer.stderr"
-    with open(stderr_path, "wb") as stderr:
-        proc = subprocess.Popen(
-            [sys.executable, str(script), uri, json.dumps(options), phase],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=stderr,
-            cwd=REPO_ROOT,
-            env=env,
-            text=True,
-        )
-        try:
-            line = proc.stdout.readline()
-            assert line == "WRITING\n", f"writer did not reach the gate: {line!r}\n{stderr_path.read_text()}"
-            os.kill(proc.pid, signal.SIGKILL)
-            assert proc.wait(timeout=60) == -signal.SIGKILL
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-            proc.stdin.close()
-            proc.stdout.close()
+    # Forked from the session's zygote (torch imported once): a separate process, SIGKILLed at its gate.
+    argv = [sys.executable, str(script), uri, json.dumps(options), phase]
+    with start_script(argv, cwd=REPO_ROOT, env=env, stdin=True) as proc:
+        line = proc.readline(timeout=120)
+        assert line == "WRITING\n", f"writer did not reach the gate: {line!r}\n{proc.stderr}"
+        os.kill(proc.pid, signal.SIGKILL)
+        assert proc.wait(timeout=60) == -signal.SIGKILL
 
     store = CheckpointStore(uri, options)
     assert not store.fs.exists(_manifest_url(store, 2))

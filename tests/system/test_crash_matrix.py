@@ -1,11 +1,12 @@
 """Crash matrix: a real Lightning run SIGKILLed at 30+ points; nothing committed is ever lost.
 
-Each point is one child process forked from a pre-imported zygote (``tests/helpers/crash_worker.py serve``): it trains a
-small model for 8 steps with a cut every 2 steps and ``keep_last=2``, into ``faulty://<dir>`` (the object-store
-commit path over a local folder), and is killed with SIGKILL at its point: inside the capture (the module's
-``on_save_checkpoint``, called while the checkpoint is dumped at the cut), during staging (the next step's forward
-and its optimizer fence), during the upload (the k-th open/write/close of the data object), around the manifest
-PUT (and halfway through it: a torn manifest), and around retention's deletes. Then, in this process:
+Each point is one child process forked from a pre-imported zygote (``tests/helpers/crash_worker.py serve``, itself
+forked from the session's zygote, ``tests/helpers/forked.py``): it trains a small model for 8 steps with a cut every
+2 steps and ``keep_last=2``, into ``faulty://<dir>`` (the object-store commit path over a local folder), and is
+killed with SIGKILL at its point: inside the capture (the module's ``on_save_checkpoint``, called while the
+checkpoint is dumped at the cut), during staging (the next step's forward and its optimizer fence), during the
+upload (the k-th open/write/close of the data object), around the manifest PUT (and halfway through it: a torn
+manifest), and around retention's deletes. Then, in this process:
 
 * the newest generation is committed and every committed generation verifies (sizes and checksums);
 * its step is at most the last step the run requested, and at least the newest step it reported committed;
@@ -18,8 +19,6 @@ PUT (and halfway through it: a torn manifest), and around retention's deletes. T
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -30,6 +29,8 @@ import pytest
 from lightning_async_ckpt import AsyncCheckpointCallback, CheckpointStore, latest_checkpoint
 from lightning_async_ckpt.lightning import CHECKPOINT_NAME
 from lightning_async_ckpt.testing import FaultyFileSystem
+from tests.helpers.dist import ZYGOTE_START_TIMEOUT_S
+from tests.helpers.forked import Worker, start_script
 from tests.helpers.models import BNDropoutModel, make_loader, trainer_kwargs
 
 pytestmark = pytest.mark.slow
@@ -38,41 +39,29 @@ DATA = ".ckpt"  # the checkpoint file, named by the filename template (epoch=E-s
 WORKER = Path(__file__).resolve().parents[1] / "helpers" / "crash_worker.py"
 MAX_STEPS, EVERY, KEEP_LAST = 8, 2, 2
 CUTS = list(range(EVERY, MAX_STEPS + 1, EVERY))
+SCENARIO_TIMEOUT_S = 300  # a scenario's child is killed by its own alarm after crash_worker.CHILD_ALARM_S (60 s)
 
 
 class _Zygote:
-    """The worker process that forks one child per scenario."""
+    """The worker process that forks one child per scenario (itself forked from the session's rank zygote)."""
 
-    def __init__(self) -> None:
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
-        self.proc = subprocess.Popen(
-            [sys.executable, str(WORKER), "serve"],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-            env=env,
-            cwd=str(WORKER.parent.parent),
-        )
-        ready = self.proc.stdout.readline().strip()
-        assert ready == "READY", f"crash worker did not start: {ready!r}"
+    def __init__(self, worker: Worker) -> None:
+        self.worker = worker
+        ready = worker.readline(timeout=ZYGOTE_START_TIMEOUT_S).strip()
+        assert ready == "READY", f"crash worker did not start: {ready!r}\n{worker.stderr[-4000:]}"
 
     def run(self, scenario: dict) -> int:
-        self.proc.stdin.write(json.dumps(scenario) + "\n")
-        self.proc.stdin.flush()
-        line = self.proc.stdout.readline()
-        assert line, "crash worker exited"
+        self.worker.write(json.dumps(scenario) + "\n")
+        line = self.worker.readline(timeout=SCENARIO_TIMEOUT_S)  # a child outliving CHILD_ALARM_S is killed
+        assert line, f"crash worker exited\n{self.worker.stderr[-4000:]}"
         return json.loads(line)["rc"]
-
-    def close(self) -> None:
-        self.proc.stdin.close()
-        self.proc.wait(timeout=30)
 
 
 @pytest.fixture(scope="module")
 def zygote() -> Iterator[_Zygote]:
-    z = _Zygote()
-    yield z
-    z.close()
+    # Lightning is already imported in the session's zygote; leaving the block kills the worker (it holds no state).
+    with start_script([sys.executable, str(WORKER), "serve"], cwd=WORKER.parent.parent, stdin=True) as worker:
+        yield _Zygote(worker)
 
 
 @pytest.fixture(scope="module")
