@@ -10,6 +10,8 @@ Usage: ``python sharded_tiers_lightning_worker.py <out> <kind>`` under ``tests.h
    ``<out>/lost`` and rank 1's local folder there is deleted.
 3. ``local``: a fresh model with ``ckpt_path="last"``: every rank resumes step 8 from its own local folder, trains to 12.
 4. ``durable``: the same in ``<out>/lost``: both ranks resume step 8 from the durable tier, train to 12.
+5. ``emergency``: rank 1 alone receives a real SIGUSR1 at step 5: the emergency cut is committed to both ranks'
+   local tiers and promoted within ``preemption_grace_s``; training stops.
 
 ``sliced`` has dropout, whose random state Lightning does not restore: its resumed fits are compared with each other
 (local against durable), not with the uninterrupted one.
@@ -20,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import sys
 
 import lightning.pytorch as pl
@@ -58,6 +61,17 @@ class Record(pl.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if trainer.global_step in self.steps:
             self.weights[trainer.global_step] = _full(pl_module)
+
+
+class Signal(pl.Callback):
+    """Rank 1 sends itself SIGUSR1 at the end of step 5 (before the checkpoint callback's hook of that batch)."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if self.rank == 1 and trainer.global_step == 5:
+            os.kill(os.getpid(), signal.SIGUSR1)
 
 
 def _fit(callbacks: list, max_steps: int, ckpt_path: str | None = None) -> tuple[pl.LightningModule, pl.Trainer]:
@@ -128,6 +142,23 @@ def main(out: str) -> None:
     result["durable_vs_local_12"] = _same(weights, local_weights) if rank == 0 else None
     result["last_durable"] = [
         g.step for g in CheckpointStore(f"{out}/lost/durable", check_writable=False).generations()
+    ]
+    # Emergency save: rank 1 alone receives a real SIGUSR1 at step 5; the cut lands in both tiers, training stops.
+    emergency = AsyncCheckpointCallback(
+        dirpath=f"{out}/emerg/durable",
+        every_n_train_steps=100,
+        local_dirpath=f"{out}/emerg/node{rank}",
+        local_every_n_train_steps=100,
+        preemption_signal=signal.SIGUSR1,
+        preemption_grace_s=120,
+        ddp_layout="sliced" if KIND == "sliced" else "single",
+    )
+    _, trainer = _fit([Signal(rank), emergency], 12)
+    result["emergency_stop"] = trainer.global_step
+    local = CheckpointStore(f"{out}/emerg/node{rank}/rank-{rank}", check_writable=False)
+    result["emergency_local"] = [g.step for g in local.generations()]
+    result["emergency_durable"] = [
+        g.step for g in CheckpointStore(f"{out}/emerg/durable", check_writable=False).generations()
     ]
     print("RESULT " + json.dumps(result), flush=True)
 

@@ -56,3 +56,12 @@ def test_a_lost_local_folder_on_one_rank_makes_every_rank_resume_from_dirpath_an
     assert ranks[0]["durable_vs_local_12"] == []  # the durable generation continues exactly like the local one
     if ranks[0]["kind"] == "mp":
         assert ranks[0]["durable_vs_reference_12"] == []
+
+
+def test_a_signal_on_one_rank_saves_every_rank_to_both_tiers_and_stops_training(ranks):
+    stops = {result["emergency_stop"] for result in ranks}
+    assert len(stops) == 1 and stops <= {5, 6}  # the next batch end after the signal, the same on every rank
+    step = stops.pop()
+    for result in ranks:
+        assert result["emergency_local"] == [step]
+        assert result["emergency_durable"] == [step]
