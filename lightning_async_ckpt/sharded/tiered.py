@@ -13,23 +13,29 @@ agrees on one step of either tier: :mod:`.tier_resume`). Names follow
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from lightning_async_ckpt.core.handle import SaveHandle
 from lightning_async_ckpt.core.options import CheckpointOptions
 from lightning_async_ckpt.core.persist import RetryPolicy
+from lightning_async_ckpt.core.preemption import PreemptionHandler, check_preemption
 from lightning_async_ckpt.errors import ConfigError
 from lightning_async_ckpt.sharded.checkpointer import ShardedCheckpointer
 from lightning_async_ckpt.sharded.local_tier import LocalTierPersister, rank_store
+from lightning_async_ckpt.sharded.once import _gloo_group
 from lightning_async_ckpt.sharded.promote_dcp import DcpPromoter
 from lightning_async_ckpt.sharded.tier_resume import TierChoice, local_state, resolve_across_tiers, version_root
 from lightning_async_ckpt.storage.store import CheckpointStore
 
 __all__ = ["TieredShardedCheckpointer"]
+
+_log = logging.getLogger("lightning_async_ckpt")
 
 
 class TieredShardedCheckpointer(ShardedCheckpointer):
@@ -55,6 +61,8 @@ class TieredShardedCheckpointer(ShardedCheckpointer):
         host_memory_budget: As for :class:`ShardedCheckpointer`.
         write_retry: As for :class:`ShardedCheckpointer`.
         options: As for :class:`ShardedCheckpointer`.
+        preemption_signal: A signal that sets :attr:`preempted` on the rank that receives it (handler installed
+            here, on the main thread, removed by :meth:`close`); :meth:`preemption_due` agrees across ranks.
 
     Raises:
         ConfigError: A bad argument (named).
@@ -76,7 +84,9 @@ class TieredShardedCheckpointer(ShardedCheckpointer):
         host_memory_budget: int | str | None = None,
         write_retry: RetryPolicy | None = None,
         options: CheckpointOptions | None = None,
+        preemption_signal: int | None = None,
     ) -> None:
+        signum, _ = check_preemption(preemption_signal, None)
         for name, value in (
             ("promote_every_n_steps", promote_every_n_steps),
             ("keep_last", keep_last),
@@ -117,6 +127,8 @@ class TieredShardedCheckpointer(ShardedCheckpointer):
         self._lock = threading.Lock()
         self._handles: list[tuple[SaveHandle, bool]] = []
         self._delivered: set[int] = set()
+        self.preemption = PreemptionHandler(signum)
+        self.preemption.install()
 
     def _open_store(self, uri: str, storage_options: dict[str, Any] | None, run_id: str | None) -> CheckpointStore:
         return rank_store(uri, self.rank, run_id=run_id)
@@ -173,6 +185,39 @@ class TieredShardedCheckpointer(ShardedCheckpointer):
         self.persister.store = store  # type: ignore[attr-defined]
         self.promoter.local = store
 
+    @property
+    def preempted(self) -> bool:
+        """Whether ``preemption_signal`` arrived at this rank."""
+        return self.preemption.requested.is_set()
+
+    def preemption_due(self) -> bool:
+        """Whether ``preemption_signal`` arrived at any rank (collective: call on every rank at the same step, on
+        the training thread; over the job's default group, or a gloo group beside a non-gloo one)."""
+        flag = self.preempted
+        if self.process_group is None:
+            return flag
+        group = None if str(dist.get_backend()) == "gloo" else _gloo_group()
+        box = torch.tensor([int(flag)], dtype=torch.int32)
+        dist.all_reduce(box, op=dist.ReduceOp.MAX, group=group)
+        return bool(box.item())
+
+    def emergency_save(self, step: int, state: Any, *, grace_s: float | None = None, **kwargs: Any) -> str:
+        """Save ``state`` copied at the cut on every rank, commit it locally, promote it within ``grace_s``.
+
+        Returns:
+            What was committed where (also logged at WARNING).
+        """
+        self.preemption.requested.clear()
+        deadline = None if grace_s is None else time.monotonic() + grace_s
+        self.save(step, state, promote=True, final=True, **kwargs)
+        saved = self.drain_quietly(grace_s)
+        self._flush()
+        promoted = self.promoter.drain(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        where = f"committed step {self.committed_step} to {self.store.uri}" + ("" if saved else " (not in time)")
+        where += f"; promoted step {self.promoted_step} to {self.durable.uri}" + ("" if promoted else " (not in time)")
+        _log.warning("emergency checkpoint at step %d: %s", step, where)
+        return where
+
     def save(self, step: int, state: Any, *, promote: bool | None = None, **kwargs: Any) -> SaveHandle:
         """Save ``state`` to the local tier (every rank, the same steps); promoted when ``promote`` (default: on
         the cadence)."""
@@ -221,6 +266,7 @@ class TieredShardedCheckpointer(ShardedCheckpointer):
         """
         if self.closed:
             return
+        self.preemption.remove()
         try:
             if not abandon:
                 self.drain_quietly(timeout)

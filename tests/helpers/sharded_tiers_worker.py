@@ -13,6 +13,8 @@ Modes:
         copied; then rank 1's local folder is deleted / a byte of its step-5 data file is flipped / its step-5
         generation is removed; a new checkpointer resumes (both ranks must agree on durable step 4), trains 5-6 and
         must end with the base run's weights at step 6; it saves 5-6 and promotes 6.
+    emergency: rank 1 alone receives a real SIGUSR1 after step 3; ``preemption_due`` agrees on every rank, the
+        emergency save commits step 3 locally on every rank and promotes it.
     kill: rank 1 SIGKILLs itself while uploading its step-2 file to the durable tier (rank 0 may have uploaded
         its own); rank 0 must get the promotion error and the durable tier lists no step 2. Last mode.
     kill_resume: (a new launch, on ``kill``'s folders) resumes local step 2 on both ranks, saves 3-4, promotes 4;
@@ -229,6 +231,27 @@ def _kill_resume(out: str, layout: str, result: dict) -> None:
     result["durable_verified"] = durable.verify(4).ok
 
 
+def _emergency(out: str, layout: str, result: dict) -> None:
+    rank = dist.get_rank()
+    model, opt = _model()
+    ckpt = _ckpt(_folder(out, layout), f"{out}/durable", promote_every_n_steps=100, preemption_signal=signal.SIGUSR1)
+    result["stopped"] = None
+    for step in range(1, 20):
+        _train(model, opt, step)
+        if rank == 1 and step == 3:
+            os.kill(os.getpid(), signal.SIGUSR1)  # a real signal, to rank 1 only
+        if ckpt.preemption_due():  # every rank, every step: any rank's signal counts
+            result["where"] = ckpt.emergency_save(step, _state(model, opt, step), grace_s=120)
+            result["stopped"] = step
+            break
+        if step % 2 == 0:
+            ckpt.save(step, _state(model, opt, step))
+    local = ckpt.store
+    ckpt.close()
+    result["local_steps"] = [g.step for g in local.generations()]
+    result["durable_steps"] = [g.step for g in CheckpointStore(f"{out}/durable", check_writable=False).generations()]
+
+
 def run_mode(out: str, mode: str) -> dict[str, Any]:
     name, _, layout = mode.partition(":")
     result: dict[str, Any] = {"rank": dist.get_rank()}
@@ -238,6 +261,8 @@ def run_mode(out: str, mode: str) -> dict[str, Any]:
         _equiv(folder, layout, result)
     elif name in ("deleted", "damaged", "behind"):
         _fallback(folder, layout, result, name)
+    elif name == "emergency":
+        _emergency(folder, layout, result)
     elif name == "kill":
         _kill(folder, layout, result)
     elif name == "kill_resume":

@@ -24,7 +24,7 @@ from lightning_async_ckpt.testing import Fault
 from tests.helpers.dist import launch_ranks
 
 WORKER = Path(__file__).resolve().parents[1] / "helpers" / "sharded_tiers_worker.py"
-FIRST = ["equiv:node", "equiv:shared", "deleted:node", "damaged:node", "behind:shared", "kill:node"]
+FIRST = ["equiv:node", "equiv:shared", "deleted:node", "damaged:node", "behind:shared", "emergency:node", "kill:node"]
 LAUNCH_TIMEOUT_S = 240
 
 
@@ -96,6 +96,13 @@ def test_a_rank_killed_during_a_promotion_leaves_no_committed_durable_step_and_t
         assert result["durable_committed"] == [4] and result["durable_verified"] is True
 
 
+def test_a_signal_on_one_rank_makes_every_rank_save_that_step_to_both_tiers(runs):
+    for result in _ranks(runs, "emergency:node"):
+        assert result["stopped"] == 3
+        assert result["local_steps"] == [2, 3] and result["durable_steps"] == [3]
+        assert "committed step 3" in result["where"] and "promoted step 3" in result["where"]
+
+
 def test_bad_arguments_name_the_parameter(tmp_path):
     for kwargs, name in (
         ({"promote_every_n_steps": 0}, "promote_every_n_steps"),
@@ -106,6 +113,8 @@ def test_bad_arguments_name_the_parameter(tmp_path):
             TieredShardedCheckpointer(str(tmp_path / "local"), str(tmp_path / "durable"), **kwargs)
     with pytest.raises(ConfigError, match="local_dirpath"):
         TieredShardedCheckpointer("", str(tmp_path / "durable"))
+    with pytest.raises(ConfigError, match="preemption_signal"):
+        TieredShardedCheckpointer(str(tmp_path / "local"), str(tmp_path / "durable"), preemption_signal=12345)
 
 
 def test_one_process_saves_promotes_and_resumes_from_the_newest_tier(tmp_path):
