@@ -1,4 +1,4 @@
-"""A writer killed mid-upload: ``python -m tests.helpers.interrupted_upload URI OPTIONS_JSON RUN_ID STEP``.
+"""A writer killed mid-upload: ``python tests/helpers/interrupted_upload.py URI OPTIONS_JSON RUN_ID STEP``.
 
 It begins generation ``STEP`` of the S3 store, streams more than one multipart block into its object (so a
 multipart upload is open with a part uploaded), prints ``uploading`` and waits on stdin until it is killed.

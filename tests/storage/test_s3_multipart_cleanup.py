@@ -9,8 +9,8 @@ of waiting (the state a restarted job finds once that time has passed).
 from __future__ import annotations
 
 import json
-import select
-import subprocess
+import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -21,9 +21,11 @@ import pytest
 from lightning_async_ckpt.storage.claims import is_claim_name
 from lightning_async_ckpt.storage.store import CheckpointStore
 from lightning_async_ckpt.tools.cli import main
+from tests.helpers.forked import start_script
 
 Location = tuple[str, dict[str, Any]]
 REPO = Path(__file__).resolve().parents[2]
+WORKER = REPO / "tests" / "helpers" / "interrupted_upload.py"
 BOUND_S = 120.0
 BLOCK = 5 << 20
 
@@ -40,15 +42,12 @@ def _uploads(uri: str, options: dict[str, Any]) -> list[str]:
 def _killed_mid_upload(location: Location, run_id: str, step: int) -> None:
     """Run a writer until its upload of ``step`` is open, then SIGKILL it."""
     uri, options = location
-    args = [sys.executable, "-m", "tests.helpers.interrupted_upload", uri, json.dumps(options), run_id, str(step)]
-    proc = subprocess.Popen(args, cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-    try:
-        ready, _, _ = select.select([proc.stdout], [], [], BOUND_S)
-        assert ready, "the writer never started its upload"
-        assert proc.stdout.readline() == b"uploading\n"
-    finally:
-        proc.kill()
-        proc.wait()
+    args = [sys.executable, str(WORKER), uri, json.dumps(options), run_id, str(step)]
+    # Forked from the session's zygote (torch, s3fs imported once): a separate process, SIGKILLed mid-upload.
+    with start_script(args, cwd=REPO, stdin=True) as proc:
+        assert proc.readline(timeout=BOUND_S) == "uploading\n", f"the writer never started its upload\n{proc.stderr}"
+        os.kill(proc.pid, signal.SIGKILL)
+        assert proc.wait(timeout=BOUND_S) == -signal.SIGKILL
     assert len(_uploads(uri, options)) == 1  # left open by the kill
 
 
