@@ -10,8 +10,10 @@ Two independent checks, both recorded at the cut (training thread) and checked o
 * **A content fingerprint**, for writes that do not bump the counter: kernels that write through ``.data`` or raw
   pointers (``weight.data[pad].zero_()``, BatchNorm running statistics, fused/foreach optimizer kernels in some
   builds, ``.data.copy_`` as in Lightning's ``WeightAveraging``, numpy views). ``GuardMode.FULL`` (the default) is
-  exact: it fingerprints every deferred byte at the cut and the staged copy after it landed, so the staged copy is
-  committed only if it equals the state at the cut. Host storages are fingerprinted with CRC-32C per 8 MiB chunk
+  exact: the staged copy is committed only if it equals the state at the cut. Where the kernel tracks writes
+  (:mod:`~lightning_async_ckpt.core.write_tracker`), the whole pages of large host storages are write-protected at
+  the cut and asked at the seal whether anything wrote them (no byte read); every other deferred byte (the partial
+  pages around them included) is fingerprinted at the cut and in the staged copy after it landed. Host storages are fingerprinted with CRC-32C per 8 MiB chunk
   (hardware, GIL released, spread over a few threads at the cut): a change confined to any 32-bit window is always
   caught, any other change of a chunk is missed with probability 2**-32. Device storages use a position-weighted
   sum of 8-byte words computed on the device (any single changed word is always caught). ``GuardMode.SAMPLE`` is
@@ -29,7 +31,7 @@ from __future__ import annotations
 import os
 import secrets
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from enum import Enum
 from typing import Any
@@ -38,6 +40,16 @@ import numpy as np
 import torch
 
 from lightning_async_ckpt.core.capture import Fence, StorageSlot
+from lightning_async_ckpt.core.fingerprint import (
+    _CHUNK_WORDS,  # noqa: F401 - re-exported for the checksum's tests
+    FINGERPRINT_CHUNK,
+    _as_bytes,
+    checksum,
+    combine_partials,
+    device_partials,
+    fingerprint,
+)
+from lightning_async_ckpt.core.write_tracker import WriteTracker, page_interior, tracker
 from lightning_async_ckpt.errors import ConfigError
 
 __all__ = [
@@ -54,11 +66,10 @@ __all__ = [
 ]
 
 FINGERPRINT_SAMPLES = 64
-#: Bytes per CRC-32C of the exact fingerprint (a chunk is the unit compared, and of the parallel work at the cut).
-FINGERPRINT_CHUNK = 8 << 20
-_CHUNK_WORDS = 1 << 19  # 4 MiB of int64 words per checksum chunk: bounded temporaries
 # The exact fingerprint at the cut is spread over threads once the deferred bytes exceed this.
 _PARALLEL_BYTES = 32 << 20
+# Host storages with at least this many whole pages are write-tracked by the kernel instead of fingerprinted.
+_TRACK_MIN_BYTES = 256 << 10
 
 
 class GuardMode(str, Enum):
@@ -97,92 +108,13 @@ def miss_probability(nbytes: int, changed_bytes: int, samples: int = FINGERPRINT
     return (1.0 - changed_bytes / nbytes) ** samples
 
 
-def _as_bytes(storage: torch.UntypedStorage) -> torch.Tensor:
-    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage, 0, (storage.nbytes(),), (1,))
+def _edge_sums(data: torch.Tensor, head: int, tail: int) -> tuple[int, int]:
+    """Fingerprints of ``data[:head]`` and ``data[tail:]``: the partial pages around a write-tracked interior."""
+    return fingerprint(data[:head])[0], fingerprint(data[tail:])[0]
 
 
-def checksum(data: torch.Tensor) -> int:
-    """Position-weighted sum of the 8-byte words of a ``uint8`` tensor (plus its tail bytes), modulo 2**64.
-
-    Word ``i`` is weighted by the odd number ``2i + 1``, so changing any single word always changes the sum.
-    """
-    if data.device.type != "cpu":
-        return combine_partials(device_partials(data).tolist())
-    n = data.numel()
-    whole = n - n % 8
-    total = 0
-    words = data[:whole].numpy().view(np.int64)
-    base = np.arange(1, 2 * min(_CHUNK_WORDS, len(words)) + 1, 2, dtype=np.int64)
-    tmp = np.empty_like(base)
-    with np.errstate(over="ignore"):
-        for off in range(0, len(words), _CHUNK_WORDS):
-            chunk = words[off : off + _CHUNK_WORDS]
-            np.multiply(chunk, base[: len(chunk)], out=tmp[: len(chunk)])
-            total += int(tmp[: len(chunk)].sum()) + 2 * off * int(chunk.sum())
-    for i, b in enumerate(data[whole:].numpy().tolist()):
-        total += (whole + i + 1) * b
-    return total & ((1 << 64) - 1)
-
-
-def device_partials(data: torch.Tensor) -> torch.Tensor:
-    """:func:`checksum`'s partial sums, computed where ``data`` lives, without a host synchronization.
-
-    Returns an int64 tensor on ``data``'s device: per chunk of ``_CHUNK_WORDS`` words its weighted and plain sums
-    (wrapping modulo 2**64 like the final sum), then the tail bytes' weighted sum. The kernels are enqueued on the
-    current stream, so on CUDA they read the state at the point of the call; :func:`combine_partials` of the values
-    read back later (on any thread) is the checksum.
-    """
-    n = data.numel()
-    whole = n - n % 8
-    words = data[:whole].view(torch.int64)
-    base = torch.arange(1, 2 * min(_CHUNK_WORDS, words.numel()) + 1, 2, dtype=torch.int64, device=data.device)
-    parts = []
-    for off in range(0, words.numel(), _CHUNK_WORDS):
-        chunk = words[off : off + _CHUNK_WORDS]
-        parts += [(chunk * base[: chunk.numel()]).sum(), chunk.sum()]
-    weights = torch.arange(whole + 1, n + 1, dtype=torch.int64, device=data.device)
-    parts.append((data[whole:].to(torch.int64) * weights).sum())
-    return torch.stack(parts)
-
-
-def combine_partials(partials: Sequence[int]) -> int:
-    """The checksum from :func:`device_partials`' values (congruent modulo 2**64, so the wrapping does not matter)."""
-    total = partials[-1]
-    for k in range(0, len(partials) - 1, 2):
-        total += partials[k] + 2 * (k // 2) * _CHUNK_WORDS * partials[k + 1]
-    return total & ((1 << 64) - 1)
-
-
-def _crc32c() -> Any:
-    try:
-        import crc32c  # hardware CRC-32C; releases the GIL on large buffers
-    except ImportError:  # pragma: no cover - a dependency of the package
-        return None
-    return crc32c
-
-
-def _host_chunks(data: torch.Tensor) -> list[tuple[int, int]]:
-    n = data.numel()
-    return [(off, min(off + FINGERPRINT_CHUNK, n)) for off in range(0, max(n, 1), FINGERPRINT_CHUNK)]
-
-
-def fingerprint(data: torch.Tensor, pool: ThreadPoolExecutor | None = None) -> tuple[int, ...]:
-    """The exact fingerprint of a ``uint8`` tensor: one value per :data:`FINGERPRINT_CHUNK` bytes.
-
-    Host tensors only: CRC-32C of each chunk (the position-weighted :func:`checksum` where the ``crc32c`` package
-    is missing), computed on ``pool`` when given (CRC-32C releases the GIL). Device storages are fingerprinted by
-    :func:`device_partials` instead (no host synchronization at the cut).
-    """
-    crc = _crc32c()
-    array = data.numpy()
-    if crc is None:
-        one: Callable[[tuple[int, int]], int] = lambda c: checksum(data[c[0] : c[1]])  # noqa: E731
-    else:
-        one = lambda c: crc.crc32c(array[c[0] : c[1]])  # noqa: E731
-    chunks = _host_chunks(data)
-    if pool is None or len(chunks) == 1:
-        return tuple(one(c) for c in chunks)
-    return tuple(pool.map(one, chunks))
+def _pinned(storage: torch.UntypedStorage) -> bool:
+    return torch.cuda.is_available() and storage.is_pinned()
 
 
 def _versions(slot: StorageSlot) -> list[int | None]:
@@ -217,6 +149,12 @@ class CutGuard:
         # Version counters read on the training thread when it reached each slot's fence (see `at_fence`).
         self._at_fence: dict[int, list[int | None]] = {}
         self._fence_lock = threading.Lock()
+        # Write-tracked host slots (core/write_tracker.py): index -> (start, end, edge fingerprint at the cut);
+        # the pages [start, end) are protected from the cut until their seal, the partial pages fingerprinted.
+        self._tracker: WriteTracker | None = None
+        self._tracked: dict[int, tuple[int, int, int, int, tuple[int, int]]] = {}
+        self._protected: set[int] = set()
+        self._written: dict[int, str | None] = {}  # index -> why its pages count as written (None: they were not)
 
     def record(self) -> None:
         """At the cut: version counters, and the sampled bytes or full checksums of every deferred storage."""
@@ -252,16 +190,18 @@ class CutGuard:
                 self._samples[slot.index] = (idx, _as_bytes(slot.storage)[positions_dev])
 
     def _record_full(self) -> None:
-        # Every deferred byte is read on the training thread at the cut. Host storages are cut into chunks
-        # hashed on a few short-lived threads (CRC-32C releases the GIL); device storages reduce on the device,
-        # asynchronously (ordered on the compute stream before the cut's event; read back by `check`).
+        # Every deferred byte is accounted for on the training thread at the cut. Large host storages: their whole
+        # pages are write-protected by the kernel (a page-table walk, no read; see core/write_tracker.py) and only
+        # their partial first and last pages are fingerprinted. Other host storages are cut into chunks hashed on a
+        # few short-lived threads (CRC-32C releases the GIL); device storages reduce on the device, asynchronously
+        # (ordered on the compute stream before the cut's event; read back by `check`).
         host = []
         for slot in self.slots:
             self._versions[slot.index] = _versions(slot)
-            if slot.device.type == "cpu":
-                host.append(slot)
-            else:
+            if slot.device.type != "cpu":
                 self._sums[slot.index] = device_partials(_as_bytes(slot.storage))
+            elif not self._track(slot):
+                host.append(slot)
         workers = min(4, os.cpu_count() or 1)
         if sum(slot.nbytes for slot in host) < _PARALLEL_BYTES or workers < 2:
             for slot in host:
@@ -271,11 +211,57 @@ class CutGuard:
             for slot in host:
                 self._sums[slot.index] = fingerprint(_as_bytes(slot.storage), pool)
 
+    def _track(self, slot: StorageSlot) -> bool:
+        """Write-protect ``slot``'s whole pages and fingerprint its partial ones; ``False``: fingerprint it all."""
+        if slot.nbytes < _TRACK_MIN_BYTES or slot.storage.is_shared() or _pinned(slot.storage):
+            return False  # shared memory has writers in other processes; pinned memory may be written by DMA
+        if self._tracker is None:
+            self._tracker = tracker()
+            if self._tracker is None:
+                return False
+        address = slot.storage.data_ptr()
+        start, end = page_interior(address, slot.nbytes)
+        if end - start < _TRACK_MIN_BYTES or not self._tracker.protect(start, end):
+            return False
+        self._protected.add(slot.index)
+        head, tail = start - address, end - address
+        self._tracked[slot.index] = (start, end, head, tail, _edge_sums(_as_bytes(slot.storage), head, tail))
+        return True
+
     def seal(self, slots: Sequence[StorageSlot]) -> None:
-        """Right after ``slots`` were copied and before their fence opens: read their version counters again."""
+        """Right after ``slots`` were copied and before their fence opens: read their version counters again, and
+        ask the kernel whether a write-tracked slot's pages were written since the cut (then lift the protection,
+        so the optimizer's own writes after the fence take no fault)."""
         if self.mode != GuardMode.OFF:
             for slot in slots:
                 self._sealed[slot.index] = _versions(slot)
+                if slot.index in self._protected and self._tracker is not None:
+                    start, end = self._tracked[slot.index][:2]
+                    try:
+                        self._written[slot.index] = "page written" if self._tracker.written(start, end) else None
+                    except OSError as exc:  # cannot prove it unwritten: refused
+                        self._written[slot.index] = f"write tracking failed: {exc}"
+                    self._protected.discard(slot.index)
+                    self._tracker.release(start, end)
+
+    def release(self) -> None:
+        """Lift the protection of every slot still write-tracked (a staging that failed or was abandoned)."""
+        for index in list(self._protected):
+            self._protected.discard(index)
+            if self._tracker is not None:
+                start, end = self._tracked[index][:2]
+                self._tracker.release(start, end)
+
+    def __del__(self) -> None:
+        try:  # a job dropped before its staging ran (its owner failed at the cut): never leave pages armed
+            self.release()
+        except Exception:  # noqa: BLE001, S110 - interpreter shutdown: the process's protection ends with it
+            pass
+
+    @property
+    def tracked_bytes(self) -> int:
+        """Deferred bytes the kernel tracked for writes at this cut (the rest was fingerprinted)."""
+        return sum(t[1] - t[0] for t in self._tracked.values())
 
     def at_fence(self, slots: Sequence[StorageSlot]) -> None:
         """On the training thread, the first time it reaches these slots' fence: read their version counters.
@@ -318,7 +304,14 @@ class CutGuard:
         torn: dict[int, tuple[StorageSlot, str]] = {}
         for slot in self.slots:
             buf = buffers[slot.index]
-            if self.mode == GuardMode.FULL:
+            if self.mode == GuardMode.FULL and slot.index in self._tracked:
+                _, _, head, tail, edges = self._tracked[slot.index]
+                why = self._written.get(slot.index, "not sealed before its fence")
+                if why is None and _edge_sums(buf, head, tail) != edges:
+                    why = "checksum of a partial page"
+                if why is not None:
+                    torn[slot.index] = (slot, why)
+            elif self.mode == GuardMode.FULL:
                 # The staged copy is on the host; a device storage's fingerprint is the device-side checksum.
                 expected = self._sums[slot.index]
                 if isinstance(expected, torch.Tensor):

@@ -301,6 +301,7 @@ class StagingJob:
         except BaseException as exc:  # noqa: BLE001 - stored and re-raised on the training thread
             self.error = exc
         finally:
+            self._guard.release()  # pages still write-protected (a failed or abandoned copy): never left armed
             for state in self.fences.values():
                 state.event.set()
             self.stage_ended = time.perf_counter()
