@@ -4,12 +4,17 @@ For each size (one fp32 tensor of 16 MB to 1 GB, the deferred state of a checkpo
 
 * ``memcpy floor``: ``np.copyto`` into a preallocated buffer (one core, what any copy at the cut costs at least);
 * ``copy at cut``: the engine's copy of a copy-at-cut storage (``buf.copy_``, torch's threads);
-* ``exact (full)``: ``CutGuard.record`` in the default mode (CRC-32C of every byte, chunks spread over threads);
+* ``exact, tracked``: ``CutGuard.record`` in the default mode where the kernel tracks writes
+  (``core/write_tracker.py``: the whole pages write-protected, only the partial pages fingerprinted), and on the
+  staging thread its seal (the kernel's scan of written pages, then lifting the protection);
+* ``exact, fingerprint``: ``CutGuard.record`` in the default mode without write tracking (CRC-32C of every byte,
+  chunks spread over threads), what the guard does where the kernel cannot track writes;
 * ``sample``: ``CutGuard.record`` in the opt-in sampled mode (64 bytes per storage);
 
-and on the staging thread, after the copy landed, the exact mode's check of the staged copy (``CutGuard.check``).
-Each figure is the best of ``--repeats``; the ratios put the exact fingerprint next to the copy it replaces.
-Prints; asserts nothing.
+and on the staging thread, after the copy landed, the fingerprint's check of the staged copy (``CutGuard.check``).
+Each figure is the best of ``--repeats``; the ratios put the exact cut next to the copy it replaces. Run it with
+``THP_MEM_ALLOC_ENABLE=1`` to see torch's CPU allocator back large tensors with transparent huge pages (the
+tracked cut then walks 2 MiB entries). Prints; asserts nothing.
 
 Usage::
 
@@ -28,8 +33,10 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from lightning_async_ckpt.core import guard as guard_module
 from lightning_async_ckpt.core.capture import CapturePlan, Category, DeferralProof, Fence
 from lightning_async_ckpt.core.guard import CutGuard, GuardMode
+from lightning_async_ckpt.core.write_tracker import tracker
 
 
 def _best(fn: Callable[[], object], repeats: int) -> float:
@@ -48,11 +55,13 @@ def main() -> None:
     args = parser.parse_args()
     print(
         f"# {platform.node()} {os.cpu_count()} cores, torch {torch.__version__}, numpy {np.__version__}, "
-        f"torch threads {torch.get_num_threads()}"
+        f"torch threads {torch.get_num_threads()}, kernel {platform.release()}, write tracking "
+        f"{'available' if tracker() is not None else 'NOT available'}, "
+        f"THP_MEM_ALLOC_ENABLE={os.environ.get('THP_MEM_ALLOC_ENABLE', '')!r}"
     )
     header = (
-        f"{'MB':>6} {'memcpy floor':>13} {'copy at cut':>12} {'exact (full)':>13} {'sample':>9} "
-        f"{'check (bg)':>11} {'exact/copy':>11} {'exact s/GB':>11}"
+        f"{'MB':>6} {'memcpy floor':>13} {'copy at cut':>12} {'tracked cut':>12} {'seal (bg)':>10} "
+        f"{'fingerprint':>12} {'sample':>9} {'check (bg)':>11} {'tracked/copy':>13} {'fp/copy':>8}"
     )
     print(header)
     proof = DeferralProof(fences={Category.PARAMETER: Fence.OPTIMIZER_STEP}, rules=("bench",))
@@ -69,14 +78,45 @@ def _row(mb: int, proof: DeferralProof, repeats: int) -> str:
     buf = torch.empty_like(src)
     floor = _best(lambda: np.copyto(buf.numpy(), src.numpy()), repeats)
     copy = _best(lambda: buf.copy_(src), repeats)
-    full = CutGuard(plan.slots, GuardMode.FULL)
-    exact = _best(full.record, repeats)
+    tracked = _best_tracked(plan, repeats)
+    seal = _best_seal(plan, repeats)
+    limit = guard_module._TRACK_MIN_BYTES
+    guard_module._TRACK_MIN_BYTES = 1 << 62  # every storage fingerprinted: the guard without write tracking
+    try:
+        full = CutGuard(plan.slots, GuardMode.FULL)
+        exact = _best(full.record, repeats)
+        check = _best(lambda: full.check([buf]), repeats)
+    finally:
+        guard_module._TRACK_MIN_BYTES = limit
     sample = _best(CutGuard(plan.slots, GuardMode.SAMPLE).record, repeats)
-    check = _best(lambda: full.check([buf]), repeats)
     return (
-        f"{mb:>6} {floor * 1e3:>10.1f} ms {copy * 1e3:>9.1f} ms {exact * 1e3:>10.1f} ms {sample * 1e3:>6.2f} ms "
-        f"{check * 1e3:>8.1f} ms {exact / copy:>10.2f}x {exact / (mb / 1024):>10.3f}"
+        f"{mb:>6} {floor * 1e3:>10.1f} ms {copy * 1e3:>9.1f} ms {tracked * 1e3:>9.2f} ms {seal * 1e3:>7.2f} ms "
+        f"{exact * 1e3:>9.1f} ms {sample * 1e3:>6.2f} ms {check * 1e3:>8.1f} ms {tracked / copy:>12.4f}x "
+        f"{exact / copy:>7.2f}x"
     )
+
+
+def _best_tracked(plan: CapturePlan, repeats: int) -> float:
+    """The exact cut with write tracking; each guard sealed afterwards (a range is tracked by one guard at a time)."""
+    best = float("inf")
+    for _ in range(repeats):
+        guard = CutGuard(plan.slots, GuardMode.FULL)
+        t0 = time.perf_counter()
+        guard.record()
+        best = min(best, time.perf_counter() - t0)
+        guard.seal(guard.slots)
+    return best
+
+
+def _best_seal(plan: CapturePlan, repeats: int) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        guard = CutGuard(plan.slots, GuardMode.FULL)
+        guard.record()
+        t0 = time.perf_counter()
+        guard.seal(guard.slots)
+        best = min(best, time.perf_counter() - t0)
+    return best
 
 
 if __name__ == "__main__":
