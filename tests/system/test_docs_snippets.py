@@ -5,8 +5,9 @@ one defined), from an empty temporary folder, with a moto S3 server behind ``AWS
 credentials) holding the empty buckets the docs name, under a time budget per page.
 
 Each page's interpreter is forked from a zygote that imported torch, Lightning, Accelerate, s3fs and this package
-once (that import took 5-17 s of every page's 15-22 s on the 2-core machine); it has run nothing, and every page
-starts with an empty namespace, so a snippet still has to import what it uses.
+once (that import took 5-17 s of every page's 15-22 s on the 2-core machine; the zygote is itself forked from the
+session's rank zygote, which did most of it); it has run nothing, and every page starts with an empty namespace, so
+a snippet still has to import what it uses.
 
 A block may opt out only with the first line ``# snippet: skip (needs ...)`` naming a resource this machine lacks
 (GPUs, more processes, a real cloud account); :data:`JUSTIFIED` is the list of accepted reasons. Every fenced block
@@ -18,13 +19,15 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
 import sys
 import textwrap
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+from tests.helpers.dist import ZYGOTE_START_TIMEOUT_S
+from tests.helpers.forked import Worker, start_script
 
 ROOT = Path(__file__).resolve().parents[2]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -125,22 +128,18 @@ def _page_env(s3_endpoint: str) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def zygote(s3_endpoint: str) -> Iterator[subprocess.Popen]:
-    """One interpreter with the docs' imports done; it forks one child per page."""
-    proc = subprocess.Popen(
-        [sys.executable, "-c", _ZYGOTE],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        env=_page_env(s3_endpoint),
-        text=True,
-    )
-    try:
-        assert proc.stdout is not None and proc.stdout.readline().strip() == "READY", "the snippet zygote died"
+def zygote(s3_endpoint: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Worker]:
+    """One interpreter with the docs' imports done; it forks one child per page.
+
+    It is itself forked from the session's zygote (``tests/helpers/forked.py``: torch, Lightning and s3fs imported
+    there already), so only what that one lacks is imported here; leaving the block kills it (it holds no state).
+    """
+    script = tmp_path_factory.mktemp("docs-zygote") / "docs_zygote.py"
+    script.write_text(_ZYGOTE)
+    with start_script([sys.executable, str(script)], env=_page_env(s3_endpoint), stdin=True) as proc:
+        ready = proc.readline(timeout=ZYGOTE_START_TIMEOUT_S)
+        assert ready.strip() == "READY", f"the snippet zygote died: {ready!r}\n{proc.stderr[-4000:]}"
         yield proc
-    finally:
-        if proc.stdin is not None:
-            proc.stdin.close()
-        proc.wait(timeout=60)
 
 
 def test_every_block_names_its_language() -> None:
@@ -163,7 +162,7 @@ def test_opt_outs_are_rare_and_justified() -> None:
 
 
 @pytest.mark.parametrize("page", _python_pages(), ids=lambda p: str(p.relative_to(ROOT)))
-def test_python_snippets_run(page: Path, s3_endpoint: str, zygote: subprocess.Popen, tmp_path: Path) -> None:
+def test_python_snippets_run(page: Path, s3_endpoint: str, zygote: Worker, tmp_path: Path) -> None:
     import s3fs
 
     admin = s3fs.S3FileSystem(skip_instance_cache=True, endpoint_url=s3_endpoint, key="testing", secret="testing")
@@ -183,11 +182,11 @@ def test_python_snippets_run(page: Path, s3_endpoint: str, zygote: subprocess.Po
         args += [f"{page.relative_to(ROOT)}:{line}", str(script)]
     out, err = tmp_path / "stdout.txt", tmp_path / "stderr.txt"
     job = {"cwd": str(work), "env": _page_env(s3_endpoint), "args": args, "out": str(out), "err": str(err)}
-    assert zygote.stdin is not None and zygote.stdout is not None
     try:
-        zygote.stdin.write(json.dumps({**job, "budget": PAGE_BUDGET_S}) + "\n")
-        zygote.stdin.flush()
-        rc = json.loads(zygote.stdout.readline())["rc"]
+        zygote.write(json.dumps({**job, "budget": PAGE_BUDGET_S}) + "\n")
+        line = zygote.readline(timeout=PAGE_BUDGET_S + 120)  # the page's own alarm ends it past its budget
+        assert line, f"the snippet zygote died\n{zygote.stderr[-4000:]}"
+        rc = json.loads(line)["rc"]
     finally:
         for bucket in BUCKETS:
             admin.rm(bucket, recursive=True)
