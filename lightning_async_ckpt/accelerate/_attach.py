@@ -7,6 +7,7 @@ from typing import Any
 from lightning_async_ckpt.accelerate._bounded import bounded_collective
 from lightning_async_ckpt.accelerate._checkpointer import AccelerateCheckpointer
 from lightning_async_ckpt.accelerate._layout import _ATTR, _check_supported
+from lightning_async_ckpt.accelerate._replicas import open_accelerate_replicas, replica_layout
 from lightning_async_ckpt.accelerate._tiers import TieredAccelerateCheckpointer, check_tier_options
 from lightning_async_ckpt.core.engine import CheckpointOptions, SaveHandle
 from lightning_async_ckpt.errors import ConfigError
@@ -26,6 +27,8 @@ def attach(
     promote_every_n_steps: int | None = None,
     preemption_signal: Any = None,
     preemption_grace_s: float | None = None,
+    replicas: int | None = None,
+    ranks_per_node: int | None = None,
     **options: Any,
 ) -> AccelerateCheckpointer:
     """Make ``accelerator.save_state`` asynchronous for the weights, and enable :func:`save_state` to ``uri``.
@@ -55,6 +58,12 @@ def attach(
         preemption_signal: With ``local_dirpath``: a signal (``signal.SIGUSR1``, ``signal.SIGTERM``) that turns the
             next ``save_state`` into the emergency save on every process.
         preemption_grace_s: The emergency save's bound for its local commit and promotion together.
+        replicas: With ``local_dirpath`` and several processes: copy each generation the main process commits
+            locally to this many other processes' local tiers, on other nodes (by ``ranks_per_node``), in the
+            background over separate gloo groups created here; :func:`load_state` with ``local_dirpath`` then
+            restores a lost local folder from a peer (:mod:`~lightning_async_ckpt.accelerate._replicas`).
+        ranks_per_node: With ``replicas``: processes per node (default: accelerate's layout, one more than the
+            highest ``accelerator.local_process_index``). ``1`` when each process has a node-local folder of its own.
         **options: :class:`~lightning_async_ckpt.core.engine.CheckpointOptions` fields (``max_outstanding``,
             ``admission`` in ``wait``/``skip``/``abort``, ``host_memory_budget``, ``keep_last`` for ``uri``, ...).
 
@@ -71,10 +80,11 @@ def attach(
         "preemption_signal": preemption_signal,
         "preemption_grace_s": preemption_grace_s,
     }
+    peers = {"replicas": replicas, "ranks_per_node": ranks_per_node}
     existing = getattr(accelerator, _ATTR, None)
     if existing is not None and not existing.closed:
         unchanged = storage_options is None and defer and collective_timeout_s is None and local_dirpath is None
-        unchanged = unchanged and all(v is None for v in tiers.values())
+        unchanged = unchanged and all(v is None for v in [*tiers.values(), *peers.values()])
         if (uri is None or uri == existing.uri) and not options and unchanged:
             return existing
         raise ConfigError(
@@ -100,7 +110,7 @@ def attach(
     if uri is not None and (not isinstance(uri, str) or not uri.strip()):
         raise ConfigError(f"uri must be None or a non-empty path or URL string, got {uri!r}")
     if local_dirpath is None:
-        given = [name for name, value in tiers.items() if value is not None]
+        given = [name for name, value in {**tiers, **peers}.items() if value is not None]
         if given:
             raise ConfigError(f"{', '.join(given)} need local_dirpath=<node-local folder> (the local tier)")
         checkpointer = AccelerateCheckpointer(
@@ -115,7 +125,12 @@ def attach(
             local_every_n_steps=local_every_n_steps,
             local_keep_last=local_keep_last,
             promote_every_n_steps=promote_every_n_steps,
+            **peers,
         )
+        if ranks_per_node is not None and not replicas:
+            raise ConfigError("ranks_per_node is the node layout of replicas: pass replicas=F with it")
+        if replicas:
+            ranks_per_node = replica_layout(accelerator, replicas, ranks_per_node)  # collective; None: one process
         checkpointer = TieredAccelerateCheckpointer(
             accelerator,
             uri,
@@ -128,6 +143,10 @@ def attach(
     bounded = bounded_collective(accelerator, collective_timeout_s)  # collective: every process is in attach()
     if bounded is not None:
         checkpointer._collective_group = bounded
+    if replicas and ranks_per_node is not None and isinstance(checkpointer, TieredAccelerateCheckpointer):
+        checkpointer.replicas = open_accelerate_replicas(  # collective: its gloo groups, on every process
+            checkpointer.local_dirpath, replicas, ranks_per_node=ranks_per_node, keep_last=local_keep_last
+        )
     setattr(accelerator, _ATTR, checkpointer)
     return checkpointer
 

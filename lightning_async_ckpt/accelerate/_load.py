@@ -25,6 +25,7 @@ from lightning_async_ckpt.accelerate._choose import Choice, choose
 from lightning_async_ckpt.accelerate._collective import collective_for
 from lightning_async_ckpt.accelerate._layout import _ATTR, _RNG_FILE_RE
 from lightning_async_ckpt.accelerate._numbering import continue_numbering, next_free_index
+from lightning_async_ckpt.accelerate._replicas import choose_with_peers
 from lightning_async_ckpt.accelerate._tier_load import choose_across_tiers
 from lightning_async_ckpt.core.collective import agree
 from lightning_async_ckpt.errors import CheckpointError
@@ -73,7 +74,10 @@ def load_state(
         local_dirpath: The local tier of ``attach(..., local_dirpath=...)``: resume from the newest verified
             generation of either tier, every process the same step (:mod:`~lightning_async_ckpt.accelerate._tier_load`:
             each process loads it from its own folder when every process holds it intact and ``uri`` lists nothing
-            newer; otherwise every process loads from ``uri`` together).
+            newer; otherwise every process loads from ``uri`` together). With ``attach(..., replicas=F)``, a process
+            whose folder lacks the newest local generation any process holds intact receives it from a peer first
+            (:mod:`~lightning_async_ckpt.accelerate._replicas`); ``uri`` is read only when it lists a newer step or
+            no process holds one.
         **load_kwargs: Passed to ``accelerator.load_state``.
 
     Returns:
@@ -113,7 +117,10 @@ def load_state(
     error: BaseException | None = None
     if attached and callable(getattr(checkpointer, "drain", None)):
         checkpointer.drain(_wait_bound(collective))  # two tiers: this process's local commits and promotions first
-    if local_dirpath is not None:
+    replicas = getattr(checkpointer, "replicas", None) if attached else None
+    if local_dirpath is not None and replicas is not None:  # a lost local folder is refilled from a peer
+        choice = choose_with_peers(accelerator, collective, replicas, uri, local_dirpath, options, step)
+    elif local_dirpath is not None:
         choice = choose_across_tiers(accelerator, collective, uri, local_dirpath, options, step)
     if choice is None:
         if accelerator.is_main_process:

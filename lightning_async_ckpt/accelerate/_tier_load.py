@@ -25,7 +25,7 @@ from lightning_async_ckpt.storage.generation import version_folders
 from lightning_async_ckpt.storage.manifest import Manifest
 from lightning_async_ckpt.storage.store import CheckpointStore
 
-__all__ = ["choose_across_tiers"]
+__all__ = ["accept_accelerate", "choose_across_tiers", "holding_version", "skip_damaged", "version_store"]
 
 _log = logging.getLogger("lightning_async_ckpt")
 
@@ -90,18 +90,40 @@ def _fallback(steps: list[int | None], durable: int | None, uri: str) -> None:
     return None
 
 
-def _accept(manifest: Manifest) -> bool:
+def accept_accelerate(manifest: Manifest) -> bool:
+    """Whether a local generation is one of accelerate's layout (the only kind ``load_state`` restores)."""
     return manifest.extra.get("layout") == "accelerate"
 
 
-def _skip(url: str, problems: tuple[str, ...]) -> None:
+def skip_damaged(url: str, problems: tuple[str, ...]) -> None:
+    """Warn (log and ``warnings``) that local generation ``url`` is skipped for ``problems``."""
     message = f"skipping local generation {url}: {'; '.join(problems)}"
     _log.warning("%s", message)
     warnings.warn(message, stacklevel=4)
 
 
+def version_store(local_dirpath: str, version: int) -> CheckpointStore:
+    """The store of version folder ``version`` of the local tier (``0``: ``local_dirpath`` itself)."""
+    uri = f"{local_dirpath.rstrip('/')}/v{version}" if version else local_dirpath
+    return CheckpointStore(uri, check_writable=False)
+
+
+def holding_version(local_dirpath: str, step: int) -> int | None:
+    """The version folder where this process's local tier holds ``step`` intact (the highest first), or ``None``."""
+    root = CheckpointStore(local_dirpath, check_writable=False)
+    for version in [*sorted(version_folders(root.fs, root.root), reverse=True), 0]:
+        store = version_store(local_dirpath, version)
+        if step not in list_steps(store).steps:
+            continue
+        result = store.verify(step)
+        if result.ok and accept_accelerate(store.manifest(step)):
+            return version
+        skip_damaged(store.url(step), result.problems)
+    return None
+
+
 def _newest(local_dirpath: str) -> tuple[int, str] | None:
-    found = newest_intact(local_dirpath, None, accept=_accept, on_skip=_skip)
+    found = newest_intact(local_dirpath, None, accept=accept_accelerate, on_skip=skip_damaged)
     if found is None:
         return None
     return found.info.step, found.store.url(found.info.step)
@@ -109,13 +131,5 @@ def _newest(local_dirpath: str) -> tuple[int, str] | None:
 
 def _holding(local_dirpath: str, step: int) -> tuple[int, str] | None:
     """Where this process's local tier holds ``step`` intact (the highest version folder first), or ``None``."""
-    root = CheckpointStore(local_dirpath, check_writable=False)
-    for version in [*sorted(version_folders(root.fs, root.root), reverse=True), 0]:
-        store = CheckpointStore(f"{local_dirpath.rstrip('/')}/v{version}", check_writable=False) if version else root
-        if step not in list_steps(store).steps:
-            continue
-        result = store.verify(step)
-        if result.ok and _accept(store.manifest(step)):
-            return step, store.url(step)
-        _skip(store.url(step), result.problems)
-    return None
+    version = holding_version(local_dirpath, step)
+    return None if version is None else (step, version_store(local_dirpath, version).url(step))

@@ -12,16 +12,21 @@ signal. Every process's flag travels with the next ``save_state`` (an exchange o
 call while ``preemption_signal`` is set), so any process's signal counts: that call becomes the emergency save on
 every process (copied at the cut, committed locally, promoted, within ``preemption_grace_s``; logged) and
 :attr:`TieredAccelerateCheckpointer.preempted` turns true everywhere.
+
+Peer replicas (``replicas=F``, :mod:`~lightning_async_ckpt.accelerate._replicas`): each local commit of the main
+process is also handed to the replicator, which copies it to F other processes' local tiers in the background.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import replace
+from functools import partial
 from typing import Any
 
 from lightning_async_ckpt.accelerate._checkpointer import AccelerateCheckpointer
 from lightning_async_ckpt.accelerate._layout import _log
+from lightning_async_ckpt.accelerate._replicas import AccelerateReplicas
 from lightning_async_ckpt.core.engine import AsyncCheckpointer, CheckpointOptions, SaveHandle
 from lightning_async_ckpt.core.preemption import PreemptionHandler, check_preemption
 from lightning_async_ckpt.core.tiered import CommitRelay, local_location
@@ -89,6 +94,8 @@ class TieredAccelerateCheckpointer(AccelerateCheckpointer):
         self.promoter: Promoter | None = None
         self.relay: CommitRelay | None = None
         self.preempted = False
+        #: Peer replicas (set by ``attach(..., replicas=F)`` on every process), else ``None``.
+        self.replicas: AccelerateReplicas | None = None
         self.last_emergency: str | None = None
         self._last_cut: SaveHandle | None = None
         super().__init__(accelerator, uri, storage_options=storage_options, defer=defer, options=options)
@@ -172,11 +179,15 @@ class TieredAccelerateCheckpointer(AccelerateCheckpointer):
         if self.closed:
             return
         self.preemption.remove()
+        deadline = None if timeout is None else time.monotonic() + timeout
         if self._main and self.promoter is not None:
-            deadline = None if timeout is None else time.monotonic() + timeout
             self._drain_tiers(timeout)
-            self.promoter.close(None if deadline is None else max(0.0, deadline - time.monotonic()))
-        super().close(timeout)
+            self.promoter.close(_left(deadline))
+        if self.replicas is not None:
+            # The main process tells its targets to stop; they end their receivers when it does. A failed replica
+            # was handed to the engine: raised on every process by the collective close below.
+            self.replicas.close(_left(deadline))
+        super().close(_left(deadline))
 
     # -- internals -----------------------------------------------------------------------------------------
     def _tiered_save(self, step: int, *, final: bool, due: bool) -> SaveHandle:
@@ -193,14 +204,19 @@ class TieredAccelerateCheckpointer(AccelerateCheckpointer):
         deadline = None if timeout is None else time.monotonic() + timeout
         saved = engine.drain_quietly(timeout)
         relay.flush()
-        promoted = promoter.drain(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        promoted = promoter.drain(_left(deadline))
+        replicator = None if self.replicas is None else self.replicas.replicator
+        replicated = replicator is None or replicator.drain(_left(deadline))
         where = f"committed step {engine.committed_step} to {engine.store.uri}"
         if not saved:
             where += f" (steps {engine.in_flight_steps()} still in flight after {timeout}s)"
         where += f"; promoted step {promoter.promoted_step} to {promoter.target.uri}"
         if not promoted:
             where += f" (a promotion was still running after {timeout}s)"
-        return saved and promoted, where
+        if replicator is not None:
+            where += f"; replicated step(s) {sorted(replicator.replicated)[-1:]} to processes {replicator.targets}"
+            where += "" if replicated else f" (a replica was still being copied after {timeout}s)"
+        return saved and promoted and replicated, where
 
     def _get_engine(self) -> AsyncCheckpointer:
         if self._engine is None:
@@ -217,13 +233,23 @@ class TieredAccelerateCheckpointer(AccelerateCheckpointer):
                 on_error=self._engine.report_error,
                 on_event=self._engine.events.emit,
             )
-            self.relay = CommitRelay(self.promoter)
+            replicator = None if self.replicas is None else self.replicas.replicator
+            if replicator is not None:
+                replicator.on_error = self._engine.report_error  # raised on every process at the next collective
+                replicator.on_event = self._engine.events.emit  # replicated / replica_failed in the event log
+            self.relay = CommitRelay(
+                self.promoter, None if replicator is None else partial(replicator.replicate, local)
+            )
             _log.info("local tier of this run: %s (promoted to %s)", local.uri, durable.uri)
         return self._engine
 
     def _exit(self) -> None:
         self.preemption.remove()
         super()._exit()
+
+
+def _left(deadline: float | None) -> float | None:
+    return None if deadline is None else max(0.0, deadline - time.monotonic())
 
 
 def _on(every: int | None, step: int) -> bool:

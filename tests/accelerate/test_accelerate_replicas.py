@@ -1,0 +1,106 @@
+"""Peer replicas for Accelerate's two tiers (issue 25 item 3): ``attach(..., local_dirpath=..., replicas=1,
+ranks_per_node=1)`` with two processes on CPU, each its own "node-local" folder. The main process's committed local
+generations are copied to process 1's folder; after the main process's folder is lost, ``load_state(...,
+local_dirpath=...)`` refills it from process 1's replica without reading ``uri`` and training continues identically;
+a damaged replica is skipped; with both folders lost every process loads from ``uri``."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("accelerate")
+
+from lightning_async_ckpt import CheckpointStore  # noqa: E402
+from lightning_async_ckpt.accelerate import attach  # noqa: E402
+from lightning_async_ckpt.core.replicas import REPLICA_OF_KEY  # noqa: E402
+from lightning_async_ckpt.errors import ConfigError  # noqa: E402
+from tests.helpers.accelerate_runs import make_run  # noqa: E402
+from tests.helpers.dist import launch_ranks  # noqa: E402
+
+WORKER = Path(__file__).resolve().parents[1] / "helpers" / "accelerate_replicas_worker.py"
+
+
+def _phase(base: Path, phase: str) -> tuple[list[dict], list[str]]:
+    results, stderrs = [], []
+    for proc in launch_ranks([sys.executable, str(WORKER), str(base), phase], timeout=240):
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT "))
+        results.append(json.loads(line[len("RESULT ") :]))
+        stderrs.append(proc.stderr)
+    order = sorted(range(len(results)), key=lambda i: results[i]["rank"])
+    return [results[i] for i in order], [stderrs[i] for i in order]
+
+
+def _steps(path: Path) -> list[int]:
+    return [g.step for g in CheckpointStore(str(path), check_writable=False).generations()]
+
+
+@pytest.mark.slow
+def test_the_main_process_lost_folder_is_restored_from_the_peer_replica_without_reading_uri(tmp_path: Path) -> None:
+    (trained, _) = _phase(tmp_path, "train")
+    assert _steps(tmp_path / "durable") == [4]
+    assert _steps(tmp_path / "local-0") == [2, 4, 6]
+    assert 6 in trained[0]["replicated"] and 6 in _steps(tmp_path / "local-1")  # the newest one always arrives
+    replica = CheckpointStore(str(tmp_path / "local-1"), check_writable=False).manifest(6)
+    assert replica.extra[REPLICA_OF_KEY] == {"rank": 0, "step": 6}
+    weights = trained[0]["weights"]
+    assert trained[1]["weights"] == weights
+
+    # The writer's node lost its local tier: both processes resume step 6 (newer than uri's 4) from the local tiers,
+    # process 0's refilled from process 1's replica, with no read of uri on either process.
+    shutil.rmtree(tmp_path / "local-0")
+    (resumed, _) = _phase(tmp_path, "resume")
+    for r in resumed:
+        assert (r["step"], r["promoted"], r["durable_reads"]) == (6, False, 0), r
+        assert r["weights"] == weights  # training continued identically
+    assert _steps(tmp_path / "local-0") == [6]
+    assert CheckpointStore(str(tmp_path / "local-0"), check_writable=False).verify(6).ok
+
+    # Lost again, and process 1's replica of step 6 is damaged (same size, other bytes): it is not used. Both
+    # processes resume step 4 (process 1's replica of it, or uri's when 4 was coalesced away) and train identically.
+    shutil.rmtree(tmp_path / "local-0")
+    with open(tmp_path / "local-1" / "step-00000006" / "model.safetensors", "r+b") as f:
+        f.seek(-4, os.SEEK_END)
+        f.write(b"\0\0\0\1")
+    (damaged, stderrs) = _phase(tmp_path, "resume")
+    assert [r["step"] for r in damaged] == [4, 4]
+    assert "skipping local generation" in stderrs[1] and "step-00000006" in stderrs[1]
+    expected_reads = 0 if 4 in trained[0]["replicated"] else None
+    for r in damaged:
+        assert r["weights"] == weights
+        if expected_reads is not None:
+            assert r["durable_reads"] == expected_reads, r
+
+    # Both nodes lost their local tiers: every process loads uri's step 4 (and reads it), training continues.
+    shutil.rmtree(tmp_path / "local-0")
+    shutil.rmtree(tmp_path / "local-1")
+    (fallen_back, _) = _phase(tmp_path, "resume")
+    for r in fallen_back:
+        assert (r["step"], r["promoted"]) == (4, True), r
+        assert r["durable_reads"] > 0, r  # the counter sees reads of uri: the zero above is not a blind spot
+        assert r["weights"] == weights
+
+
+def test_replica_arguments_are_checked_and_a_single_process_makes_none(tmp_path: Path, caplog) -> None:
+    run = make_run()
+    uri, local = str(tmp_path / "durable"), str(tmp_path / "local")
+    with pytest.raises(ConfigError, match="replicas, ranks_per_node need local_dirpath"):
+        attach(run.acc, uri, replicas=1, ranks_per_node=1)
+    with pytest.raises(ConfigError, match="replicas must be None or an int >= 1"):
+        attach(run.acc, uri, local_dirpath=local, replicas=0)
+    with pytest.raises(ConfigError, match="ranks_per_node must be None or an int >= 1"):
+        attach(run.acc, uri, local_dirpath=local, replicas=1, ranks_per_node=True)
+    with pytest.raises(ConfigError, match="ranks_per_node is the node layout of replicas"):
+        attach(run.acc, uri, local_dirpath=local, ranks_per_node=1)
+    with caplog.at_level(logging.WARNING, logger="lightning_async_ckpt"):
+        ckpt = attach(run.acc, uri, local_dirpath=local, replicas=1)
+    assert ckpt.replicas is None
+    assert "a single process has no peer" in caplog.text
+    ckpt.close()
