@@ -53,32 +53,35 @@ class ReplicaError(CheckpointError):
 class Wire:
     """Framed messages over point-to-point gloo send/recv: a header ``(kind, length)``, then the payload bytes.
 
-    Thread-safety: one thread per peer and direction (messages to one peer stay in order).
+    Thread-safety: one thread per peer, direction and tag (messages to one peer stay in order).
 
     Args:
         group: The gloo process group (ranks are global ranks).
+        tag: The point-to-point tag of every message: two conversations between the same two ranks at once (each
+            rank sends its own generations to the other) each need their own.
     """
 
-    def __init__(self, group: Any) -> None:
+    def __init__(self, group: Any, *, tag: int = 0) -> None:
         self.group = group
+        self.tag = tag
 
     def send(self, dst: int, kind: int, payload: bytes | bytearray = b"") -> None:
         """Send one message of ``kind`` to rank ``dst`` (blocks until the peer takes it)."""
-        dist.send(torch.tensor([kind, len(payload)], dtype=torch.int64), dst, group=self.group)
+        dist.send(torch.tensor([kind, len(payload)], dtype=torch.int64), dst, group=self.group, tag=self.tag)
         if payload:
             data = payload if isinstance(payload, bytearray) else bytearray(payload)  # torch wants a writable buffer
-            dist.send(torch.frombuffer(data, dtype=torch.uint8), dst, group=self.group)
+            dist.send(torch.frombuffer(data, dtype=torch.uint8), dst, group=self.group, tag=self.tag)
 
     def recv(self, src: int) -> tuple[int, Any]:
         """The next message from rank ``src``: its kind and payload (``bytes``; a ``memoryview`` over the received
         buffer for ``DATA``, not copied again)."""
         header = torch.empty(2, dtype=torch.int64)
-        dist.recv(header, src, group=self.group)
+        dist.recv(header, src, group=self.group, tag=self.tag)
         kind, length = int(header[0]), int(header[1])
         if not length:
             return kind, b""
         payload = torch.empty(length, dtype=torch.uint8)
-        dist.recv(payload, src, group=self.group)
+        dist.recv(payload, src, group=self.group, tag=self.tag)
         return kind, (payload.numpy().data if kind == Kind.DATA else payload.numpy().tobytes())
 
 

@@ -126,6 +126,8 @@ class Replicator:
         on_event: Called with an event name and fields (an ``EventLog.emit``): ``replicated`` (``step``,
             ``target``, ``copied``: whether bytes were sent, ``replicate_s``), ``replica_failed`` (``step``,
             ``target``, ``error``).
+        where: Maps a replicated store's URI to the folder, relative to a target's local tier, its replica goes to
+            (default: the same version folder as the source).
     """
 
     def __init__(
@@ -138,9 +140,10 @@ class Replicator:
         keep_last: int | None = None,
         on_error: Callable[[BaseException], None] | None = None,
         on_event: Callable[..., None] | None = None,
+        where: Callable[[str], str] | None = None,
     ) -> None:
-        self.on_event = on_event
-        self.wire = Wire(group)
+        self.on_event, self.where = on_event, where
+        self.wire = Wire(group, tag=dist.get_rank() + 1)  # one tag per sending rank: ranks may send both ways
         self.local_dirpath = local_dirpath
         self.targets, self.sources = list(targets), list(sources)
         self.keep_last = keep_last
@@ -244,7 +247,7 @@ class Replicator:
                 _log.debug("rank %d did not take the stop message", dst, exc_info=True)
 
     def _send(self, store: CheckpointStore, step: int) -> None:
-        where = _where(self.local_dirpath, store.uri)
+        where = self.where(store.uri) if self.where is not None else _where(self.local_dirpath, store.uri)
         for dst in self.targets:
             started = time.monotonic()
             try:
@@ -269,21 +272,22 @@ class Replicator:
                 _log.debug("replica event %s not recorded", name, exc_info=True)
 
     def _receive_loop(self, src: int) -> None:
+        wire = Wire(self.wire.group, tag=src + 1)  # the source's conversation, apart from this rank's own sends
         while True:
             try:
-                kind, payload = self.wire.recv(src)
+                kind, payload = wire.recv(src)
             except Exception as exc:  # noqa: BLE001 - the source is gone (its process ended): nothing more comes
                 _log.info("replicas from rank %d end: %s", src, exc)
                 return
             if kind == Kind.STOP:
                 with self._cond:
                     self._stopped.add(src)
-                self.wire.send(src, Kind.OK)
+                wire.send(src, Kind.OK)
                 return
             if kind != Kind.GEN:
                 _log.warning("replica link from rank %d out of step (message %d): closing it", src, kind)
                 return
-            committed = receive_generation(self.wire, src, json.loads(payload), self.local_dirpath)
+            committed = receive_generation(wire, src, json.loads(payload), self.local_dirpath)
             if committed is not None:
                 self.received.append(committed.step)
                 self._retain(CheckpointStore(version_uri(self.local_dirpath, json.loads(payload)["where"])))

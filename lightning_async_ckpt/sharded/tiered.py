@@ -29,6 +29,7 @@ from lightning_async_ckpt.errors import ConfigError
 from lightning_async_ckpt.sharded.checkpointer import ShardedCheckpointer
 from lightning_async_ckpt.sharded.local_tier import LocalTierPersister, rank_store
 from lightning_async_ckpt.sharded.once import _gloo_group
+from lightning_async_ckpt.sharded.peer_replicas import DcpReplicas, check_replicas
 from lightning_async_ckpt.sharded.promote_dcp import DcpPromoter
 from lightning_async_ckpt.sharded.tier_resume import TierChoice, local_state, resolve_across_tiers, version_root
 from lightning_async_ckpt.storage.store import CheckpointStore
@@ -63,6 +64,10 @@ class TieredShardedCheckpointer(ShardedCheckpointer):
         options: As for :class:`ShardedCheckpointer`.
         preemption_signal: A signal that sets :attr:`preempted` on the rank that receives it (handler installed
             here, on the main thread, removed by :meth:`close`); :meth:`preemption_due` agrees across ranks.
+        replicas: Copy each rank's committed local generations to this many other ranks' local folders (other
+            nodes first), in the background; :meth:`resume` restores a rank's lost or damaged part from a peer
+            (:mod:`.peer_replicas`). Needs ``torch.distributed``.
+        ranks_per_node: The node layout for ``replicas`` (``None``: ``LOCAL_WORLD_SIZE``).
 
     Raises:
         ConfigError: A bad argument (named).
@@ -85,8 +90,11 @@ class TieredShardedCheckpointer(ShardedCheckpointer):
         write_retry: RetryPolicy | None = None,
         options: CheckpointOptions | None = None,
         preemption_signal: int | None = None,
+        replicas: int | None = None,
+        ranks_per_node: int | None = None,
     ) -> None:
         signum, _ = check_preemption(preemption_signal, None)
+        check_replicas(replicas, ranks_per_node)
         for name, value in (
             ("promote_every_n_steps", promote_every_n_steps),
             ("keep_last", keep_last),
@@ -124,6 +132,18 @@ class TieredShardedCheckpointer(ShardedCheckpointer):
             on_error=self.report_error,
             on_event=self.events.emit,
         )
+        self.replicas = (
+            None
+            if replicas is None
+            else DcpReplicas(
+                self.local_dirpath,
+                replicas,
+                ranks_per_node=ranks_per_node,
+                keep_last=local_keep_last,
+                timeout_s=timeout_s,
+                on_event=self.events.emit,
+            )
+        )
         self._lock = threading.Lock()
         self._handles: list[tuple[SaveHandle, bool]] = []
         self._delivered: set[int] = set()
@@ -159,7 +179,10 @@ class TieredShardedCheckpointer(ShardedCheckpointer):
         Returns:
             The choice (step, tier), or ``None`` when neither tier holds one (nothing loaded).
         """
-        choice = resolve_across_tiers(self.local_dirpath, self.durable, verify=verify)[0]
+        if self.replicas is not None:
+            choice = self.replicas.resume(self.durable, verify=verify)
+        else:
+            choice = resolve_across_tiers(self.local_dirpath, self.durable, verify=verify)[0]
         if choice is not None:
             choice.load(state, process_group=self.process_group)
         self.continue_from(choice.step if choice is not None else 0)
@@ -240,6 +263,8 @@ class TieredShardedCheckpointer(ShardedCheckpointer):
                 return
             self._delivered.add(id(handle))
         self.promoter.committed(handle.step, promote=due)
+        if self.replicas is not None:
+            self.replicas.replicate(self.store, handle.step)
 
     def _flush(self) -> None:
         with self._lock:
@@ -249,11 +274,17 @@ class TieredShardedCheckpointer(ShardedCheckpointer):
                 self._deliver(handle, due)
 
     def drain(self, timeout: float | None = None) -> bool:
-        """Wait for the saves, then their promotions; re-raise a background error. Whether both ended in time."""
+        """Wait for the saves, then their promotions and replicas; re-raise a background error. Whether all ended in
+        time."""
         deadline = None if timeout is None else time.monotonic() + timeout
         saved = self.drain_quietly(timeout)
         self._flush()
         promoted = self.promoter.drain(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        if self.replicas is not None:
+            promoted = (
+                self.replicas.replicator.drain(None if deadline is None else max(0.0, deadline - time.monotonic()))
+                and promoted
+            )
         self.raise_pending()
         return saved and promoted
 
@@ -272,5 +303,7 @@ class TieredShardedCheckpointer(ShardedCheckpointer):
                 self.drain_quietly(timeout)
                 self._flush()
             self.promoter.close(timeout)
+            if self.replicas is not None:
+                self.replicas.close(0 if abandon else timeout)
         finally:
             super().close(timeout, abandon=abandon)

@@ -1,0 +1,285 @@
+"""Peer replicas of sharded (DCP) local tiers: every rank's committed ``rank-<r>`` generation copied to F other ranks.
+
+:class:`DcpReplicas` (``TieredShardedCheckpointer(..., replicas=F)``) creates two gloo groups once, on every rank
+(collectives, never the training's or the checkpoint's group): one streams replicas, one serves :meth:`resume`.
+After each local commit, a :class:`~lightning_async_ckpt.core.replicas.Replicator` sends this rank's generation in
+the background (at most one in flight, the newest pending) to the ranks :func:`replica_targets` picks on other
+nodes; each target commits it, objects checked against the source manifest and the manifest last, into
+``<its local_dirpath>[/v<k>]/replica-of-rank-<r>``: a folder no rank ever reads as its own generation (its own are
+``rank-<own rank>``).
+
+:meth:`DcpReplicas.resume` (collective): every rank lists its own committed steps and the replicas it holds; the
+steps every rank can get (its own part, or a peer's replica of it) and not older than the durable tier's newest
+listed step are tried newest first: every rank verifies its own part; a rank whose part is missing or damaged gets
+it from a peer whose replica verifies intact (a damaged replica is never used), into its own ``rank-<r>`` store (a
+new version folder when a damaged committed copy holds the name). Only when no step works does every rank fall
+back to the durable tier together (rank 0 finds and verifies it).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+from typing import Any
+
+import fsspec
+import torch.distributed as dist
+
+from lightning_async_ckpt.core.replica_wire import Kind, Wire, receive_generation, send_generation
+from lightning_async_ckpt.core.replicas import Replicator, replica_targets
+from lightning_async_ckpt.errors import ConfigError, StoreUnavailableError
+from lightning_async_ckpt.sharded.local_tier import LOCAL_TIER_KEY, rank_store
+from lightning_async_ckpt.sharded.once import latest_once
+from lightning_async_ckpt.sharded.tier_resume import TierChoice, local_roots, local_state, version_root
+from lightning_async_ckpt.storage.finder import list_steps
+from lightning_async_ckpt.storage.store import CheckpointStore
+
+__all__ = ["REPLICA_PREFIX", "DcpReplicas", "check_replicas", "held_replicas", "replica_store", "replica_where"]
+
+_log = logging.getLogger("lightning_async_ckpt")
+
+#: A replica of rank ``r``'s local generations lives in ``<local_dirpath>[/v<k>]/replica-of-rank-<r>``.
+REPLICA_PREFIX = "replica-of-"
+_REPLICA_RE = re.compile(r"^replica-of-rank-([0-9]+)$")
+
+
+def replica_store(local_dirpath: str, version: int, source: int) -> CheckpointStore:
+    """The store holding this folder's replicas of rank ``source``'s generations of local version ``version``."""
+    return CheckpointStore(
+        f"{version_root(local_dirpath, version)}/{REPLICA_PREFIX}rank-{source}", check_writable=False
+    )
+
+
+def replica_where(local_dirpath: str, uri: str) -> str:
+    """Where, relative to a target's local tier, the replica of local store ``uri`` goes: ``[v<k>/]rank-<r>`` ->
+    ``[v<k>/]replica-of-rank-<r>``."""
+    root, uri = local_dirpath.rstrip("/"), uri.rstrip("/")
+    relative = uri[len(root) + 1 :] if uri.startswith(root + "/") else uri.rsplit("/", 1)[-1]
+    head, _, name = relative.rpartition("/")
+    return f"{head}/{REPLICA_PREFIX}{name}" if head else f"{REPLICA_PREFIX}{name}"
+
+
+def held_replicas(local_dirpath: str, world_size: int) -> dict[int, dict[int, int]]:
+    """The committed replicas this folder holds: source rank -> {step: version} (generations of this world size)."""
+    out: dict[int, dict[int, int]] = {}
+    fs, _ = fsspec.core.url_to_fs(local_dirpath)
+    for version in local_roots(local_dirpath):
+        root = fsspec.core.url_to_fs(version_root(local_dirpath, version))[1]
+        try:
+            names = [str(p).rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(root, detail=False)]
+        except FileNotFoundError:
+            continue
+        for name in names:
+            match = _REPLICA_RE.match(name)
+            if match is None:
+                continue
+            source = int(match.group(1))
+            try:
+                listed = replica_store(local_dirpath, version, source).generations()
+            except Exception as exc:  # noqa: BLE001 - an unreadable replica folder is a missing one
+                _log.warning("replicas of rank %d in %s cannot be listed (%s): not used", source, root, exc)
+                continue
+            for info in listed:
+                mark = info.manifest.extra.get(LOCAL_TIER_KEY) if info.manifest is not None else None
+                if info.committed and mark == {"rank": source, "world_size": world_size}:
+                    out.setdefault(source, {})[info.step] = version
+    return out
+
+
+def check_replicas(replicas: int | None, ranks_per_node: int | None) -> None:
+    """Raise unless ``replicas`` / ``ranks_per_node`` are usable (before anything is built).
+
+    Raises:
+        ConfigError: Naming the parameter and the fix.
+    """
+    for name, value in (("replicas", replicas), ("ranks_per_node", ranks_per_node)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ConfigError(f"{name} must be None or an int >= 1, got {value!r}")
+    if replicas is not None and (not dist.is_available() or not dist.is_initialized()):
+        raise ConfigError(
+            "replicas needs torch.distributed: call torch.distributed.init_process_group on every rank before "
+            "TieredShardedCheckpointer(..., replicas=F)"
+        )
+
+
+class DcpReplicas:
+    """Peer replicas of one rank's sharded local tier (module docstring). Construct on every rank (collective).
+
+    Args:
+        local_dirpath: This rank's local tier.
+        replicas: How many other ranks hold a replica of each of this rank's generations.
+        ranks_per_node: Ranks per node (``None``: ``LOCAL_WORLD_SIZE``, else every rank on one node).
+        keep_last: Retention of each replica folder (``None``: keep all).
+        timeout_s: Timeout of the two gloo groups.
+        on_event: An ``EventLog.emit`` (``replicated`` / ``replica_failed``).
+
+    Raises:
+        ConfigError: No process group, ``local_dirpath`` not a local folder, or ``replicas`` too large.
+    """
+
+    def __init__(
+        self,
+        local_dirpath: str,
+        replicas: int,
+        *,
+        ranks_per_node: int | None,
+        keep_last: int | None,
+        timeout_s: float,
+        on_event: Any = None,
+    ) -> None:
+        from datetime import timedelta
+
+        check_replicas(replicas, ranks_per_node)
+        if "://" in local_dirpath and not local_dirpath.startswith("file://"):
+            raise ConfigError(f"replicas needs a node-local folder as local_dirpath, got {local_dirpath!r}")
+        self.local_dirpath = local_dirpath.rstrip("/")
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        per_node = ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size))
+        try:
+            plan = {
+                r: replica_targets(r, self.world_size, replicas=replicas, ranks_per_node=per_node)
+                for r in range(self.world_size)
+            }
+        except ValueError as exc:
+            raise ConfigError(f"{exc}: pass replicas=N with N below that (or more nodes)") from exc
+        sources = [r for r, targets in plan.items() if self.rank in targets]
+        timeout = timedelta(seconds=timeout_s)
+        self.group = dist.new_group(backend="gloo", timeout=timeout)
+        stream = dist.new_group(backend="gloo", timeout=timeout)
+        self.replicator = Replicator(
+            stream,
+            self.local_dirpath,
+            targets=plan[self.rank],
+            sources=sources,
+            keep_last=keep_last,
+            on_event=on_event,
+            where=lambda uri: replica_where(self.local_dirpath, uri),
+        )
+        self.replicator.start_receiving()
+        _log.info("replicas of rank %d's local generations go to ranks %s", self.rank, plan[self.rank])
+
+    def replicate(self, store: CheckpointStore, step: int) -> None:
+        """Send committed generation ``step`` of this rank's local ``store`` to the targets, in the background."""
+        self.replicator.replicate(store, step)
+
+    def close(self, timeout: float | None = None) -> bool:
+        """Finish the replications asked for and stop every replica thread (every rank)."""
+        return self.replicator.close(timeout)
+
+    def _gather(self, obj: Any) -> list[Any]:
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def resume(self, durable: CheckpointStore, *, verify: bool = True) -> TierChoice | None:
+        """The generation every rank resumes from (module docstring), this rank's part restored from a peer when
+        its own is missing or damaged; collective over every rank.
+
+        Raises:
+            StoreUnavailableError: The durable tier cannot be listed (on every rank).
+        """
+        local, rank = self.local_dirpath, self.rank
+        own, _, _ = local_state(local, rank, self.world_size)
+        listed: Any = None
+        if rank == 0:
+            try:
+                listed = max(list_steps(durable).steps, default=None)
+            except Exception as exc:  # noqa: BLE001 - raised on every rank below
+                listed = f"{type(exc).__name__}: {exc}"
+        everyone = self._gather({"own": own, "held": held_replicas(local, self.world_size), "durable": listed})
+        durable_step = everyone[0]["durable"]
+        if isinstance(durable_step, str):
+            raise StoreUnavailableError(f"rank 0 could not list the durable tier {durable.uri}: {durable_step}")
+        world = range(self.world_size)
+
+        def sources(r: int, step: int) -> list[int]:
+            return [t for t in world if t != r and step in everyone[t]["held"].get(r, {})]
+
+        steps = {s for e in everyone for s in e["own"]} | {s for e in everyone for h in e["held"].values() for s in h}
+        candidates = sorted(
+            (s for s in steps if all(s in everyone[r]["own"] or sources(r, s) for r in world)), reverse=True
+        )
+        for step in candidates:
+            if durable_step is not None and step < durable_step:
+                break
+            version = self._restore(step, everyone, sources, verify)
+            if version is not None:
+                store = rank_store(version_root(local, version), rank)
+                return TierChoice(step, "local", store, max(candidates), version)
+        info = latest_once(durable, verify=verify)
+        if info is None:
+            return None
+        _log.info("every rank resumes from the durable tier %s, step %d", durable.uri, info.step)
+        return TierChoice(info.step, "durable", durable)
+
+    def _restore(self, step: int, everyone: list[Any], sources: Any, verify: bool) -> int | None:
+        """Make ``step`` whole on every rank; this rank's version folder holding it, or ``None`` (no peer has an
+        intact copy of some rank's part, or a copy failed) on every rank."""
+        local, rank = self.local_dirpath, self.rank
+        own = everyone[rank]["own"]
+        problem = (
+            "missing" if step not in own else _check(rank_store(version_root(local, own[step]), rank), step, verify)
+        )
+        verdicts = self._gather(problem)
+        needers = [r for r, p in enumerate(verdicts) if p is not None]
+        if not needers:
+            _log.info("resuming step %d from the local tier %s (every rank holds it intact)", step, local)
+            return own[step]
+        held = everyone[rank]["held"]
+        checks = {
+            r: _check(replica_store(local, held[r][step], r), step, True)
+            for r in needers
+            if r != rank and step in held.get(r, {})
+        }
+        found = self._gather(checks)
+        pairs: list[tuple[int, int, int]] = []  # (needer, source, version of the source's replica)
+        for r in needers:
+            intact = [t for t in sources(r, step) if r in found[t] and found[t][r] is None]
+            if not intact:
+                _log.warning(
+                    "local step %d: rank %d's part is %s and no peer holds an intact replica", step, r, verdicts[r]
+                )
+                return None
+            pairs.append((r, intact[0], everyone[intact[0]]["held"][r][step]))
+        here, failure = own.get(step), None
+        wire = Wire(self.group)
+        for needer, source, version in pairs:
+            try:
+                if rank == source:
+                    send_generation(wire, replica_store(local, version, needer), step, "", needer)
+                elif rank == needer:
+                    here = version if step not in own else max(local_roots(local)) + 1
+                    kind, payload = wire.recv(source)
+                    header = json.loads(payload) if kind == Kind.GEN else None
+                    where = f"v{here}/rank-{rank}" if here else f"rank-{rank}"
+                    committed = None if header is None else receive_generation(wire, source, header, local, where=where)
+                    if committed is None:
+                        raise RuntimeError(f"step {step} could not be received from rank {source}")
+                    _log.warning(
+                        "rank %d's local part of step %d was %s: restored from rank %d's replica",
+                        rank,
+                        step,
+                        verdicts[rank],
+                        source,
+                    )
+            except Exception as exc:  # noqa: BLE001 - agreed on below
+                failure = f"{type(exc).__name__}: {exc}"
+        outcome = self._gather(failure)
+        if any(outcome):
+            _log.warning("restoring local step %d from peers failed: %s", step, [o for o in outcome if o])
+            return None
+        return here
+
+
+def _check(store: CheckpointStore, step: int, verify: bool) -> str | None:
+    """``None`` when committed generation ``step`` of ``store`` is intact, else what is wrong."""
+    try:
+        store.manifest(step)
+        if not verify:
+            return None
+        result = store.verify(step)
+        return None if result.ok else "; ".join(result.problems) or "failed verification"
+    except Exception as exc:  # noqa: BLE001 - gathered: this copy is unusable
+        return f"{type(exc).__name__}: {exc}"
