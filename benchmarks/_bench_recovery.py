@@ -8,11 +8,14 @@ Three parts, in one run, on one state (``--state-mb`` of model + Adam state: ``L
    Then a fresh process (``_recovery_worker.py``) is started per store and per repeat, and the time from its
    start (the parent's ``Popen``) to the end of its first training step after the restore is measured, with the
    part from the checkpoint lookup on. Stores are measured interleaved, ``--repeats`` times.
-2. **Commit latency**: the same state saved by ``AsyncCheckpointer`` to the local store and to moto S3 (and to
-   ``slowfaulty://``), interleaved: time from ``save`` to the committed future.
-   **Peer** (``--peer``, default on): two DDP ranks on CPU, each its own "node" with its own local folder,
-   ``replicas=1``; after a first fit, restarts with ``ckpt_path="last"`` and both folders intact, rank 0's folder
-   deleted (restored from its peer), or both deleted (from moto S3), interleaved.
+2. **Commit latency**: the same state saved by ``AsyncCheckpointer`` (copy at the cut) to the local store and to
+   moto S3 (and to ``slowfaulty://``), interleaved: time from ``save`` to the committed future. One checkpointer per
+   store, as in training: its first save (pool allocated at the cut, threads and connections started) is reported
+   apart, then ``--repeats`` saves each, every one after the previous save's retention ended.
+   **Peer** (``--peer``, default on, ``_recovery_peer.py``): two DDP ranks on CPU, each its own "node" with its own
+   local folder, ``replicas=1``; after a first fit, restarts with ``ckpt_path="last"`` and both folders intact, rank
+   0's folder deleted (restored from its peer), or both deleted (from moto S3), interleaved; timed from process
+   start, from the fit's start, and from the checkpoint lookup on (past the DDP set-up common to the three).
 3. **Goodput**: a training run of ``--total-steps`` steps of ``--step-s`` simulated seconds each (a real step padded
    with a sleep), killed with ``SIGKILL`` every ``--preempt-every`` seconds of wall time from its start and
    restarted until it finishes, for ``ModelCheckpoint`` (blocking, to moto S3), this library with one tier (moto
@@ -22,6 +25,7 @@ Three parts, in one run, on one state (``--state-mb`` of model + Adam state: ``L
    took 20-50 s, the same for every mode, and would leave little training between kills). Goodput = ``total_steps * step_s / wall``. Beside it the recovery model's prediction
    (``tools/recovery_model.py``) from the measured commit latencies and start-up time.
 
+The moto server runs in a process of its own (``_recovery_common.py``), as a remote store would, not in this one.
 Every figure is printed as a markdown table; ``--json`` keeps them all.
 """
 
@@ -42,7 +46,13 @@ from pathlib import Path
 from typing import Any
 
 _HERE = Path(__file__).resolve().parent
-_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+sys.path.insert(0, str(_HERE))  # the sibling modules (this file is loaded by path, from `bench`)
+
+from _recovery_common import ENV as _ENV  # noqa: E402 - after the path above
+from _recovery_common import MotoProcess  # noqa: E402
+from _recovery_common import events as read_events  # noqa: E402
+from _recovery_common import stores as make_stores  # noqa: E402
+
 GOODPUT_MODES = ("model_checkpoint", "one_tier", "two_tiers")
 TIERS = ("local", "moto", "faulty")
 
@@ -93,13 +103,6 @@ def _report() -> Any:
     return _recovery_report
 
 
-def _events(path: str) -> list[dict[str, Any]]:
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
 def _spawn(config: dict[str, Any]) -> tuple[subprocess.Popen, float]:
     env = dict(os.environ, OMP_NUM_THREADS="1", **_ENV)
     t = time.time()
@@ -112,70 +115,16 @@ def _spawn(config: dict[str, Any]) -> tuple[subprocess.Popen, float]:
     return proc, t
 
 
-def _spawn_ranks(config: dict[str, Any], world: int = 2) -> tuple[list[subprocess.Popen], float]:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    t = time.time()
-    procs = []
-    for rank in range(world):
-        env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **_ENV)
-        env.update(WORLD_SIZE=str(world), RANK=str(rank))
-        err = open(config["events"].replace("{rank}", str(rank)) + ".err", "a")  # noqa: SIM115 - the child owns it
-        argv = [sys.executable, str(_HERE / "_recovery_worker.py"), json.dumps(config)]
-        procs.append(subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=err))
-    return procs, t
-
-
-def _wait_all(procs: list[subprocess.Popen], what: str, events: str) -> None:
-    try:
-        for rank, proc in enumerate(procs):
-            if proc.wait(timeout=900):
-                err = Path(events.replace("{rank}", str(rank)) + ".err").read_text()[-2000:]
-                raise RuntimeError(f"{what}: rank {rank} exited {proc.returncode}: {err}")
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-
-
-def measure_peer(base: dict[str, Any], folder: str, options: dict[str, Any], repeats: int) -> dict[str, list[float]]:
-    """Two DDP ranks, each its own "node" with its own local folder, ``replicas=1``: restart to the first step with
-    both folders intact (local), rank 0's folder deleted (from a peer), both deleted (durable, moto S3)."""
-    stores = _stores(folder, options, "peer")
-    local = os.path.join(folder, "peer-local")
-    cfg = {**base, "mode": "ddp_tiers", "dirpath": stores["moto"][0], "storage_options": options}
-    cfg |= {"local_dirpath": local, "local_every": base["every"]}
-    events = os.path.join(folder, "peer-prep-{rank}.jsonl")
-    procs, _ = _spawn_ranks({**cfg, "events": events, "max_steps": base["every"]})
-    _wait_all(procs, "peer prepare", events)
-    for rank in (0, 1):
-        shutil.copytree(f"{local}-rank{rank}", f"{local}-saved{rank}")
-    out: dict[str, list[float]] = {k: [] for k in ("local", "peer", "durable", "local fit", "peer fit", "durable fit")}
-    for r in range(repeats):
-        for scenario in ("local", "peer", "durable"):
-            for rank in (0, 1):
-                shutil.rmtree(f"{local}-rank{rank}", ignore_errors=True)
-                if scenario == "local" or (scenario == "peer" and rank == 1):
-                    shutil.copytree(f"{local}-saved{rank}", f"{local}-rank{rank}")
-            events = os.path.join(folder, f"peer-{scenario}-{r}-{{rank}}.jsonl")
-            procs, t_spawn = _spawn_ranks({**cfg, "events": events, "max_steps": base["every"] + 1, "resume": True})
-            _wait_all(procs, f"peer restore ({scenario})", events)
-            firsts, fits = [], []
-            for rank in (0, 1):
-                evs = _events(events.replace("{rank}", str(rank)))
-                first = next(e for e in evs if e["event"] == "step")
-                if first["step"] != base["every"] + 1:
-                    raise RuntimeError(f"{scenario}: rank {rank} did not resume from step {base['every']}: {first}")
-                firsts.append(first["t"])
-                fits.append(next(e for e in evs if e["event"] == "resume")["t"])
-            out[scenario].append(max(firsts) - t_spawn)
-            # From the fit's start (the ranks' agreement, a peer's copy, the load) to the first step of both.
-            out[f"{scenario} fit"].append(max(firsts) - min(fits))
-    return out
+def _restore_config(base: dict[str, Any], stores: dict[str, Any], tier: str, tiers: list[str]) -> dict[str, Any]:
+    """The restart of one store's restore. The local tier is restored as a two-tier job does (durable tier on moto,
+    ``local_dirpath`` the local store: the lookup lists the durable tier, then reads and verifies the local
+    generation); each has step ``every``, and no cut follows the first step (``local_every`` out of reach)."""
+    uri, opts = stores[tier]
+    if tier == "local" and "moto" in tiers:
+        durable, durable_opts = stores["moto"]
+        cfg = {**base, "mode": "two_tiers", "dirpath": durable, "storage_options": durable_opts}
+        return cfg | {"local_dirpath": uri, "local_every": 10**9}
+    return {**base, "mode": "one_tier", "dirpath": uri, "storage_options": opts}
 
 
 def _restore_once(base: dict[str, Any], folder: str, tag: str) -> dict[str, float]:
@@ -183,7 +132,7 @@ def _restore_once(base: dict[str, Any], folder: str, tag: str) -> dict[str, floa
     proc, t_spawn = _spawn({**base, "events": events, "max_steps": base["every"] + 1})
     if proc.wait(timeout=900):
         raise RuntimeError(f"restore from {tag} exited {proc.returncode}: {Path(events + '.err').read_text()[-2000:]}")
-    evs = _events(events)
+    evs = read_events(events)
     resume = next(e for e in evs if e["event"] == "resume")
     first = next(e for e in evs if e["event"] == "step")
     if not resume["ckpt_path"] or first["step"] != base["every"] + 1:
@@ -193,18 +142,6 @@ def _restore_once(base: dict[str, Any], folder: str, tag: str) -> dict[str, floa
         "total_s": first["t"] - t_spawn,
         "restore_s": first["t"] - lookup_start,
         "startup_s": lookup_start - t_spawn,
-    }
-
-
-def _stores(folder: str, options: dict[str, Any], tag: str) -> dict[str, tuple[str, dict[str, Any] | None]]:
-    bucket = f"rec-{uuid.uuid4().hex[:10]}"
-    import s3fs
-
-    s3fs.S3FileSystem(skip_instance_cache=True, **options).mkdir(bucket)
-    return {
-        "local": (os.path.join(folder, f"local-{tag}"), None),
-        "moto": (f"s3://{bucket}/{tag}", options),
-        "faulty": (f"slowfaulty://{os.path.join(folder, f'remote-{tag}')}", None),
     }
 
 
@@ -218,20 +155,44 @@ def _state(layers: int, width: int) -> dict[str, Any]:
     return {"model": model.state_dict(), "optim": opt.state_dict()}
 
 
-def measure_commit(stores: dict[str, Any], layers: int, width: int, repeats: int) -> dict[str, list[float]]:
-    """Seconds from ``save`` to committed, per store, interleaved."""
+def measure_commit(
+    stores: dict[str, Any], layers: int, width: int, repeats: int
+) -> tuple[dict[str, list[float]], dict[str, float]]:
+    """Seconds from ``save`` to committed, per store, interleaved, as training saves: one checkpointer per store.
+
+    Its first save (staging pool allocated at the cut, threads and connections started) is returned apart and not
+    counted; then ``repeats`` saves each. Retention of the previous generation runs on the upload thread after the
+    committed future resolved: it ends before the next store's save starts, so no save waits behind another's.
+
+    Returns:
+        The timed saves per store, and the first save per store.
+    """
     from lightning_async_ckpt import AsyncCheckpointer
     from lightning_async_ckpt.storage.store import CheckpointStore
 
     state = _state(layers, width)
     out: dict[str, list[float]] = {name: [] for name in stores}
-    for r in range(repeats):
-        for name, (uri, options) in stores.items():
-            with AsyncCheckpointer(CheckpointStore(f"{uri}-commit", options), keep_last=1) as ckpt:
+    first: dict[str, float] = {}
+    ckpts = {
+        name: AsyncCheckpointer(CheckpointStore(f"{uri}-commit", options), keep_last=1)
+        for name, (uri, options) in stores.items()
+    }
+    try:
+        for r in range(repeats + 1):
+            for name, ckpt in ckpts.items():
                 t0 = time.perf_counter()
                 ckpt.save(r + 1, state, defer=False).result(timeout=900)
-                out[name].append(time.perf_counter() - t0)
-    return out
+                elapsed = time.perf_counter() - t0
+                ckpt.drain()
+                ckpt.upload_worker.submit(lambda: None).result(timeout=900)  # its retention ended
+                if r == 0:
+                    first[name] = elapsed
+                else:
+                    out[name].append(elapsed)
+    finally:
+        for ckpt in ckpts.values():
+            ckpt.close()
+    return out, first
 
 
 class _Launcher:
@@ -288,7 +249,7 @@ def measure_goodput(
     startups: list[float] = []
     kills = 0
     while True:
-        seen = len(_events(events))
+        seen = len(read_events(events))
         handle, t_spawn = launcher.start(config)
         deadline = t_begin + (kills + 1) * args.preempt_every if args.preempt_every > 0 else None
         code = None
@@ -303,7 +264,7 @@ def measure_goodput(
         finally:
             if code is None:  # interrupted: leave no training process behind
                 launcher.kill(handle)
-        evs = _events(events)[seen:]
+        evs = read_events(events)[seen:]
         steps = [e for e in evs if e["event"] == "step"]
         resumes = [e for e in evs if e["event"] == "resume"]
         if steps:
@@ -355,25 +316,22 @@ def run_recovery(argv: list[str]) -> int:
 
     import psutil
     import torch
-    from moto.server import ThreadedMotoServer
 
     for name in ("lightning.pytorch", "werkzeug", "lightning_fabric"):
         logging.getLogger(name).setLevel(logging.ERROR)
     layers = max(1, int(args.state_mb * 1e6 / 3 / 4 / (args.width * args.width + args.width)))
     state_mb = 3 * 4 * layers * (args.width * args.width + args.width) / 1e6
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    options = {"endpoint_url": f"http://{host}:{port}", "key": "testing", "secret": "testing"}
-    os.environ["AWS_ENDPOINT_URL"] = options["endpoint_url"]  # Lightning's own loader opens s3:// without options
     folder = args.dir or tempfile.mkdtemp(prefix="lac-bench-recovery-")
     os.makedirs(folder, exist_ok=True)
+    server = MotoProcess(os.path.join(folder, "moto.log"))  # its own process, as a remote store
+    options = server.options
+    os.environ["AWS_ENDPOINT_URL"] = options["endpoint_url"]  # Lightning's own loader opens s3:// without options
     base = {"width": args.width, "layers": layers, "step_s": args.step_s, "every": args.every}
     base |= {"local_every": args.local_every, "scratch": folder}
     result: dict[str, Any] = {"state_mb": state_mb, "args": vars(args)}
     load0 = os.getloadavg()[0]
     try:
-        stores = _stores(folder, options, "restore")
+        stores = make_stores(folder, options, "restore")
         worker = _worker()
         for tier in tiers:  # one checkpoint at step `every` in each store, written by the callback in-process
             uri, opts = stores[tier]
@@ -382,15 +340,16 @@ def run_recovery(argv: list[str]) -> int:
         restore: dict[str, list[dict[str, float]]] = {t: [] for t in tiers}
         for _ in range(args.repeats):
             for tier in tiers:
-                uri, opts = stores[tier]
-                restore[tier].append(
-                    _restore_once({**base, "mode": "one_tier", "dirpath": uri, "storage_options": opts}, folder, tier)
-                )
+                restore[tier].append(_restore_once(_restore_config(base, stores, tier, tiers), folder, tier))
         result["restore"] = restore
-        result["commit_s"] = measure_commit({t: stores[t] for t in tiers}, layers, args.width, args.repeats)
-        print(f"# restore: {restore}\n# commit: {result['commit_s']}", flush=True)
+        result["commit_s"], result["commit_first_s"] = measure_commit(
+            {t: stores[t] for t in tiers}, layers, args.width, args.repeats
+        )
+        print(f"# restore: {restore}\n# commit: {result['commit_s']} (first: {result['commit_first_s']})", flush=True)
         _dump(args, result)
         if args.peer:
+            from _recovery_peer import measure_peer
+
             result["peer"] = measure_peer(base, folder, options, args.repeats)
             print(f"# peer: {result['peer']}", flush=True)
             _dump(args, result)
@@ -398,7 +357,7 @@ def run_recovery(argv: list[str]) -> int:
         launcher = _Launcher(args.fork, folder) if modes else None
         for repeat in range(args.goodput_repeats if modes else 0):
             for mode in modes if repeat % 2 == 0 else modes[::-1]:
-                gstores = _stores(folder, options, f"goodput-{mode}-{repeat}")
+                gstores = make_stores(folder, options, f"goodput-{mode}-{repeat}")
                 cfg = {**base, "dirpath": gstores["moto"][0], "storage_options": options}
                 cfg["local_dirpath"] = gstores["local"][0]
                 goodput.append(measure_goodput(mode, cfg, args, folder, launcher) | {"repeat": repeat + 1})

@@ -18,20 +18,22 @@ def markdown(result: dict[str, Any], args: argparse.Namespace) -> str:
     """The tables: restore per store, commit latency per store, goodput per mode (with the model's prediction)."""
     from lightning_async_ckpt.tools.recovery_model import RecoveryInputs, plan_recovery
 
-    restore, commit = result["restore"], result["commit_s"]
+    restore, commit, first = result["restore"], result["commit_s"], result.get("commit_first_s", {})
     names = {"local": "local tier (this disk)", "moto": "durable tier, moto S3 (loopback)"}
     names["faulty"] = f"durable stand-in, `faulty://` capped at {args.remote_mbps:g} MB/s"
     lines = [
         f"Machine: {result['machine']}. State: {result['state_mb']:.0f} MB (model + Adam). Median (min-max) of "
         f"{args.repeats} interleaved repeats.",
         "",
-        "| store | process start → first step s | lookup + load + first step s | save → committed s |",
-        "|---|---|---|---|",
+        "| store | process start → first step s | lookup + load + first step s | save → committed s | "
+        "first save of a new checkpointer s |",
+        "|---|---|---|---|---|",
     ]
     for tier, runs in restore.items():
+        cold = f"{first[tier]:.2f}" if tier in first else "–"
         lines.append(
             f"| {names[tier]} | {_med([r['total_s'] for r in runs])} | {_med([r['restore_s'] for r in runs])} | "
-            f"{_med(commit.get(tier, []))} |"
+            f"{_med(commit.get(tier, []))} | {cold} |"
         )
     ratios = []
     for tier in ("moto", "faulty"):
@@ -49,21 +51,7 @@ def markdown(result: dict[str, Any], args: argparse.Namespace) -> str:
         lines += ["", "Ratios (medians): " + "; ".join(ratios) + "."]
     peer = result.get("peer")
     if peer:
-        lines += [
-            "",
-            "Two DDP ranks on CPU, each its own node with its own local folder, `replicas=1`, restarted with "
-            '`ckpt_path="last"` (the ranks agree on a step; a folder that lacks it is filled from a peer):',
-            "",
-            "| restart with | process start → first step (both ranks) s | fit start → first step s |",
-            "|---|---|---|",
-            f"| both local folders intact (local) | {_med(peer['local'])} | {_med(peer.get('local fit', []))} |",
-            f"| rank 0's folder deleted (from a peer) | {_med(peer['peer'])} | {_med(peer.get('peer fit', []))} |",
-            f"| both deleted (durable, moto S3) | {_med(peer['durable'])} | {_med(peer.get('durable fit', []))} |",
-            "",
-            "Ratios (medians, from process start): peer / durable "
-            f"{statistics.median(peer['peer']) / statistics.median(peer['durable']):.2f}x, local / durable "
-            f"{statistics.median(peer['local']) / statistics.median(peer['durable']):.2f}x.",
-        ]
+        lines += _peer_lines(peer)
     if result.get("goodput"):
         forked = [t for g in result["goodput"] for t in g.get("startup_s", [])]
         startup = statistics.median(forked or [r["startup_s"] for runs in restore.values() for r in runs])
@@ -112,3 +100,40 @@ def markdown(result: dict[str, Any], args: argparse.Namespace) -> str:
                 per = ", ".join(f"{a / b:.2f}x" if b > 0 else "–" for a, b in pairs)
                 lines.append(f"\nGoodput two_tiers / {other}, per repeat: {per}.")
     return "\n".join(lines)
+
+
+def _peer_lines(peer: dict[str, list[float]]) -> list[str]:
+    rows = (
+        ("local", "both local folders intact (local)"),
+        ("peer", "rank 0's folder deleted (from a peer)"),
+        ("durable", "both deleted (durable, moto S3)"),
+    )
+    lines = [
+        "",
+        "Two DDP ranks on CPU, each its own node with its own local folder, `replicas=1`, restarted with "
+        '`ckpt_path="last"` (the ranks agree on a step; a folder that lacks it is filled from a peer):',
+        "",
+        "| restart with | process start → first step (both ranks) s | fit start → first step s | "
+        "lookup + agreement + fetch + load + first step s |",
+        "|---|---|---|---|",
+    ]
+    for key, label in rows:
+        lines.append(
+            f"| {label} | {_med(peer[key])} | {_med(peer.get(f'{key} fit', []))} | "
+            f"{_med(peer.get(f'{key} lookup', []))} |"
+        )
+    ratios = []
+    for column, suffix in (
+        ("from the lookup on", " lookup"),
+        ("from the fit's start", " fit"),
+        ("from process start", ""),
+    ):
+        durable = peer.get(f"durable{suffix}")
+        if not durable or not peer.get(f"peer{suffix}"):
+            continue
+        d = statistics.median(durable)
+        ratios.append(
+            f"{column}: peer / durable {statistics.median(peer[f'peer{suffix}']) / d:.2f}x, local / durable "
+            f"{statistics.median(peer[f'local{suffix}']) / d:.2f}x"
+        )
+    return [*lines, "", "Ratios (medians): " + "; ".join(ratios) + "."]

@@ -4,7 +4,9 @@ Run by ``_bench_recovery.py`` as ``python _recovery_worker.py CONFIG_JSON`` (a f
 measured) and, for the run that writes the first checkpoint, called in-process (:func:`run`). Every training step
 appends one JSON line to ``config["events"]`` with ``os.write`` on an ``O_APPEND`` descriptor, so a ``SIGKILL``
 loses nothing that was logged: ``{"event": "start", "t": ...}`` before the imports, ``"resume"`` with the step it
-resumes from and the lookup's time, then ``"step"`` per step.
+resumes from and the lookup's time, then ``"step"`` per step. In ``ddp_tiers`` mode (where Lightning looks the
+checkpoint up inside ``fit``) ``"lookup"`` marks the start of Lightning's ``"last"`` lookup, once the process group
+exists and both ranks passed a barrier.
 
 Modes (``config["mode"]``): ``model_checkpoint`` (Lightning's ``ModelCheckpoint(save_last=True, save_top_k=0)``
 to ``dirpath``, resumed from its ``last.ckpt``), ``one_tier`` (``AsyncCheckpointCallback(dirpath=...)``) and
@@ -95,6 +97,19 @@ def register_capped_filesystem() -> None:
     fsspec.register_implementation(PROTOCOL, CappedFaulty, clobber=True)
 
 
+def warm_s3(dirpath: str, options: dict | None) -> None:
+    """Import the S3 stack and open its client with one request (``HeadBucket``), before any lookup is timed.
+
+    In a job whose durable tier is on S3 every restart pays this whichever tier it restores from (the lookup lists
+    the durable tier first): it is start-up, like the other imports, and counted from process start only.
+    """
+    if not options or not dirpath.startswith("s3://"):
+        return
+    import s3fs
+
+    s3fs.S3FileSystem(**options).call_s3("head_bucket", Bucket=dirpath[len("s3://") :].split("/", 1)[0])
+
+
 def _emit(fd: int, event: str, **fields: object) -> None:
     os.write(fd, (json.dumps({"event": event, "t": time.time(), **fields}) + "\n").encode())
 
@@ -131,6 +146,12 @@ def run(config: dict) -> int:
         def __init__(self) -> None:
             self.t_batch = time.perf_counter()
 
+        def setup(self, trainer: pl.Trainer, *args: object, **kwargs: object) -> None:
+            _emit(fd, "setup")  # the strategy's environment exists; Lightning restores the checkpoint next
+
+        def on_train_start(self, trainer: pl.Trainer, *args: object) -> None:
+            _emit(fd, "train_start")  # restored and loaded; the first batch follows
+
         def on_train_batch_start(self, trainer: pl.Trainer, *args: object) -> None:
             self.t_batch = time.perf_counter()
 
@@ -140,13 +161,30 @@ def run(config: dict) -> int:
                 time.sleep(rest)
             _emit(fd, "step", step=trainer.global_step)
 
+    warm_s3(dirpath, options)
     t0 = time.time()
     ddp: dict = {}
     if mode == "ddp_tiers":  # one process per "node", each with its own local folder; rank 0 writes, replicas=1
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         os.environ.update(LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", NODE_RANK=str(rank))
         ddp = {"num_nodes": world, "strategy": "ddp"}
-        callback = AsyncCheckpointCallback(
+
+        from typing_extensions import override
+
+        class TimedLookup(AsyncCheckpointCallback):
+            """Emits ``lookup`` when Lightning's ``"last"`` lookup starts, past the DDP set-up common to every store."""
+
+            @override
+            def _find_last_checkpoints(self, trainer: pl.Trainer) -> set[str]:
+                import torch.distributed as dist
+
+                if not dist.is_initialized():
+                    trainer.strategy.setup_environment()  # Lightning's own next step (the library's too, else)
+                dist.barrier()  # both ranks start the lookup together
+                _emit(fd, "lookup")
+                return super()._find_last_checkpoints(trainer)
+
+        callback = TimedLookup(
             dirpath=dirpath,
             every_n_train_steps=config["every"],
             keep_last=2,
