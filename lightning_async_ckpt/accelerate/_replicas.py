@@ -32,7 +32,7 @@ from lightning_async_ckpt.accelerate._tier_load import accept_accelerate, holdin
 from lightning_async_ckpt.core.collective import agree
 from lightning_async_ckpt.core.replicas import Replicator, replica_targets, restore_from_peers
 from lightning_async_ckpt.core.tiered_replicas import open_replicas
-from lightning_async_ckpt.errors import ConfigError
+from lightning_async_ckpt.errors import CheckpointError, ConfigError
 from lightning_async_ckpt.storage.finder import list_steps, newest_intact
 from lightning_async_ckpt.storage.store import CheckpointStore
 
@@ -120,7 +120,7 @@ def choose_with_peers(
         ReplicaError: A copy from a peer failed (on every process).
     """
     if replicas.group is None:
-        raise RuntimeError("the replicas of this checkpointer were closed")
+        raise CheckpointError("the replicas of this checkpointer were closed; attach() a new one")
     error: BaseException | None = None
     newest: tuple[int, int] | None = None
     durable: int | None = None
