@@ -11,6 +11,7 @@ the job fails with :class:`~lightning_async_ckpt.errors.TornSnapshotError`.
 
 from __future__ import annotations
 
+import ctypes
 import threading
 import time
 from collections import Counter
@@ -31,6 +32,12 @@ __all__ = ["AUTO_BUDGET_FRACTION", "BufferPool", "StagingJob", "resolve_budget"]
 AUTO_BUDGET_FRACTION = 0.5
 # Background host copies run in chunks of this many bytes, so an abandoned save stops within one chunk.
 _COPY_CHUNK = 64 << 20
+# Copy-at-cut host storages up to this size are copied with the GIL held: torch's copy_ releases it, and getting it
+# back costs up to a switch interval (5 ms) whenever a background thread runs Python, once per small tensor.
+_SMALL_COPY = 64 << 10
+_memmove_holding_gil = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)(
+    ctypes._memmove_addr  # noqa: SLF001 - ctypes' own memmove, called through a GIL-holding prototype
+)
 
 
 def resolve_budget(budget: int | str | None, reserved_bytes: int = 0) -> int | None:
@@ -259,6 +266,8 @@ class StagingJob:
                 continue
             if slot.device.type == "cuda" and self._cuda.copy_at_cut(slot, buf):
                 cut_devices.add(slot.device)
+            elif slot.device.type == "cpu" and slot.nbytes <= _SMALL_COPY:
+                _memmove_holding_gil(buf.data_ptr(), slot.storage.data_ptr(), slot.nbytes)
             else:
                 buf.copy_(as_bytes(slot.storage))
         self._guard.record()

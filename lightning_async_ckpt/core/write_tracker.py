@@ -50,6 +50,22 @@ _PM_SCAN_CHECK_WPASYNC = 1 << 1
 _PAGE_IS_WRITTEN = 1 << 1
 
 
+# libc's ioctl called with the GIL held (PyDLL): the calls are short (a page-table walk), and a GIL hand-off back to
+# the training thread after each one can cost a scheduler switch interval while background threads run Python.
+_libc: ctypes.PyDLL | None = None  # set by _open (Linux only)
+
+
+def _ioctl(fd: int, request: int, *words: int) -> int:
+    """``ioctl(fd, request, &words)`` on an array of 64-bit words; the kernel's answer, or ``OSError``."""
+    arg = (ctypes.c_uint64 * len(words))(*words)
+    assert _libc is not None  # a tracker exists only after _open set it
+    result = _libc.ioctl(fd, request, ctypes.addressof(arg))
+    if result < 0:
+        code = ctypes.get_errno()
+        raise OSError(code, os.strerror(code))
+    return result
+
+
 class _Region(ctypes.Structure):
     _fields_ = [("start", ctypes.c_uint64), ("end", ctypes.c_uint64), ("categories", ctypes.c_uint64)]
 
@@ -95,9 +111,7 @@ class WriteTracker:
                 if exc.errno not in (errno.ENOENT, errno.EINVAL):
                     return False
                 try:  # not registered yet (or remapped since): register, then protect
-                    fcntl.ioctl(
-                        self._uffd, _UFFDIO_REGISTER, struct.pack("QQQQ", start, end - start, _REGISTER_MODE_WP, 0)
-                    )
+                    _ioctl(self._uffd, _UFFDIO_REGISTER, start, end - start, _REGISTER_MODE_WP, 0)
                     self._write_protect(start, end, on=True)
                 except OSError:
                     try:  # a part may have been protected before the error: lift it (nobody would scan it)
@@ -115,13 +129,9 @@ class WriteTracker:
             OSError: The kernel could not scan the range (the caller refuses the snapshot: it cannot prove it).
         """
         with self._lock:
-            arg = bytearray(
-                struct.pack(
-                    "12Q", 96, _PM_SCAN_CHECK_WPASYNC, start, end, 0, ctypes.addressof(self._region), 1, 0, 0,
-                    _PAGE_IS_WRITTEN, 0, _PAGE_IS_WRITTEN,
-                )
-            )  # fmt: skip
-            return fcntl.ioctl(self._pagemap, _PAGEMAP_SCAN, arg) > 0
+            region = ctypes.addressof(self._region)
+            args = (96, _PM_SCAN_CHECK_WPASYNC, start, end, 0, region, 1, 0, 0, _PAGE_IS_WRITTEN, 0, _PAGE_IS_WRITTEN)
+            return _ioctl(self._pagemap, _PAGEMAP_SCAN, *args) > 0
 
     def release(self, start: int, end: int) -> None:
         """Stop tracking ``[start, end)``: lift the protection so later writes (the optimizer's) take no fault."""
@@ -141,7 +151,7 @@ class WriteTracker:
 
     def _write_protect(self, start: int, end: int, *, on: bool) -> None:
         mode = _WRITEPROTECT_MODE_WP if on else 0
-        fcntl.ioctl(self._uffd, _UFFDIO_WRITEPROTECT, struct.pack("QQQ", start, end - start, mode))
+        _ioctl(self._uffd, _UFFDIO_WRITEPROTECT, start, end - start, mode)
 
 
 _lock = threading.Lock()
@@ -169,8 +179,11 @@ def _open() -> WriteTracker | None:
     number = _SYSCALL.get(platform.machine())
     if number is None:
         return None
-    libc = ctypes.CDLL(None, use_errno=True)
-    uffd = libc.syscall(number, os.O_CLOEXEC | _UFFD_USER_MODE_ONLY)
+    global _libc
+    _libc = ctypes.PyDLL(None, use_errno=True)
+    _libc.ioctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_void_p]
+    _libc.ioctl.restype = ctypes.c_int
+    uffd = _libc.syscall(number, os.O_CLOEXEC | _UFFD_USER_MODE_ONLY)
     if uffd < 0:
         return None
     pagemap = -1

@@ -30,17 +30,22 @@ _OPTIMIZER_STATE_FACTOR = {"Adam": 2, "AdamW": 2, "SGD": 1, "RMSprop": 1, "Adagr
 def log_progress(
     pl_module: pl.LightningModule, ck: TrainingCheckpointer, requested_step: int | None, skipped: int, last: tuple
 ) -> tuple:
-    """Log ``ckpt/*`` metrics when something changed since ``last``; returns the new state to pass next time.
+    """Log the ``ckpt/*`` metrics that changed since ``last``; returns the new state to pass next time.
 
-    ``ckpt/committed_step`` goes to the progress bar: only it is recoverable progress.
+    ``ckpt/committed_step`` goes to the progress bar: only it is recoverable progress. Each metric is logged only
+    when its value changed (a cut changes the request's, a commit the record's): every ``self.log`` call costs the
+    training thread Lightning's bookkeeping, and a GIL hand-off for each tensor it makes while background threads
+    run.
     """
     committed_step = ck.committed_step
-    state = (requested_step, committed_step, skipped, ck.outstanding)
-    if state == last:
-        return last  # logging is not free: only on change
-    metrics = {"ckpt/requested_step": requested_step, "ckpt/backlog": ck.outstanding, "ckpt/skipped": skipped}
     record = ck.last_committed
-    if record is not None:
+    state = (requested_step, committed_step, skipped, ck.outstanding, id(record) if record is not None else None)
+    if state == last:
+        return last
+    before = last if len(last) == len(state) else (None,) * len(state)
+    metrics = {"ckpt/requested_step": requested_step, "ckpt/backlog": ck.outstanding, "ckpt/skipped": skipped}
+    metrics = {k: v for (k, v), old in zip(metrics.items(), (before[0], before[3], before[2]), strict=True) if v != old}
+    if record is not None and state[4] != before[4]:
         metrics.update(
             {
                 "ckpt/blocked_s": record.blocked_s,
@@ -57,7 +62,7 @@ def log_progress(
             # copy synchronizes the GPU at every cut and commit (the GPU then idles while the host prepares the
             # next batch: about one step per cut on an H200).
             pl_module.log(key, torch.tensor(float(value)), on_step=True, on_epoch=False, batch_size=1)
-    if committed_step is not None:
+    if committed_step is not None and committed_step != before[1]:
         # Lightning turns every logged tensor or number into a float (the TQDM bar then shows `12.00`); a metric
         # object's own value is passed through, so an integer one shows as `12`.
         metric = _StepMetric()
