@@ -1,6 +1,10 @@
 """Peer replicas in Lightning (``replicas=F`` with ``local_dirpath``): the gloo group, the targets from the node
 layout, and the ranks' agreement on ``ckpt_path="last"`` (``docs/tiers.md``).
 
+Under the DCP layouts (sharded strategies, ``ddp_layout="sliced"``) every rank writes its own local generation and
+:class:`~lightning_async_ckpt.sharded.tiered.TieredShardedCheckpointer` replicates each one
+(:mod:`~lightning_async_ckpt.sharded.peer_replicas`); the rest of this module is the single-writer layout.
+
 Under the single-writer DDP layout rank 0 writes the local tier; every other rank's folder is empty unless it shares
 rank 0's node-local folder. Replica ``i`` of rank 0's generations goes to rank ``i * jump`` (``jump``: ranks per
 node, so each replica lands on another node), over a separate gloo group created once on every rank
@@ -55,6 +59,10 @@ def setup_replicas(tiers: Any, trainer: Any) -> None:
         return
     world, rank = trainer.world_size, trainer.global_rank
     per_node = max(1, world // max(1, trainer.num_nodes))
+    if _writes_dcp(tiers, trainer):  # every rank's own generations: TieredShardedCheckpointer replicates them
+        tiers.sharded_replicas = (tiers.replicas, per_node)  # lightning/sharded_tiers.py, at the writer's setup
+        tiers.replicator = None
+        return
     try:
         mine, sources, every = replica_plan(
             rank, world, replicas=tiers.replicas, ranks_per_node=per_node, writers=WRITERS
@@ -71,6 +79,14 @@ def setup_replicas(tiers: Any, trainer: Any) -> None:
         )
     tiers.replicator.start_receiving()
     _log.info("replicas of rank %s's local tier go to ranks %s", WRITERS, every)
+
+
+def _writes_dcp(tiers: Any, trainer: Any) -> bool:
+    """Whether this fit writes DCP generations (every rank its own local generation)."""
+    from lightning_async_ckpt.lightning.sharded_tiers import writes_sharded
+
+    callback = next((cb for cb in trainer.callbacks if getattr(cb, "tiers", None) is tiers), None)
+    return callback is not None and writes_sharded(callback, trainer)
 
 
 def agree_on_local(

@@ -10,7 +10,9 @@ tracks the saves and hands the due ones to that promoter, as for single-file gen
 
 ``ckpt_path="last"``: every rank agrees on one step (:func:`find_last_sharded`, a collective: the strategy's
 distributed environment is set up first, as Lightning does next anyway); a rank then loads its own local folder, or
-every rank the durable generation when any rank's local part is missing, damaged or behind.
+every rank the durable generation when any rank's local part is missing, damaged or behind. With ``replicas=F``
+each rank's committed local generations are also copied to F peers' folders, and a rank whose part is missing or
+damaged gets it from a peer's intact replica first (:mod:`~lightning_async_ckpt.sharded.peer_replicas`).
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ def open_tiered_sharded(callback: Any, store: CheckpointStore, options: Any, ran
     from lightning_async_ckpt.sharded.tiered import TieredShardedCheckpointer
 
     tiers = callback.tiers
+    replicas, per_node = getattr(tiers, "sharded_replicas", None) or (None, None)  # lightning/replicas.py
     checkpointer = TieredShardedCheckpointer(
         tiers.local_dirpath,
         store,
@@ -55,6 +58,8 @@ def open_tiered_sharded(callback: Any, store: CheckpointStore, options: Any, ran
         guard=options.guard,
         host_memory_budget=options.host_memory_budget,
         options=replace(options, event_log=options.event_log if rank == 0 else None, keep_last=None),
+        replicas=replicas,
+        ranks_per_node=per_node,
     )
     tiers.local_store, tiers.promoter = checkpointer.store, checkpointer.promoter
     tiers._delivered, tiers._tracked, tiers._durable = set(), [], {}
@@ -83,7 +88,13 @@ def find_last_sharded(callback: Any, trainer: Any) -> set[str]:
         trainer.strategy.setup_environment()  # Lightning's own next step; it skips the process group once it exists
     dirpath = resolve_dirpath(callback.dirpath, trainer.default_root_dir)
     durable = CheckpointStore(dirpath, callback.storage_options, check_writable=False)
-    choice = latest_across_tiers(callback.tiers.local_dirpath, durable)
+    if callback.tiers.replicas and trainer.world_size > 1:  # a rank's lost part restored from a peer's replica
+        from lightning_async_ckpt.lightning.replicas import ensure_group
+        from lightning_async_ckpt.sharded.peer_replicas import local_from_peers
+
+        choice = local_from_peers(ensure_group(callback.tiers, trainer), callback.tiers.local_dirpath, durable)
+    else:
+        choice = latest_across_tiers(callback.tiers.local_dirpath, durable)
     if choice is not None and choice.tier == "local":
         path = choice.store.url(choice.step)
         _log.info("ckpt_path='last' resumes step %d from this rank's local tier: %s", choice.step, path)

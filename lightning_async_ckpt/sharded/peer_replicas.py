@@ -36,7 +36,15 @@ from lightning_async_ckpt.sharded.tier_resume import TierChoice, local_roots, lo
 from lightning_async_ckpt.storage.finder import list_steps
 from lightning_async_ckpt.storage.store import CheckpointStore
 
-__all__ = ["REPLICA_PREFIX", "DcpReplicas", "check_replicas", "held_replicas", "replica_store", "replica_where"]
+__all__ = [
+    "REPLICA_PREFIX",
+    "DcpReplicas",
+    "check_replicas",
+    "held_replicas",
+    "local_from_peers",
+    "replica_store",
+    "replica_where",
+]
 
 _log = logging.getLogger("lightning_async_ckpt")
 
@@ -168,18 +176,50 @@ class DcpReplicas:
         """Finish the replications asked for and stop every replica thread (every rank)."""
         return self.replicator.close(timeout)
 
+    def resume(self, durable: CheckpointStore, *, verify: bool = True) -> TierChoice | None:
+        """The generation every rank resumes from: :func:`local_from_peers`, else the durable tier's newest verified
+        one on every rank (rank 0 finds it); ``None`` when neither holds one. Collective.
+
+        Raises:
+            StoreUnavailableError: The durable tier cannot be listed (on every rank).
+        """
+        choice = local_from_peers(self.group, self.local_dirpath, durable, verify=verify)
+        if choice is not None:
+            return choice
+        info = latest_once(durable, verify=verify)
+        if info is None:
+            return None
+        _log.info("every rank resumes from the durable tier %s, step %d", durable.uri, info.step)
+        return TierChoice(info.step, "durable", durable)
+
+
+def local_from_peers(
+    group: Any, local_dirpath: str, durable: CheckpointStore, *, verify: bool = True
+) -> TierChoice | None:
+    """The newest local step every rank can get, its own part or a peer's intact replica of it (copied into its own
+    store first), and not older than the newest step ``durable`` lists (names only); ``None`` when there is none:
+    every rank then resumes from ``durable`` together. Collective over ``group`` (a gloo group of every rank).
+
+    Raises:
+        StoreUnavailableError: ``durable`` cannot be listed (on every rank).
+    """
+    return _PeerResume(group, local_dirpath.rstrip("/")).choose(durable, verify)
+
+
+class _PeerResume:
+    """One collective resume of :func:`local_from_peers`."""
+
+    def __init__(self, group: Any, local_dirpath: str) -> None:
+        self.group, self.local_dirpath = group, local_dirpath
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+
     def _gather(self, obj: Any) -> list[Any]:
         out: list[Any] = [None] * self.world_size
         dist.all_gather_object(out, obj, group=self.group)
         return out
 
-    def resume(self, durable: CheckpointStore, *, verify: bool = True) -> TierChoice | None:
-        """The generation every rank resumes from (module docstring), this rank's part restored from a peer when
-        its own is missing or damaged; collective over every rank.
-
-        Raises:
-            StoreUnavailableError: The durable tier cannot be listed (on every rank).
-        """
+    def choose(self, durable: CheckpointStore, verify: bool) -> TierChoice | None:
+        """:func:`local_from_peers`: gather every rank's own steps and held replicas, try the candidates newest first."""
         local, rank = self.local_dirpath, self.rank
         own, _, _ = local_state(local, rank, self.world_size)
         listed: Any = None
@@ -208,11 +248,7 @@ class DcpReplicas:
             if version is not None:
                 store = rank_store(version_root(local, version), rank)
                 return TierChoice(step, "local", store, max(candidates), version)
-        info = latest_once(durable, verify=verify)
-        if info is None:
-            return None
-        _log.info("every rank resumes from the durable tier %s, step %d", durable.uri, info.step)
-        return TierChoice(info.step, "durable", durable)
+        return None
 
     def _restore(self, step: int, everyone: list[Any], sources: Any, verify: bool) -> int | None:
         """Make ``step`` whole on every rank; this rank's version folder holding it, or ``None`` (no peer has an
