@@ -7,7 +7,7 @@ from typing import Any
 from lightning_async_ckpt.accelerate._bounded import bounded_collective
 from lightning_async_ckpt.accelerate._checkpointer import AccelerateCheckpointer
 from lightning_async_ckpt.accelerate._layout import _ATTR, _check_supported
-from lightning_async_ckpt.accelerate._replicas import open_accelerate_replicas, replica_layout
+from lightning_async_ckpt.accelerate._replicas import agree_local_location, open_accelerate_replicas, replica_layout
 from lightning_async_ckpt.accelerate._tiers import TieredAccelerateCheckpointer, check_tier_options
 from lightning_async_ckpt.core.engine import CheckpointOptions, SaveHandle
 from lightning_async_ckpt.errors import ConfigError
@@ -146,6 +146,10 @@ def attach(
     if replicas and ranks_per_node is not None and isinstance(checkpointer, TieredAccelerateCheckpointer):
         checkpointer.replicas = open_accelerate_replicas(  # collective: its gloo groups, on every process
             checkpointer.local_dirpath, replicas, ranks_per_node=ranks_per_node, keep_last=local_keep_last
+        )
+        # Where the main process writes (and replicas land): free of newer steps in every process's folder.
+        checkpointer.local_uri = agree_local_location(
+            checkpointer._collective_group, checkpointer.local_dirpath, checkpointer.step
         )
     setattr(accelerator, _ATTR, checkpointer)
     return checkpointer

@@ -25,7 +25,7 @@ from lightning_async_ckpt.accelerate._choose import Choice, choose
 from lightning_async_ckpt.accelerate._collective import collective_for
 from lightning_async_ckpt.accelerate._layout import _ATTR, _RNG_FILE_RE
 from lightning_async_ckpt.accelerate._numbering import continue_numbering, next_free_index
-from lightning_async_ckpt.accelerate._replicas import choose_with_peers
+from lightning_async_ckpt.accelerate._replicas import agree_local_location, choose_with_peers
 from lightning_async_ckpt.accelerate._tier_load import choose_across_tiers
 from lightning_async_ckpt.core.collective import agree
 from lightning_async_ckpt.errors import CheckpointError
@@ -158,6 +158,10 @@ def load_state(
     if checkpointer is not None and not checkpointer.closed:
         checkpointer.step = ready.manifest.step
         _continue_run(checkpointer, ready.manifest.run_id)
+        if replicas is not None:  # the resumed run's local location, agreed (collective) while nothing is saved yet
+            where = agree_local_location(collective, checkpointer.local_dirpath, checkpointer.step)
+            if checkpointer._engine is None:
+                checkpointer.local_uri = where
     return ready.manifest
 
 

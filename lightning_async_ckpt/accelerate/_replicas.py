@@ -34,9 +34,16 @@ from lightning_async_ckpt.core.replicas import Replicator, replica_targets, rest
 from lightning_async_ckpt.core.tiered_replicas import open_replicas
 from lightning_async_ckpt.errors import CheckpointError, ConfigError
 from lightning_async_ckpt.storage.finder import list_steps, newest_intact
+from lightning_async_ckpt.storage.generation import version_folders
 from lightning_async_ckpt.storage.store import CheckpointStore
 
-__all__ = ["AccelerateReplicas", "choose_with_peers", "open_accelerate_replicas", "replica_layout"]
+__all__ = [
+    "AccelerateReplicas",
+    "agree_local_location",
+    "choose_with_peers",
+    "open_accelerate_replicas",
+    "replica_layout",
+]
 
 _log = logging.getLogger("lightning_async_ckpt")
 
@@ -145,6 +152,48 @@ def choose_with_peers(
     store = version_store(local_dirpath, agreed[0])
     _log.info("load_state: every process resumes from its local tier, step %d (%s)", agreed[1], store.uri)
     return Choice(url=store.url(agreed[1]), step=agreed[1])
+
+
+def agree_local_location(collective: Any, local_dirpath: str, start_step: int) -> str:
+    """Collective: the local tier location the main process writes from ``start_step`` on, chosen so that every
+    process's folder holds no generation newer than ``start_step`` (committed or not) in that version folder.
+
+    Replicas land in the version folder of their source. Were the main process to choose alone
+    (:func:`~lightning_async_ckpt.core.tiered.local_location`), a peer still holding a newer (damaged, or branched
+    off) generation of the same step there would answer a replica with "another step" and fail the save, or keep
+    its damaged copy. The version is the highest one any process would choose alone, raised past every version folder
+    that some process holds newer steps in.
+
+    Raises:
+        RankFailedError: Another process could not list its folder (its error is raised there).
+    """
+    error: BaseException | None = None
+    mine: tuple[int, list[int]] = (0, [])
+    try:
+        mine = _own_location(local_dirpath, start_step)
+    except Exception as exc:  # noqa: BLE001 - raised on every process by agree
+        error = exc
+    everyone = agree(collective, error, mine, doing="choosing the local tier's version folder")
+    version = max(v for v, _ in everyone)
+    blocked = {b for _, newer in everyone for b in newer}
+    while version in blocked:
+        version += 1
+    return version_store(local_dirpath, version).uri
+
+
+def _own_location(local_dirpath: str, start_step: int) -> tuple[int, list[int]]:
+    """The version :func:`~lightning_async_ckpt.core.tiered.local_location` picks here, and the version folders
+    holding a generation newer than ``start_step``."""
+    root = CheckpointStore(local_dirpath, check_writable=False)
+    versions = [0, *version_folders(root.fs, root.root)]
+    newer = []
+    for version in versions:
+        store = version_store(local_dirpath, version)
+        steps = [g.step for g in store.scan(include_uncommitted=True).generations if g.holds_step]
+        if steps and max(steps) > start_step:
+            newer.append(version)
+    free = [v for v in versions if v not in newer]
+    return (max(free) if free else max(versions) + 1), newer
 
 
 def _newest(local_dirpath: str) -> tuple[int, int] | None:

@@ -96,6 +96,8 @@ class TieredAccelerateCheckpointer(AccelerateCheckpointer):
         self.preempted = False
         #: Peer replicas (set by ``attach(..., replicas=F)`` on every process), else ``None``.
         self.replicas: AccelerateReplicas | None = None
+        #: With replicas: the local location every process agreed on (``attach``, ``load_state``), else ``None``.
+        self.local_uri: str | None = None
         self.last_emergency: str | None = None
         self._last_cut: SaveHandle | None = None
         super().__init__(accelerator, uri, storage_options=storage_options, defer=defer, options=options)
@@ -221,7 +223,8 @@ class TieredAccelerateCheckpointer(AccelerateCheckpointer):
     def _get_engine(self) -> AsyncCheckpointer:
         if self._engine is None:
             assert self.uri is not None
-            local = CheckpointStore(local_location(self.local_dirpath, self.step), run_id=self.run_id)
+            where = self.local_uri or local_location(self.local_dirpath, self.step)
+            local = CheckpointStore(where, run_id=self.run_id)
             durable = CheckpointStore(self.uri, self.storage_options, run_id=self.run_id)
             # Retention of the local tier is the promoter's: it keeps the generation due on uri until promoted.
             self._engine = self._new_engine(local, replace(self.options, keep_last=None))

@@ -72,6 +72,11 @@ def test_the_main_process_lost_folder_is_restored_from_the_peer_replica_without_
     (damaged, stderrs) = _phase(tmp_path, "resume")
     assert [r["step"] for r in damaged] == [4, 4]
     assert "skipping local generation" in stderrs[1] and "step-00000006" in stderrs[1]
+    # The resumed run cuts step 6 again: process 1's folder still holds the damaged committed 6 (never overwritten),
+    # so every process agreed on a version folder free of it, and the new replica of 6 arrived there intact.
+    assert damaged[0]["local_uri"] == str(tmp_path / "local-0" / "v1")
+    assert 6 in damaged[0]["replicated"]
+    assert CheckpointStore(str(tmp_path / "local-1" / "v1"), check_writable=False).verify(6).ok
     expected_reads = 0 if 4 in trained[0]["replicated"] else None
     for r in damaged:
         assert r["weights"] == weights

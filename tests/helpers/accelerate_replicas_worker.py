@@ -7,9 +7,9 @@ Usage: python accelerate_replicas_worker.py BASE PHASE
     are recorded, so the resume can say how many reads of ``uri`` it made).
     PHASE ``train``: steps 1..8, ``save_state`` after steps 1..7 (a local cut every 2 steps, promoted every 4: local
     2, 4, 6, durable 4); prints the weights after step 8 and the steps replicated.
-    PHASE ``resume``: ``attach`` as in ``train``, ``load_state(..., local_dirpath=...)``, train on to step 8 (no
-    saves); prints the step loaded, whether it is a promoted generation, the reads of ``uri`` that ``load_state``
-    made, and the weights after step 8.
+    PHASE ``resume``: ``attach`` as in ``train``, ``load_state(..., local_dirpath=...)``, train on to step 8 with
+    the same saves; prints the step loaded, whether it is a promoted generation, the reads of ``uri`` that
+    ``load_state`` made, the weights after step 8, the steps replicated and the local location written.
 Prints one line ``RESULT {json}``.
 """
 
@@ -63,11 +63,11 @@ def main() -> None:
         first = manifest.step + 1
     for step in range(first, STEPS + 1):
         train(run, 1)
-        if phase == "train" and step < STEPS:
+        if step < STEPS:
             save_state(run.acc)
-    if phase == "train":
-        ckpt.drain()
-        report["replicated"] = sorted(ckpt.replicas.replicator.replicated) if rank == 0 else []
+    ckpt.drain()
+    report["replicated"] = sorted(ckpt.replicas.replicator.replicated) if rank == 0 else []
+    report["local_uri"] = ckpt.local_uri
     ckpt.close()
     report["weights"] = {k: v.tolist() for k, v in run.acc.unwrap_model(run.model).state_dict().items()}
     print("RESULT " + json.dumps(report), flush=True)
