@@ -50,7 +50,8 @@ from lightning_async_ckpt.lightning.selection import (
     rebuild_best_k,
 )
 from lightning_async_ckpt.lightning.sharded import setup_sharded
-from lightning_async_ckpt.lightning.tiers import emergency_drain, find_last_across, latest_checkpoint, open_checkpointer
+from lightning_async_ckpt.lightning.tier_resume import find_last_across, latest_checkpoint
+from lightning_async_ckpt.lightning.tiers import emergency_drain, open_checkpointer
 from lightning_async_ckpt.lightning.triggers import monitor_candidates
 from lightning_async_ckpt.storage.store import CheckpointStore
 
