@@ -302,8 +302,10 @@ class TieredShardedCheckpointer(ShardedCheckpointer):
             if not abandon:
                 self.drain_quietly(timeout)
                 self._flush()
-            self.promoter.close(timeout)
-            if self.replicas is not None:
-                self.replicas.close(0 if abandon else timeout)
+            try:
+                self.promoter.close(timeout)
+            finally:
+                if self.replicas is not None:  # the peers' receivers stop too
+                    self.replicas.close(0 if abandon else timeout)
         finally:
             super().close(timeout, abandon=abandon)
