@@ -93,6 +93,16 @@ def test_the_main_process_lost_folder_is_restored_from_the_peer_replica_without_
         assert r["weights"] == weights
 
 
+@pytest.mark.slow
+def test_the_default_node_layout_is_accelerates_and_too_many_replicas_are_refused(tmp_path: Path) -> None:
+    (results, _) = _phase(tmp_path, "layout")
+    # Both processes on one node (LOCAL_RANK 0 and 1): the replica goes to the other process of that node.
+    assert [r["ranks_per_node"] for r in results] == [2, 2]
+    assert [(r["targets"], r["sources"]) for r in results] == [([1], []), ([], [0])]
+    for r in results:
+        assert "replicas=2 needs 2 other ranks" in r["error"] and "pass replicas=N" in r["error"], r
+
+
 def test_replica_arguments_are_checked_and_a_single_process_makes_none(tmp_path: Path, caplog) -> None:
     run = make_run()
     uri, local = str(tmp_path / "durable"), str(tmp_path / "local")

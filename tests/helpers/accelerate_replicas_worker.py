@@ -10,6 +10,8 @@ Usage: python accelerate_replicas_worker.py BASE PHASE
     PHASE ``resume``: ``attach`` as in ``train``, ``load_state(..., local_dirpath=...)``, train on to step 8 with
     the same saves; prints the step loaded, whether it is a promoted generation, the reads of ``uri`` that
     ``load_state`` made, the weights after step 8, the steps replicated and the local location written.
+    PHASE ``layout``: ``attach(..., replicas=1)`` without ``ranks_per_node`` (accelerate's layout: both processes on
+    one node here), then ``replicas=2``; prints the layout, the targets and the ``ConfigError``.
 Prints one line ``RESULT {json}``.
 """
 
@@ -22,6 +24,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from lightning_async_ckpt.accelerate import attach, load_state, save_state  # noqa: E402
+from lightning_async_ckpt.errors import ConfigError  # noqa: E402
 from lightning_async_ckpt.storage.promote import PROMOTED_FROM_KEY  # noqa: E402
 from lightning_async_ckpt.testing import Fault, FaultCall  # noqa: E402
 from tests.helpers.accelerate_runs import make_run, train  # noqa: E402
@@ -36,6 +39,9 @@ def main() -> None:
     options = {"target_protocol": "file", "faults": record}
     run = make_run()
     rank = run.acc.process_index
+    if phase == "layout":
+        _layout(run, base)
+        return
     ckpt = attach(
         run.acc,
         f"faulty://{base}/durable",
@@ -70,6 +76,20 @@ def main() -> None:
     report["local_uri"] = ckpt.local_uri
     ckpt.close()
     report["weights"] = {k: v.tolist() for k, v in run.acc.unwrap_model(run.model).state_dict().items()}
+    print("RESULT " + json.dumps(report), flush=True)
+
+
+def _layout(run, base: str) -> None:
+    local = f"{base}/local-{run.acc.process_index}"
+    ckpt = attach(run.acc, f"{base}/durable", local_dirpath=local, replicas=1)
+    report = {"rank": run.acc.process_index, "ranks_per_node": ckpt.replicas.ranks_per_node}
+    report["targets"] = ckpt.replicas.replicator.targets
+    report["sources"] = ckpt.replicas.replicator.sources
+    ckpt.close()
+    try:
+        attach(run.acc, f"{base}/durable", local_dirpath=local, replicas=2)
+    except ConfigError as exc:
+        report["error"] = str(exc)
     print("RESULT " + json.dumps(report), flush=True)
 
 
