@@ -96,8 +96,9 @@ def held_replicas(local_dirpath: str, world_size: int) -> dict[int, dict[int, in
     return out
 
 
-def check_replicas(replicas: int | None, ranks_per_node: int | None) -> None:
-    """Raise unless ``replicas`` / ``ranks_per_node`` are usable (before anything is built).
+def check_replicas(replicas: int | None, ranks_per_node: int | None, local_dirpath: str = "") -> dict[int, list[int]]:
+    """Raise unless ``replicas`` / ``ranks_per_node`` are usable (before anything is built); every rank's targets
+    (empty without ``replicas``).
 
     Raises:
         ConfigError: Naming the parameter and the fix.
@@ -105,11 +106,21 @@ def check_replicas(replicas: int | None, ranks_per_node: int | None) -> None:
     for name, value in (("replicas", replicas), ("ranks_per_node", ranks_per_node)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ConfigError(f"{name} must be None or an int >= 1, got {value!r}")
-    if replicas is not None and (not dist.is_available() or not dist.is_initialized()):
+    if replicas is None:
+        return {}
+    if "://" in local_dirpath and not local_dirpath.startswith("file://"):
+        raise ConfigError(f"replicas needs a node-local folder as local_dirpath, got {local_dirpath!r}")
+    if not dist.is_available() or not dist.is_initialized():
         raise ConfigError(
             "replicas needs torch.distributed: call torch.distributed.init_process_group on every rank before "
             "TieredShardedCheckpointer(..., replicas=F)"
         )
+    world = dist.get_world_size()
+    per_node = ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    try:
+        return {r: replica_targets(r, world, replicas=replicas, ranks_per_node=per_node) for r in range(world)}
+    except ValueError as exc:
+        raise ConfigError(f"{exc}: pass replicas=N with N below that (or more nodes, ranks_per_node=...)") from exc
 
 
 class DcpReplicas:
@@ -139,19 +150,9 @@ class DcpReplicas:
     ) -> None:
         from datetime import timedelta
 
-        check_replicas(replicas, ranks_per_node)
-        if "://" in local_dirpath and not local_dirpath.startswith("file://"):
-            raise ConfigError(f"replicas needs a node-local folder as local_dirpath, got {local_dirpath!r}")
+        plan = check_replicas(replicas, ranks_per_node, local_dirpath)
         self.local_dirpath = local_dirpath.rstrip("/")
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        per_node = ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size))
-        try:
-            plan = {
-                r: replica_targets(r, self.world_size, replicas=replicas, ranks_per_node=per_node)
-                for r in range(self.world_size)
-            }
-        except ValueError as exc:
-            raise ConfigError(f"{exc}: pass replicas=N with N below that (or more nodes)") from exc
         sources = [r for r, targets in plan.items() if self.rank in targets]
         timeout = timedelta(seconds=timeout_s)
         self.group = dist.new_group(backend="gloo", timeout=timeout)

@@ -94,7 +94,7 @@ class TieredShardedCheckpointer(ShardedCheckpointer):
         ranks_per_node: int | None = None,
     ) -> None:
         signum, _ = check_preemption(preemption_signal, None)
-        check_replicas(replicas, ranks_per_node)
+        check_replicas(replicas, ranks_per_node, local_dirpath if isinstance(local_dirpath, str) else "")
         for name, value in (
             ("promote_every_n_steps", promote_every_n_steps),
             ("keep_last", keep_last),

@@ -31,6 +31,7 @@ from torch.distributed.checkpoint.state_dict import set_state_dict
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import lightning_async_ckpt.testing  # noqa: E402, F401 - registers faulty://
+from lightning_async_ckpt.errors import ConfigError  # noqa: E402
 from lightning_async_ckpt.sharded.tiered import TieredShardedCheckpointer  # noqa: E402
 from lightning_async_ckpt.storage.store import CheckpointStore  # noqa: E402
 from tests.helpers.sharded_tiers_worker import _model, _same, _state, _train, _weights  # noqa: E402
@@ -67,6 +68,17 @@ def _base(out: str) -> tuple[dict[int, Any], dict[str, Any]]:
     info = {"replica_steps": [g.step for g in held.generations()], "replica_extra": held.manifest(5).extra}
     info["own_steps"] = [g.step for g in CheckpointStore(f"{out}/node{rank}/rank-{rank}").generations()]
     return weights, info
+
+
+def _refusals(out: str) -> list[str]:
+    """The errors of two unusable configurations (raised before any group is created, so no rank waits)."""
+    errors = []
+    for local, replicas in ((f"{out}/node{dist.get_rank()}", 2), ("memory://node", 1)):
+        try:
+            TieredShardedCheckpointer(local, f"{out}/durable", replicas=replicas, ranks_per_node=1)
+        except ConfigError as exc:
+            errors.append(str(exc))
+    return errors
 
 
 def _flip(gen: str, prefix: str) -> None:
@@ -117,12 +129,13 @@ def main(out: str, scenarios: list[str]) -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     try:
+        refusals = _refusals(out)
         weights, info = _base(f"{out}/base")
         dist.barrier()
     except Exception:  # noqa: BLE001 - reported
         print("RESULT base " + json.dumps({"rank": rank, "exception": traceback.format_exc()}), flush=True)
         os._exit(1)
-    print("RESULT base " + json.dumps({"rank": rank, **info}), flush=True)
+    print("RESULT base " + json.dumps({"rank": rank, "refusals": refusals, **info}), flush=True)
     for name in scenarios:
         result: dict[str, Any] = {"rank": rank}
         try:

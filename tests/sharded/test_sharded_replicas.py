@@ -106,6 +106,13 @@ def test_bad_replica_arguments_are_refused_by_name(tmp_path, kwargs, named):
         TieredShardedCheckpointer(str(tmp_path / "local"), str(tmp_path / "durable"), **kwargs)
 
 
+def test_more_replicas_than_other_ranks_or_a_remote_local_tier_are_refused_under_a_process_group(runs):
+    for result in _ranks(runs, "base"):
+        too_many, remote = result["refusals"]
+        assert "replicas=2" in too_many and "at most 1" in too_many and "pass replicas=N" in too_many
+        assert "node-local folder" in remote and "memory://node" in remote
+
+
 def test_replicas_without_a_process_group_is_refused_with_the_fix(tmp_path):
     with pytest.raises(ConfigError, match="init_process_group"):
         TieredShardedCheckpointer(str(tmp_path / "local"), str(tmp_path / "durable"), replicas=1)
