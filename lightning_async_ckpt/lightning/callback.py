@@ -32,14 +32,14 @@ from lightning_async_ckpt.lightning.arguments import (
 from lightning_async_ckpt.lightning.base import CallbackArguments
 from lightning_async_ckpt.lightning.collective import agree_on
 from lightning_async_ckpt.lightning.hooks import FINAL_PROOF, is_last_batch, lightning_proof, training_ends_here
-from lightning_async_ckpt.lightning.naming import CHECKPOINT_NAME, checkpoint_key, loadable_path, planned_path
+from lightning_async_ckpt.lightning.naming import CHECKPOINT_NAME, checkpoint_key, planned_path
 from lightning_async_ckpt.lightning.on_exception import capture_exception_checkpoint, write_exception_checkpoint
 from lightning_async_ckpt.lightning.preemption import preemption_due
 from lightning_async_ckpt.lightning.progress import (
+    ProgressReports,
     estimate_checkpoint_bytes,
     log_commit,
     log_final,
-    log_progress,
     log_stopped,
     preallocate,
 )
@@ -60,7 +60,7 @@ __all__ = ["CHECKPOINT_NAME", "AsyncCheckpointCallback", "latest_checkpoint"]
 _log = logging.getLogger("lightning_async_ckpt")
 
 
-class AsyncCheckpointCallback(CallbackArguments):
+class AsyncCheckpointCallback(ProgressReports, CallbackArguments):
     """Checkpoints that cost the training loop almost nothing and are never reported before they are recoverable.
 
     At each cut (``on_train_batch_end`` every ``every_n_train_steps`` optimizer steps, or the end of every
@@ -393,19 +393,3 @@ class AsyncCheckpointCallback(CallbackArguments):
         # Commits are taken in on the training thread: best-k, best_model_path, loggers' after_save_checkpoint.
         if self.checkpointer is not None:
             self.selection.poll(trainer, self.store, self._path_of)
-
-    def _path_of(self, manifest: Any, store: CheckpointStore | None = None) -> str:
-        store = store or (self.store if self.tiers is None else self.tiers.local_store)
-        assert store is not None
-        return loadable_path(manifest, store)
-
-    def _sync_progress(self) -> None:
-        if self.checkpointer is not None:
-            self.committed_step = self.checkpointer.committed_step
-
-    def _log_progress(self, pl_module: pl.LightningModule) -> None:
-        if self.checkpointer is not None:
-            self.committed_step = self.checkpointer.committed_step
-            if self.log_metrics:
-                ck, logged = self.checkpointer, self._logged
-                self._logged = log_progress(pl_module, ck, self.requested_step, self.skipped, logged)

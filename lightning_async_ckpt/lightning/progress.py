@@ -11,8 +11,10 @@ from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from torchmetrics import Metric
 
 from lightning_async_ckpt.core.interfaces import TrainingCheckpointer
+from lightning_async_ckpt.lightning.naming import loadable_path
 
 __all__ = [
+    "ProgressReports",
     "estimate_checkpoint_bytes",
     "log_commit",
     "log_final",
@@ -185,3 +187,33 @@ def preallocate(ck: TrainingCheckpointer, pl_module: pl.LightningModule, optimiz
         ck.preallocate(state, modules=[pl_module], optimizers=optimizers)
     except Exception as exc:  # noqa: BLE001 - an optimization only: the cut allocates (and checks) as before
         _log.warning("could not pre-allocate the staging buffers (%s); the first cut allocates them", exc)
+
+
+class ProgressReports:
+    """The callback's progress bookkeeping: the committed step it reports, its ``ckpt/*`` metrics, and the path a
+    committed generation loads from (mixed into :class:`~lightning_async_ckpt.lightning.AsyncCheckpointCallback`)."""
+
+    checkpointer: Any
+    store: Any
+    tiers: Any
+    committed_step: int | None
+    log_metrics: bool
+    requested_step: int | None
+    skipped: int
+    _logged: tuple
+
+    def _path_of(self, manifest: Any, store: Any = None) -> str:
+        store = store or (self.store if self.tiers is None else self.tiers.local_store)
+        assert store is not None
+        return loadable_path(manifest, store)
+
+    def _sync_progress(self) -> None:
+        if self.checkpointer is not None:
+            self.committed_step = self.checkpointer.committed_step
+
+    def _log_progress(self, pl_module: pl.LightningModule) -> None:
+        if self.checkpointer is not None:
+            self.committed_step = self.checkpointer.committed_step
+            if self.log_metrics:
+                ck, logged = self.checkpointer, self._logged
+                self._logged = log_progress(pl_module, ck, self.requested_step, self.skipped, logged)
