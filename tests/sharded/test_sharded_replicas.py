@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 from lightning_async_ckpt.errors import ConfigError
+from lightning_async_ckpt.sharded.peer_replicas import replica_where
 from lightning_async_ckpt.sharded.tiered import TieredShardedCheckpointer
 from tests.helpers.dist import launch_ranks
 
@@ -116,3 +117,16 @@ def test_more_replicas_than_other_ranks_or_a_remote_local_tier_are_refused_under
 def test_replicas_without_a_process_group_is_refused_with_the_fix(tmp_path):
     with pytest.raises(ConfigError, match="init_process_group"):
         TieredShardedCheckpointer(str(tmp_path / "local"), str(tmp_path / "durable"), replicas=1)
+
+
+@pytest.mark.parametrize(
+    ("uri", "where"),
+    [
+        ("/n/local/rank-3", "replica-of-rank-3"),
+        ("/n/local/v2/rank-0", "v2/replica-of-rank-0"),
+        ("file:///n/local/v1/rank-1/", "v1/replica-of-rank-1"),
+    ],
+)
+def test_a_replica_goes_to_the_same_version_folder_under_a_name_no_rank_reads_as_its_own(uri, where):
+    root = "file:///n/local" if uri.startswith("file://") else "/n/local/"
+    assert replica_where(root, uri) == where
