@@ -66,13 +66,31 @@ def _patch(owner: Any, attr: str, name: str, mark: str | None = None) -> None:
         setattr(owner, attr, _timed(name, fn, mark))
 
 
+def _patch_fsync() -> None:
+    """``os.fsync`` timed apart for data objects (over 1 MiB) and for small files and folders."""
+    fsync = os.fsync
+    if getattr(fsync, "__wrapped_timer__", False):
+        return
+
+    def timed(fd: int) -> None:
+        try:
+            big = os.fstat(fd).st_size > (1 << 20)
+        except OSError:
+            big = False
+        name = "fsync: data object" if big else "fsync: small files (claims, manifest) and folders"
+        _timed(name, fsync)(fd)
+
+    timed.__wrapped_timer__ = True  # type: ignore[attr-defined]
+    os.fsync = timed
+
+
 def instrument() -> None:
     """Wrap the library's steps with timers (this process only)."""
     from lightning_async_ckpt.core import completion, options, persist, stream_persister
     from lightning_async_ckpt.storage import backend, claims, direct, io, listing_check, store, writer
     from lightning_async_ckpt.storage.ledger import Ledger
 
-    _patch(os, "fsync", "os.fsync (files and folders)")
+    _patch_fsync()
     _patch(io, "fsync_dir", "fsync_dir (io: manifest/claim link)")
     _patch(backend, "fsync_dir", "fsync_dir (backend.sync_folder)")
     _patch(claims, "atomic_local_write", "lease renewal (atomic write)")
@@ -80,7 +98,7 @@ def instrument() -> None:
     _patch(direct.DirectFile, "write", "copy into O_DIRECT buffers")
     _patch(direct.DirectFile, "flush", "O_DIRECT flush (wait for disk + tail)")
     _patch(direct.DirectFile, "close", "O_DIRECT close")
-    _patch(backend.LocalBackend, "finish", "object finish (flush + fsync)")
+    _patch(backend.LocalBackend, "finish", "object finish (O_DIRECT flush wait + fsync)")
     _patch(backend.LocalBackend, "open_write", "object open (O_EXCL + O_DIRECT)")
     _patch(store.CheckpointStore, "begin", "begin (all)", mark="begin")
     _patch(store.CheckpointStore, "_holds_manifest", "begin: committed-manifest check")
