@@ -6,6 +6,7 @@ Asserted through public futures, records, events and pool statistics only.
 from __future__ import annotations
 
 import errno
+import subprocess
 import sys
 import threading
 from collections.abc import Iterator
@@ -21,7 +22,6 @@ from lightning_async_ckpt.core.engine import AsyncCheckpointer, TorchSaveSeriali
 from lightning_async_ckpt.core.staging import StagingJob
 from lightning_async_ckpt.errors import CheckpointError, HostMemoryBudgetError
 from lightning_async_ckpt.storage.store import CheckpointStore, GenerationWriter
-from tests.helpers.dist import run_script
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -200,7 +200,7 @@ def test_retake_is_due_after_a_torn_save_until_the_next_admitted_one(ckpts, tmp_
     assert not ckpt.retake_due
 
 
-def test_exit_hooks_run_newest_first_hold_owners_weakly_and_can_be_unregistered(tmp_path: Path) -> None:
+def test_exit_hooks_run_newest_first_hold_owners_weakly_and_can_be_unregistered() -> None:
     script = """
 from lightning_async_ckpt.core.workers import register_at_exit
 class Owner:
@@ -214,11 +214,9 @@ register_at_exit(off.bye).unregister()
 register_at_exit(lambda: print("function", flush=True))
 del gone
 """
-    path = tmp_path / "exit_hooks.py"
-    path.write_text(script)
-    # Forked from the session's zygote (torch imported once); it leaves through interpreter exit, where hooks run.
-    proc = run_script([sys.executable, str(path)], timeout=120, cwd=REPO)
-    assert proc.returncode == 0, proc.stderr
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=str(REPO), check=True
+    )
     assert proc.stdout.split("\n")[:-1] == ["function", "bye b", "bye a"]
 
 
