@@ -107,6 +107,12 @@ class _Zygote:
         if self.proc.poll() is None:
             self.proc.kill()
         self.proc.wait()
+        for pipe in (self.proc.stdin, self.proc.stdout):
+            try:
+                if pipe is not None:
+                    pipe.close()  # not left to interpreter exit (an "unclosed file" ResourceWarning there)
+            except OSError:  # a request still buffered for the killed zygote: nothing reads it
+                pass
 
 
 _zygote: _Zygote | None = None
