@@ -1,8 +1,10 @@
 """The wire of peer replicas: framed messages over gloo send/recv, and one generation sent or received through it.
 
 One sender talks to one receiver, in order (``Kind``): ``GEN`` (JSON: step, version folder, manifest) -> ``HAVE`` |
-``NEED`` | ``FAIL``; after ``NEED``, per object ``DATA``* then ``EOF`` (``ABORT`` when the source failed its own
-checksum; the receiver then aborts and answers ``FAIL``) -> ``OK`` | ``FAIL``. ``STOP`` ends a receiver. The receiver
+``NEED`` | ``FAIL`` (``HAVE`` only after the held copy's bytes were re-read against the manifest: a damaged one is
+received again into a new version folder, :mod:`~lightning_async_ckpt.core.replica_repair`); after ``NEED``, per
+object ``DATA``* then ``EOF`` (``ABORT`` when the source failed its own checksum; the receiver then aborts and answers
+``FAIL``) -> ``OK`` | ``FAIL``. ``STOP`` ends a receiver. The receiver
 commits through its own store's writer (write-once objects checked against the source manifest, the manifest last,
 with ``extra["replica_of"]``), so a replica cut off mid-copy is never listed as committed.
 """
@@ -17,7 +19,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lightning_async_ckpt.errors import CheckpointError, ManifestError
+from lightning_async_ckpt.core.replica_repair import Held, held_copy, repair_where
+from lightning_async_ckpt.errors import CheckpointError
 from lightning_async_ckpt.storage.io import read_verified
 from lightning_async_ckpt.storage.manifest import Manifest
 from lightning_async_ckpt.storage.promote import copy_objects
@@ -145,22 +148,32 @@ def receive_generation(
     wire: Wire, src: int, header: dict[str, Any], root: str, *, where: str | None = None
 ) -> Manifest | None:
     """Answer one ``GEN`` from ``src``: commit the generation in local folder ``root`` (its version folder, or
-    ``where``), manifest last; the manifest committed, or ``None`` when the folder held it already or it failed
-    (``src`` is told)."""
+    ``where``), manifest last; the manifest committed, or ``None`` when the folder held it intact already or it
+    failed (``src`` is told). A damaged committed copy there is left as it is and the generation is committed again
+    into a new version folder (:func:`~lightning_async_ckpt.core.replica_repair.repair_where`)."""
     manifest = Manifest.from_json(header["manifest"], where=f"replica from rank {src}")
-    store = CheckpointStore(version_uri(root, header["where"] if where is None else where), run_id=manifest.run_id)
+    relative = header["where"] if where is None else where
+    store = CheckpointStore(version_uri(root, relative), run_id=manifest.run_id)
     step = manifest.step
-    try:
-        existing = store.manifest(step)
-    except (ManifestError, FileNotFoundError):
-        existing = None
-    if existing is not None:
-        same = [(o.name, o.size, o.checksum) for o in existing.objects] == [
-            (o.name, o.size, o.checksum) for o in manifest.objects
-        ]
-        wire.send(
-            src, Kind.HAVE if same else Kind.FAIL, b"" if same else f"{store.uri} holds another step {step}".encode()
+    held, why = held_copy(store, manifest)  # an intact copy: every byte re-read, not only the manifest compared
+    if held is Held.OTHER:
+        wire.send(src, Kind.FAIL, why.encode())
+        return None
+    if held is Held.DAMAGED:  # committed names are never rewritten: the fresh copy goes to a new version folder
+        fresh, have = repair_where(root, relative, manifest)
+        _log.warning(
+            "replica of step %d from rank %d in %s is damaged (%s): %s %s",
+            step,
+            src,
+            store.uri,
+            why,
+            "an intact copy is in" if have else "a fresh copy goes to",
+            version_uri(root, fresh),
         )
+        held = Held.INTACT if have else Held.NONE
+        store = CheckpointStore(version_uri(root, fresh), run_id=manifest.run_id)
+    if held is Held.INTACT:
+        wire.send(src, Kind.HAVE)
         return None
     try:
         writer = store.begin(step)

@@ -7,29 +7,30 @@ separate gloo process group, never on the training thread. Each target's thread
 :class:`~lightning_async_ckpt.storage.writer.GenerationWriter` (objects under write-once names, each checked against
 the source manifest's size and checksum, the manifest last, with ``extra["replica_of"]``): a half-copied replica has
 no manifest and is never listed as committed. Only the receiving rank writes its folder, so this works when each
-rank's folder is visible to that rank alone; a target whose folder already holds the generation (a folder shared by
-the ranks of a node) answers "have it" and nothing is sent.
+rank's folder is visible to that rank alone; a target whose folder already holds the generation intact (a folder
+shared by the ranks of a node; every byte re-read) answers "have it" and nothing is sent, and one holding a damaged
+copy receives it again into a new version folder (:mod:`~lightning_async_ckpt.core.replica_repair`).
 
 :func:`restore_from_peers` is the restart side, collective over the group: every rank reports the newest intact
 generation of its local tier, the ranks agree on the newest one any rank holds (unless the durable tier is newer),
 and each folder that lacks it receives it from a rank that holds it. Every rank then loads the same step.
 
-The messages and one generation's transfer are in :mod:`~lightning_async_ckpt.core.replica_wire`.
+The messages and one generation's transfer are in :mod:`~lightning_async_ckpt.core.replica_wire`,
+:func:`restore_from_peers` in :mod:`~lightning_async_ckpt.core.replica_restore` (re-exported here).
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import os
 import threading
 import time
-import uuid
 from collections.abc import Callable
 from typing import Any
 
 import torch.distributed as dist
 
+from lightning_async_ckpt.core.replica_restore import folder_id, restore_from_peers
 from lightning_async_ckpt.core.replica_wire import (
     REPLICA_OF_KEY,
     Kind,
@@ -39,7 +40,6 @@ from lightning_async_ckpt.core.replica_wire import (
     send_generation,
     version_uri,
 )
-from lightning_async_ckpt.storage.generation import version_folders
 from lightning_async_ckpt.storage.store import CheckpointStore
 
 __all__ = [
@@ -53,7 +53,6 @@ __all__ = [
 ]
 
 _log = logging.getLogger("lightning_async_ckpt")
-_ID_FILE = ".tier-id"
 
 
 def replica_targets(rank: int, world_size: int, *, replicas: int, ranks_per_node: int) -> list[int]:
@@ -88,25 +87,6 @@ def replica_plan(
     plan = {w: replica_targets(w, world_size, replicas=replicas, ranks_per_node=ranks_per_node) for w in writers}
     sources = [w for w in writers if rank in plan[w]]
     return plan.get(rank, []), sources, sorted({t for targets in plan.values() for t in targets})
-
-
-def folder_id(root: str) -> str:
-    """A random id stored in local folder ``root`` (created once, exclusively): ranks that share a folder see one id."""
-    os.makedirs(root, exist_ok=True)
-    path = os.path.join(root, _ID_FILE)
-    tmp = f"{path}.{uuid.uuid4().hex}"
-    with open(tmp, "w") as f:
-        f.write(uuid.uuid4().hex)
-        f.flush()
-        os.fsync(f.fileno())
-    try:
-        os.link(tmp, path)  # exclusive and atomic: the first rank's id wins, never a half-written one
-    except FileExistsError:
-        pass
-    finally:
-        os.unlink(tmp)
-    with open(path) as f:
-        return f.read().strip()
 
 
 class Replicator:
@@ -305,96 +285,3 @@ def _where(root: str, uri: str) -> str:
     """The version folder (``""`` or ``"v1"``, ...) of local store ``uri`` under the local tier ``root``."""
     root, uri = root.rstrip("/"), uri.rstrip("/")
     return uri[len(root) + 1 :] if uri.startswith(root + "/") else ""
-
-
-def restore_from_peers(
-    group: Any,
-    local_dirpath: str,
-    *,
-    newest_local: tuple[int, int] | None,
-    durable_step: int | None,
-    newest_store: Callable[[int], CheckpointStore],
-) -> tuple[int, int] | None:
-    """Collective over ``group`` (every rank calls it): agree on the generation every rank resumes from, and copy
-    it into each local folder that lacks it from a rank that holds it.
-
-    Args:
-        group: The replicas' gloo group (every rank).
-        local_dirpath: This rank's local tier.
-        newest_local: ``(version, step)`` of the newest intact generation of this rank's local tier, or ``None``.
-        durable_step: The newest step this rank sees listed in the durable tier, or ``None``.
-        newest_store: The local store of a version folder (``0``: ``local_dirpath`` itself).
-
-    Returns:
-        ``(version, step)`` of the agreed local generation, now committed in this rank's folder, or ``None`` when
-        every rank resumes from the durable tier (it is newer, or no rank holds a local generation). The version is
-        this folder's: a folder holding a damaged copy of the agreed generation (committed, so never overwritten)
-        receives it into a new version folder.
-
-    Raises:
-        ReplicaError: A copy failed (on the ranks that sent or received it; the others see the barrier fail).
-    """
-    world = dist.get_world_size(group)
-    rank = dist.get_rank(group)
-    mine = {"local": newest_local, "durable": durable_step, "folder": folder_id(local_dirpath)}
-    everyone: list[Any] = [None] * world
-    dist.all_gather_object(everyone, mine, group=group)
-    held = [tuple(e["local"]) for e in everyone if e["local"] is not None]
-    durable = max((e["durable"] for e in everyone if e["durable"] is not None), default=None)
-    if not held:
-        return None
-    agreed = max(held, key=lambda vs: (vs[1], vs[0]))
-    if durable is not None and durable > agreed[1]:
-        return None
-    holders = [r for r, e in enumerate(everyone) if e["local"] is not None and tuple(e["local"]) == agreed]
-    have = {everyone[r]["folder"] for r in holders}
-    needers: list[int] = []
-    for r, e in enumerate(everyone):
-        if e["folder"] not in have:
-            have.add(e["folder"])  # one receiving rank per folder; the ranks sharing it see its copy
-            needers.append(r)
-    wire, failure, here = Wire(group), None, agreed[0]
-    for i, needer in enumerate(needers):
-        source = holders[i % len(holders)]
-        try:
-            if rank == source:
-                send_generation(wire, newest_store(agreed[0]), agreed[1], _version_name(agreed[0]), needer)
-                _log.info("restored step %d to rank %d's local tier from this rank", agreed[1], needer)
-            elif rank == needer:
-                here = _free_version(local_dirpath, newest_store(agreed[0]), agreed)
-                kind, payload = wire.recv(source)
-                header = json.loads(payload) if kind == Kind.GEN else None
-                where = _version_name(here)
-                committed = (
-                    None if header is None else receive_generation(wire, source, header, local_dirpath, where=where)
-                )
-                if committed is None:
-                    raise ReplicaError(f"step {agreed[1]} could not be restored from rank {source}")
-                _log.warning("local tier lost step %d: restored from rank %d's replica", agreed[1], source)
-        except Exception as exc:  # noqa: BLE001 - agreed below
-            failure = exc
-    outcome: list[Any] = [None] * world
-    problem = None if failure is None else f"{type(failure).__name__}: {failure}"
-    dist.all_gather_object(outcome, (problem, here), group=group)
-    problems = [f"rank {r}: {p}" for r, (p, _) in enumerate(outcome) if p]
-    if problems:
-        raise ReplicaError("restoring the local tier from peers failed: " + "; ".join(problems))
-    # The ranks sharing a needer's folder take the version it received into.
-    mine_folder = everyone[rank]["folder"]
-    receiver = next((n for n in needers if everyone[n]["folder"] == mine_folder), None)
-    return (outcome[receiver][1] if receiver is not None else agreed[0]), agreed[1]
-
-
-def _free_version(local_dirpath: str, store: CheckpointStore, agreed: tuple[int, int]) -> int:
-    """Where this folder receives the agreed generation: its own version, unless that holds a committed copy of it
-    (damaged, or this rank would hold it intact): then a new version folder (committed names are never overwritten)."""
-    try:
-        store.manifest(agreed[1])
-    except Exception:  # noqa: BLE001 - not committed there (missing, leftover, rejected): receive it there
-        return agreed[0]
-    root = CheckpointStore(local_dirpath, check_writable=False)
-    return max([agreed[0], *version_folders(root.fs, root.root)]) + 1
-
-
-def _version_name(version: int) -> str:
-    return f"v{version}" if version else ""
