@@ -12,7 +12,8 @@ tracks the saves and hands the due ones to that promoter, as for single-file gen
 distributed environment is set up first, as Lightning does next anyway); a rank then loads its own local folder, or
 every rank the durable generation when any rank's local part is missing, damaged or behind. With ``replicas=F``
 each rank's committed local generations are also copied to F peers' folders, and a rank whose part is missing or
-damaged gets it from a peer's intact replica first (:mod:`~lightning_async_ckpt.sharded.peer_replicas`).
+damaged gets it from a peer's intact replica first (:mod:`~lightning_async_ckpt.sharded.peer_replicas`); the
+emergency save waits for the replicas of its step within ``preemption_grace_s`` (:func:`emergency_replicas`).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from typing import Any
 
 from lightning_async_ckpt.storage.store import CheckpointStore
 
-__all__ = ["find_last_sharded", "open_tiered_sharded", "place_sharded", "writes_sharded"]
+__all__ = ["emergency_replicas", "find_last_sharded", "open_tiered_sharded", "place_sharded", "writes_sharded"]
 
 _log = logging.getLogger("lightning_async_ckpt")
 # The strategy attribute holding this rank's agreed local folder until the strategy loads it.
@@ -73,6 +74,14 @@ def place_sharded(tiers: Any, engine: Any, start_step: int) -> Any:
         engine.continue_from(start_step)
         tiers.local_store = engine.store
     return engine
+
+
+def emergency_replicas(engine: Any, step: int, timeout: float | None) -> str:
+    """After an emergency save's promotion: wait (up to ``timeout``, the grace left) for this rank's replicas of
+    ``step`` when ``engine`` is a sharded two-tier checkpointer with ``replicas``; what was replicated where (``""``
+    for any other engine: the single-writer layouts' replicas are the callback's tiers', drained with them)."""
+    report = getattr(engine, "replicas_report", None)  # TieredShardedCheckpointer's (nothing imported in a hurry)
+    return "" if report is None else report(step, timeout)
 
 
 def find_last_sharded(callback: Any, trainer: Any) -> set[str]:

@@ -28,7 +28,7 @@ from lightning_async_ckpt.core.capture import Fence
 from lightning_async_ckpt.core.engine import AsyncCheckpointer
 from lightning_async_ckpt.lightning.replicas import setup_replicas
 from lightning_async_ckpt.lightning.rerun import run_locations, version_uri
-from lightning_async_ckpt.lightning.sharded_tiers import place_sharded
+from lightning_async_ckpt.lightning.sharded_tiers import emergency_replicas, place_sharded
 from lightning_async_ckpt.storage.promote import Promoter
 from lightning_async_ckpt.storage.store import CheckpointStore
 
@@ -260,4 +260,5 @@ def emergency_drain(engine: Any, tiers: Tiers | None, grace_s: float | None, ste
         where += f"; promoted step {tiers.promoted_step} to {tiers.promoter.target.uri if tiers.promoter else '?'}"
         if not promoted_in_time:
             where += " (a promotion was still running after the grace period)"
+    where += emergency_replicas(engine, step, left())  # DCP layouts: every rank's own replicas
     _log.warning("emergency checkpoint at step %d: %s; training stops", step, where)

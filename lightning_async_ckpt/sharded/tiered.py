@@ -66,7 +66,8 @@ class TieredShardedCheckpointer(ShardedCheckpointer):
             here, on the main thread, removed by :meth:`close`); :meth:`preemption_due` agrees across ranks.
         replicas: Copy each rank's committed local generations to this many other ranks' local folders (other
             nodes first), in the background; :meth:`resume` restores a rank's lost or damaged part from a peer
-            (:mod:`.peer_replicas`). Needs ``torch.distributed``.
+            (:mod:`.peer_replicas`); :meth:`emergency_save` waits for them within its grace period. Needs
+            ``torch.distributed``.
         ranks_per_node: The node layout for ``replicas`` (``None``: ``LOCAL_WORLD_SIZE``).
 
     Raises:
@@ -225,7 +226,8 @@ class TieredShardedCheckpointer(ShardedCheckpointer):
         return bool(box.item())
 
     def emergency_save(self, step: int, state: Any, *, grace_s: float | None = None, **kwargs: Any) -> str:
-        """Save ``state`` copied at the cut on every rank, commit it locally, promote it within ``grace_s``.
+        """Save ``state`` copied at the cut on every rank, commit it locally, promote it and replicate it (with
+        ``replicas``) within ``grace_s``.
 
         Returns:
             What was committed where (also logged at WARNING).
@@ -235,10 +237,26 @@ class TieredShardedCheckpointer(ShardedCheckpointer):
         self.save(step, state, promote=True, final=True, **kwargs)
         saved = self.drain_quietly(grace_s)
         self._flush()
-        promoted = self.promoter.drain(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        promoted = self.promoter.drain(_left(deadline))
         where = f"committed step {self.committed_step} to {self.store.uri}" + ("" if saved else " (not in time)")
         where += f"; promoted step {self.promoted_step} to {self.durable.uri}" + ("" if promoted else " (not in time)")
+        where += self.replicas_report(step, _left(deadline))
         _log.warning("emergency checkpoint at step %d: %s", step, where)
+        return where
+
+    def replicas_report(self, step: int, timeout: float | None) -> str:
+        """Wait (up to ``timeout``) for this rank's replicas of ``step`` to reach its targets; what landed where
+        (``""`` without ``replicas``). The emergency save's last wait, within the grace period left."""
+        if self.replicas is None:
+            return ""
+        self._flush()  # a commit whose callback has not run yet is handed to the replicator now
+        replicator = self.replicas.replicator
+        in_time = replicator.drain(timeout)
+        done = sorted(set(replicator.replicated.get(step, [])))
+        missing = [t for t in replicator.targets if t not in done]
+        where = f"; replicated rank {self.rank}'s step {step} to ranks {done}"
+        if missing:
+            where += f" (not to ranks {missing}: " + ("not in time)" if not in_time else "failed or not committed)")
         return where
 
     def save(self, step: int, state: Any, *, promote: bool | None = None, **kwargs: Any) -> SaveHandle:
@@ -279,12 +297,9 @@ class TieredShardedCheckpointer(ShardedCheckpointer):
         deadline = None if timeout is None else time.monotonic() + timeout
         saved = self.drain_quietly(timeout)
         self._flush()
-        promoted = self.promoter.drain(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        promoted = self.promoter.drain(_left(deadline))
         if self.replicas is not None:
-            promoted = (
-                self.replicas.replicator.drain(None if deadline is None else max(0.0, deadline - time.monotonic()))
-                and promoted
-            )
+            promoted = self.replicas.replicator.drain(_left(deadline)) and promoted
         self.raise_pending()
         return saved and promoted
 
@@ -309,3 +324,7 @@ class TieredShardedCheckpointer(ShardedCheckpointer):
                     self.replicas.close(0 if abandon else timeout)
         finally:
             super().close(timeout, abandon=abandon)
+
+
+def _left(deadline: float | None) -> float | None:
+    return None if deadline is None else max(0.0, deadline - time.monotonic())

@@ -1,0 +1,32 @@
+"""The DCP layout's emergency save waits for its peer replicas within the grace period, as the single-writer layouts
+do, and says what was replicated where (sharded/tiered.py ``emergency_save``). Two real gloo ranks, a real signal."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.helpers.dist import launch_ranks
+
+WORKER = Path(__file__).resolve().parents[1] / "helpers" / "sharded_emergency_replicas_worker.py"
+
+
+@pytest.mark.slow
+def test_a_signal_makes_every_rank_replicate_the_emergency_step_before_the_save_returns(tmp_path):
+    procs = launch_ranks([sys.executable, str(WORKER), str(tmp_path)], timeout=240)
+    results = []
+    for proc in procs:
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")][-1]
+        results.append(json.loads(line[len("RESULT ") :]))
+    for rank, result in enumerate(results):
+        target = 1 - rank
+        assert result["stopped"] == 3
+        # When emergency_save returned (before close), the target had committed this rank's step 3, intact.
+        assert result["target_holds"] == [2, 3] and result["target_verified"] == [True, True]
+        assert result["replicated"]["3"] == [target]
+        assert f"replicated rank {rank}'s step 3 to ranks [{target}]" in result["where"]
+        assert "not in time" not in result["where"] and "promoted step 3" in result["where"]
