@@ -114,7 +114,7 @@ def _edge_sums(data: torch.Tensor, head: int, tail: int) -> tuple[int, int]:
 
 
 def _pinned(storage: torch.UntypedStorage) -> bool:
-    return torch.cuda.is_available() and storage.is_pinned()
+    return torch.cuda.is_initialized() and storage.is_pinned()  # pinned memory exists only once CUDA is initialized
 
 
 def _versions(slot: StorageSlot) -> list[int | None]:
