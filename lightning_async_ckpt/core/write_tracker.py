@@ -97,8 +97,11 @@ class WriteTracker:
     def protect(self, start: int, end: int) -> bool:
         """Write-protect the page-aligned ``[start, end)``; ``False`` when it cannot be tracked (fingerprint it).
 
-        Refused: a range overlapping one tracked now (its session's scan would be reset), memory the kernel cannot
-        track asynchronously (file-backed or shared mappings), or any error.
+        Refused: a range overlapping one tracked now (its session's scan would be reset), memory that is not private
+        and anonymous (a shared or file mapping changes without a write through this process's page tables: another
+        process, ``write`` to the file, another mapping of the same pages), or any error. Only a range this
+        tracker registered is ever protected, and it registers a range only after checking its mappings, so memory
+        mapped anew at a registered address is checked again.
         """
         if start >= end or start % PAGE or end % PAGE:
             return False
@@ -110,6 +113,8 @@ class WriteTracker:
             except OSError as exc:
                 if exc.errno not in (errno.ENOENT, errno.EINVAL):
                     return False
+                if not _private_anonymous(start, end):
+                    return False  # shared or file memory changes without a write through these page tables
                 try:  # not registered yet (or remapped since): register, then protect
                     _ioctl(self._uffd, _UFFDIO_REGISTER, start, end - start, _REGISTER_MODE_WP, 0)
                     self._write_protect(start, end, on=True)
@@ -152,6 +157,31 @@ class WriteTracker:
     def _write_protect(self, start: int, end: int, *, on: bool) -> None:
         mode = _WRITEPROTECT_MODE_WP if on else 0
         _ioctl(self._uffd, _UFFDIO_WRITEPROTECT, start, end - start, mode)
+
+
+_ANONYMOUS_NAMES = ("", "[heap]", "[stack]")
+
+
+def _private_anonymous(start: int, end: int) -> bool:
+    """Whether ``/proc/self/maps`` shows ``[start, end)`` covered by private anonymous mappings only."""
+    covered = start
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                fields = line.split(None, 5)
+                low, high = (int(x, 16) for x in fields[0].split("-"))
+                if high <= covered or low >= end:
+                    continue
+                name = fields[5].strip() if len(fields) > 5 else ""
+                anonymous = name in _ANONYMOUS_NAMES or name.startswith("[anon:")
+                if low > covered or fields[1][3] != "p" or not anonymous:
+                    return False
+                covered = high
+                if covered >= end:
+                    return True
+    except (OSError, ValueError, IndexError):
+        return False
+    return False
 
 
 _lock = threading.Lock()

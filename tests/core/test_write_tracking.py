@@ -222,3 +222,22 @@ def test_a_forked_child_gets_its_own_tracker():
     # single-threaded interpreter (forking this multi-threaded test process could inherit a held lock).
     out = subprocess.run([sys.executable, "-c", _FORK_CHECK], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.split() == ["child", "1", "parent", "1"], out.stderr
+
+
+@needs_tracker
+def test_a_file_backed_storage_is_fingerprinted_and_a_write_to_the_file_is_refused(tmp_path):
+    # A shared file mapping changes when the file is written (another process, os.pwrite): no write goes through
+    # this process's page tables, so the tracker must not vouch for it; the fingerprint catches the change.
+    path = tmp_path / "weights.bin"
+    path.write_bytes(np.zeros(MB4, dtype=np.float32).tobytes())
+    weight = torch.from_numpy(np.memmap(path, dtype=np.float32, mode="r+", shape=(MB4,)))
+    _, job = _job(weight)
+    job.copy_at_cut()
+    assert job._guard.tracked_bytes == 0
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        os.pwrite(fd, np.float32(9.0).tobytes(), 4 * (MB4 // 2))
+    finally:
+        os.close(fd)
+    job.run()
+    assert job.error is not None and "checksum" in str(job.error)
