@@ -30,3 +30,22 @@ def test_a_signal_makes_every_rank_replicate_the_emergency_step_before_the_save_
         assert result["replicated"]["3"] == [target]
         assert f"replicated rank {rank}'s step 3 to ranks [{target}]" in result["where"]
         assert "not in time" not in result["where"] and "promoted step 3" in result["where"]
+
+
+LIGHTNING_WORKER = Path(__file__).resolve().parents[1] / "helpers" / "sharded_emergency_replicas_lightning_worker.py"
+
+
+@pytest.mark.slow
+def test_the_lightning_callback_s_emergency_save_under_fsdp2_waits_for_the_replicas_and_says_where(tmp_path):
+    procs = launch_ranks([sys.executable, str(LIGHTNING_WORKER), str(tmp_path)], timeout=300)
+    results = []
+    for proc in procs:
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")][-1]
+        results.append(json.loads(line[len("RESULT ") :]))
+    for rank, result in enumerate(results):
+        target = 1 - rank
+        assert result["stopped"] == 5 and result["target_holds"] == [5]
+        # The drain's log line is written after the wait: the target had committed the replica by then.
+        [line] = result["emergency"]
+        assert f"replicated rank {rank}'s step 5 to ranks [{target}]" in line and "not" not in line.split("; rep")[-1]

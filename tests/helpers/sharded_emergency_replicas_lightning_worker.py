@@ -1,0 +1,63 @@
+"""One rank of the Lightning half of tests/sharded/test_sharded_emergency_replicas.py: ``ModelParallelStrategy``
+(FSDP2) on 2 CPU ranks, ``AsyncCheckpointCallback(local_dirpath=<out>/node<r>, replicas=1,
+preemption_signal=SIGUSR1)``; rank 1 alone receives a real SIGUSR1 at step 5.
+
+Usage: ``python sharded_emergency_replicas_lightning_worker.py <out>``. Prints ``RESULT {json}``: the step training
+stopped at, the callback's emergency log lines on this rank, and what the target's folder holds of this rank's
+replicas after the fit.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import sys
+
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+from lightning_async_ckpt import AsyncCheckpointCallback  # noqa: E402
+from lightning_async_ckpt.storage.store import CheckpointStore  # noqa: E402
+from tests.helpers.sharded_tiers_lightning_worker import Signal, _fit  # noqa: E402
+
+
+class Lines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def main(out: str) -> None:
+    lines = Lines()
+    logging.getLogger("lightning_async_ckpt").addHandler(lines)
+    callback = AsyncCheckpointCallback(
+        dirpath=f"{out}/durable",
+        every_n_train_steps=100,
+        local_dirpath=f"{out}/node{os.environ['RANK']}",
+        local_every_n_train_steps=100,
+        replicas=1,
+        preemption_signal=signal.SIGUSR1,
+        preemption_grace_s=120,
+    )
+    rank = int(os.environ["RANK"])
+    _, trainer = _fit([Signal(rank), callback], 12)
+    held = CheckpointStore(f"{out}/node{1 - rank}/replica-of-rank-{rank}", check_writable=False)
+    result = {
+        "rank": rank,
+        "stopped": trainer.global_step,
+        "emergency": [line for line in lines.lines if line.startswith("emergency checkpoint")],
+        "target_holds": [g.step for g in held.generations()],
+    }
+    print("RESULT " + json.dumps(result), flush=True)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
