@@ -1,18 +1,24 @@
 """One rank of a two-process plain loop with two tiers and ``replicas=1``, launched by tests/core/test_tiered_replicas.py.
 
-Usage: python plain_replicas_worker.py BASE PHASE
-    Each rank has its own "node-local" folder ``BASE/local-<rank>``; the durable tier is ``faulty://BASE/durable``
-    (a wrapper counting every call). A DDP model on gloo; rank 0 saves (single writer).
-    PHASE ``train``: steps 1..8, saves at 2, 4, 6 (promoted every 4); prints the weights after step 8.
-    PHASE ``resume``: ``restore()`` on both ranks (the test deleted rank 1's folder), load, train steps 7..8; prints
-    the weights, the tier and step restored and how many durable reads (open/cat_file) ``restore()`` made.
-Prints one line ``RESULT {json}``.
+Usage: python plain_replicas_worker.py BASE
+    Every phase below runs in this one pair of processes, one after the other (a barrier between phases). Each rank
+    has its own "node-local" folder ``BASE/run/local-<rank>``; the durable tier is ``faulty://BASE/run/durable`` (a
+    wrapper counting every call). A DDP model on gloo; rank 0 saves (single writer). Before a phase, rank 0 damages
+    the folders as the phase needs; after it, rank 0 copies ``BASE/run`` to ``BASE/after-<phase>`` so the test can
+    inspect the folders as that phase left them.
+
+    ``train``: steps 1..8, saves at 2, 4, 6 (promoted every 4); reports the weights after step 8.
+    ``resumed`` (rank 1's folder deleted) and ``fallen_back`` (both folders deleted): ``restore()`` on both ranks,
+        load, train steps on to 8; report the weights, the tier and step restored and how many durable reads
+        (open/cat_file) ``restore()`` made.
+Prints ``RESULT <phase> {json}`` after each phase.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 
 import torch
@@ -23,6 +29,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 import lightning_async_ckpt.testing  # noqa: E402, F401 - registers faulty://
 from lightning_async_ckpt import CheckpointStore  # noqa: E402
 from lightning_async_ckpt.core.tiered import TieredCheckpointer  # noqa: E402
+
+PHASES = ("train", "resumed", "fallen_back")
 
 
 def _model() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -45,16 +53,21 @@ def _reads(fs: object) -> int:
     return sum(fs.count(op) for op in ("open", "cat_file"))  # type: ignore[attr-defined]
 
 
-def main() -> None:
-    base, phase = sys.argv[1], sys.argv[2]
-    dist.init_process_group("gloo")
+def _damage(run_dir: str, phase: str) -> None:
+    if phase in ("resumed", "fallen_back"):
+        shutil.rmtree(f"{run_dir}/local-1")  # rank 1's node lost its local tier between the runs
+    if phase == "fallen_back":
+        shutil.rmtree(f"{run_dir}/local-0")  # both local tiers lost (new nodes)
+
+
+def _phase(run_dir: str, phase: str) -> dict:
     rank = dist.get_rank()
-    durable = CheckpointStore(f"faulty://{base}/durable", {"target_protocol": "file"})
-    ckpt = TieredCheckpointer(f"{base}/local-{rank}", durable, promote_every_n_steps=4, replicas=1)
+    durable = CheckpointStore(f"faulty://{run_dir}/durable", {"target_protocol": "file"})
+    ckpt = TieredCheckpointer(f"{run_dir}/local-{rank}", durable, promote_every_n_steps=4, replicas=1)
     model, opt = _model()
     report: dict = {"rank": rank}
     first = 1
-    if phase == "resume":
+    if phase != "train":
         before = _reads(durable.fs)
         restored = ckpt.restore()
         report["durable_reads"] = _reads(durable.fs) - before
@@ -72,9 +85,24 @@ def main() -> None:
             ckpt.save(step, state, modules=[model], optimizers=[opt])
     ckpt.close()
     report["weights"] = {k: v.tolist() for k, v in model.module.state_dict().items()}
-    dist.barrier()
+    return report
+
+
+def main() -> None:
+    base = sys.argv[1]
+    run_dir = f"{base}/run"
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    for phase in PHASES:
+        if rank == 0:
+            _damage(run_dir, phase)
+        dist.barrier()
+        report = _phase(run_dir, phase)
+        dist.barrier()  # both ranks closed their checkpointers: the folders are as this phase left them
+        if rank == 0:
+            shutil.copytree(run_dir, f"{base}/after-{phase}")
+        print(f"RESULT {phase} " + json.dumps(report), flush=True)
     dist.destroy_process_group()
-    print("RESULT " + json.dumps(report), flush=True)
 
 
 if __name__ == "__main__":
