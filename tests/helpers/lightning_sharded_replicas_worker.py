@@ -1,11 +1,13 @@
-"""One rank of the Lightning sharded peer-replica test: ``ModelParallelStrategy`` (FSDP2) on 2 CPU ranks.
+"""Lightning sharded peer replicas: the fits and checks of one rank, ``ModelParallelStrategy`` (FSDP2) or sliced DDP.
 
-Usage: ``python lightning_sharded_replicas_worker.py <out> <kind>`` under ``tests.helpers.dist.launch_ranks``; prints
-``RESULT {json}``. Each rank has its own node-local folder ``<out>/node<r>`` (as on two nodes). ``kind``: ``mp``
-(``ModelParallelStrategy``, FSDP2) or ``sliced`` (``DDPStrategy`` with ``ddp_layout="sliced"``; its dropout's random
-state is not restored by Lightning, so its weights are not compared with the uninterrupted fit's).
+The replica part of ``tests/helpers/lightning_sharded_tiers_replicas_worker.py`` (``run_replicas``), which launches
+it; the kind is ``sys.argv[2]`` of that launch (read by ``sharded_tiers_lightning_worker``). Each rank has its own
+node-local folder ``<out>/node<r>`` (as on two nodes). ``kind``: ``mp`` (``ModelParallelStrategy``, FSDP2) or
+``sliced`` (``DDPStrategy`` with ``ddp_layout="sliced"``; its dropout's random state is not restored by Lightning, so
+its weights are not compared with the uninterrupted fit's).
 
-1. ``reference``: 12 steps without checkpoints; the full weights at step 12 (rank 0 holds them).
+1. ``reference`` (run by the launching worker, shared with the two-tier part): 12 steps without checkpoints; the full
+   weights at step 12 (rank 0 holds them).
 2. ``first``: 8 steps with ``AsyncCheckpointCallback(dirpath=<out>/durable, every_n_train_steps=4,
    local_dirpath=<out>/node<r>, local_every_n_train_steps=2, local_keep_last=2, replicas=1)``; both tiers are copied
    to ``<out>/lost`` and rank 1's local folder there is deleted.
@@ -15,7 +17,6 @@ state is not restored by Lightning, so its weights are not compared with the uni
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import sys
@@ -45,9 +46,8 @@ def _steps(path: str) -> list[int]:
     return [g.step for g in CheckpointStore(path, check_writable=False).generations()]
 
 
-def main(out: str) -> None:
-    record = Record({12})
-    _fit([record], 12)
+def run_replicas(out: str, record: Record) -> dict:
+    """Steps 2-3 above in ``out``; ``record`` holds the reference fit's full weights at step 12."""
     rank = dist.get_rank()
     result: dict = {"rank": rank, "kind": KIND}
     _fit([_callback(out, rank)], 8, ckpt_path="last")  # nothing on either tier yet: a fresh start
@@ -66,8 +66,4 @@ def main(out: str) -> None:
     weights = _full(model)  # a collective; rank 0 holds the full weights
     result["vs_reference_12"] = _same(weights, record.weights[12]) if rank == 0 and KIND == "mp" else None
     result["restored_own"] = _steps(f"{out}/lost/node{rank}/rank-{rank}")
-    print("RESULT " + json.dumps(result), flush=True)
-
-
-if __name__ == "__main__":
-    main(sys.argv[1])  # sys.argv[2] (the kind) is read by sharded_tiers_lightning_worker
+    return result

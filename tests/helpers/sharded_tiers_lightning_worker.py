@@ -1,10 +1,12 @@
-"""One rank of the Lightning sharded two-tier test: ``ModelParallelStrategy`` (FSDP2 ``fully_shard``) on 2 CPU ranks.
+"""Lightning sharded two tiers: the fits and checks of one rank, ``ModelParallelStrategy`` (FSDP2) or sliced DDP.
 
-Usage: ``python sharded_tiers_lightning_worker.py <out> <kind>`` under ``tests.helpers.dist.launch_ranks``; prints
-``RESULT {json}``. Each rank has its own node-local folder ``<out>/node<r>`` (as on two nodes). ``kind``: ``mp``
-(``ModelParallelStrategy``, FSDP2) or ``sliced`` (``DDPStrategy`` with ``ddp_layout="sliced"``, BatchNorm, dropout).
+The two-tier part of ``tests/helpers/lightning_sharded_tiers_replicas_worker.py`` (``run_tiers``), which launches
+it; the kind is ``sys.argv[2]`` of that launch. Each rank has its own node-local folder ``<out>/node<r>`` (as on two
+nodes). ``kind``: ``mp`` (``ModelParallelStrategy``, FSDP2) or ``sliced`` (``DDPStrategy`` with
+``ddp_layout="sliced"``, BatchNorm, dropout).
 
-1. ``reference``: 12 steps without checkpoints; the full weights at step 12 are recorded (rank 0 holds them).
+1. ``reference`` (run by the launching worker, shared with the replica part): 12 steps without checkpoints; the full
+   weights at step 12 are recorded (rank 0 holds them).
 2. ``first``: 8 steps (``ckpt_path="last"`` with both tiers empty: a fresh start) with ``AsyncCheckpointCallback(dirpath=<out>/durable, every_n_train_steps=4,
    local_dirpath=<out>/node<r>, local_every_n_train_steps=2, local_keep_last=2)``; both tiers are copied to
    ``<out>/lost`` and rank 1's local folder there is deleted.
@@ -19,7 +21,6 @@ Usage: ``python sharded_tiers_lightning_worker.py <out> <kind>`` under ``tests.h
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
@@ -108,12 +109,10 @@ def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[str]:
     return sorted(k for k in set(a) | set(b) if k not in a or k not in b or not torch.equal(a[k], b[k]))
 
 
-def main(out: str) -> None:
-    result: dict = {}
-    record = Record({12})
-    _fit([record], 12)
+def run_tiers(out: str, record: Record) -> dict:
+    """Steps 2-5 above in ``out``; ``record`` holds the reference fit's full weights at step 12."""
     rank = dist.get_rank()
-    result.update(rank=rank, kind=KIND)
+    result: dict = {"rank": rank, "kind": KIND}
 
     first, _ = _fit([_callback(out, rank)], 8, ckpt_path="last")  # nothing on either tier yet: a fresh start
     result["first_start"] = first.start_step
@@ -160,8 +159,4 @@ def main(out: str) -> None:
     result["emergency_durable"] = [
         g.step for g in CheckpointStore(f"{out}/emerg/durable", check_writable=False).generations()
     ]
-    print("RESULT " + json.dumps(result), flush=True)
-
-
-if __name__ == "__main__":
-    main(sys.argv[1])
+    return result

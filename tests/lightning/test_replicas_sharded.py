@@ -1,5 +1,7 @@
 """``AsyncCheckpointCallback(local_dirpath=..., replicas=1)`` under ``ModelParallelStrategy`` (FSDP2) and DDP with
-``ddp_layout="sliced"`` on 2 CPU ranks (gloo), each rank its own node-local folder (``tests/helpers/lightning_sharded_replicas_worker.py``): every rank's
+``ddp_layout="sliced"`` on 2 CPU ranks (gloo), each rank its own node-local folder (the fits are
+``tests/helpers/lightning_sharded_replicas_worker.py``'s, in one launch per strategy shared with
+``test_tiers_sharded.py``: ``tests/helpers/lightning_sharded_runs.py``): every rank's
 local generations are replicated into the other rank's folder; with rank 1's folder lost, ``ckpt_path="last"``
 restores rank 1's part from rank 0's replica, every rank loads step 8 from its own local folder (not ``dirpath``),
 and training continues exactly like an uninterrupted fit (``mp``; ``sliced`` has dropout, whose random state
@@ -8,27 +10,14 @@ Lightning does not restore).
 
 from __future__ import annotations
 
-import json
-import sys
-from pathlib import Path
-
 import pytest
 
-from tests.helpers.dist import launch_ranks
-
-WORKER = Path(__file__).resolve().parents[1] / "helpers" / "lightning_sharded_replicas_worker.py"
+from tests.helpers import lightning_sharded_runs
 
 
 @pytest.fixture(scope="module", params=["mp", "sliced"])
 def ranks(request, tmp_path_factory) -> list[dict]:
-    out = tmp_path_factory.mktemp(f"replicas_{request.param}")
-    procs = launch_ranks([sys.executable, str(WORKER), str(out), request.param], timeout=280)
-    results = []
-    for proc in procs:
-        assert proc.returncode == 0, proc.stderr[-4000:]
-        line = next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))
-        results.append(json.loads(line.split(" ", 1)[1]))
-    return sorted(results, key=lambda r: r["rank"])
+    return lightning_sharded_runs.ranks(request.param, "replicas", tmp_path_factory)
 
 
 def test_every_rank_local_generations_are_replicated_into_the_peer_folder(ranks):

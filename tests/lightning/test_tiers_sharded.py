@@ -1,35 +1,22 @@
 """``AsyncCheckpointCallback(local_dirpath=...)`` with DCP generations on 2 CPU ranks (gloo): ``ModelParallelStrategy``
 (FSDP2) and DDP with ``ddp_layout="sliced"``.
 
-One launch per strategy (``tests/helpers/sharded_tiers_lightning_worker.py``): each rank has its own node-local
-folder; a fit writes both tiers; ``ckpt_path="last"`` resumes every rank from its own local folder, and, with rank
+One launch per strategy, shared with ``test_replicas_sharded.py`` (``tests/helpers/lightning_sharded_runs.py``; the fits
+are ``tests/helpers/sharded_tiers_lightning_worker.py``'s): each rank has its own node-local folder; a fit writes both tiers; ``ckpt_path="last"`` resumes every rank from its own local folder, and, with rank
 1's folder lost, every rank from the durable tier; both continue exactly like an uninterrupted fit (``sliced``: its
 dropout's random state is not restored by Lightning, so its two resumed fits are compared with each other).
 """
 
 from __future__ import annotations
 
-import json
-import sys
-from pathlib import Path
-
 import pytest
 
-from tests.helpers.dist import launch_ranks
-
-WORKER = Path(__file__).resolve().parents[1] / "helpers" / "sharded_tiers_lightning_worker.py"
+from tests.helpers import lightning_sharded_runs
 
 
 @pytest.fixture(scope="module", params=["mp", "sliced"])
 def ranks(request, tmp_path_factory) -> list[dict]:
-    out = tmp_path_factory.mktemp(f"tiers_{request.param}")
-    procs = launch_ranks([sys.executable, str(WORKER), str(out), request.param], timeout=280)
-    results = []
-    for proc in procs:
-        assert proc.returncode == 0, proc.stderr[-4000:]
-        line = next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))
-        results.append(json.loads(line.split(" ", 1)[1]))
-    return sorted(results, key=lambda r: r["rank"])
+    return lightning_sharded_runs.ranks(request.param, "tiers", tmp_path_factory)
 
 
 def test_every_cut_lands_in_each_rank_s_own_local_folder_and_the_due_ones_on_dirpath(ranks):
