@@ -15,13 +15,44 @@ import os
 import signal
 import sys
 
+import lightning.pytorch as pl
 import torch.distributed as dist
+from lightning.pytorch.strategies import ModelParallelStrategy
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from lightning_async_ckpt import AsyncCheckpointCallback  # noqa: E402
 from lightning_async_ckpt.storage.store import CheckpointStore  # noqa: E402
-from tests.helpers.sharded_tiers_lightning_worker import Signal, _fit  # noqa: E402
+from tests.helpers.lightning_sharded_worker import ShardedModel, loader  # noqa: E402
+
+
+class Signal(pl.Callback):
+    """Rank 1 sends itself SIGUSR1 at the end of step 5 (before the checkpoint callback's hook of that batch)."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if self.rank == 1 and trainer.global_step == 5:
+            os.kill(os.getpid(), signal.SIGUSR1)
+
+
+def _fit(callbacks: list, max_steps: int) -> tuple[pl.LightningModule, pl.Trainer]:
+    model = ShardedModel("plain")
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1),
+        max_steps=max_steps,
+        callbacks=callbacks,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
+    pl.seed_everything(7)
+    trainer.fit(model, loader())
+    return model, trainer
 
 
 class Lines(logging.Handler):
