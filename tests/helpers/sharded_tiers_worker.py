@@ -9,8 +9,8 @@ ranks one folder).
 Modes:
     equiv: train 6 steps, save every step, promote every 2nd; load step 4 from the local tier (every rank its own
         folder) and from the durable tier into fresh states; both and the weights at step 4 must be equal.
-    deleted / damaged / behind: a base run (steps 1-5 saved, 2 and 4 promoted, local keeps 1, trained on to 6) is
-        copied; then rank 1's local folder is deleted / a byte of its step-5 data file is flipped / its step-5
+    deleted / damaged / behind: a base run (steps 1-5 saved, 2 and 4 promoted, local keeps 1, trained on to 6; run
+        once per layout, in the first such mode's ``base`` folder) is copied; then rank 1's local folder is deleted / a byte of its step-5 data file is flipped / its step-5
         generation is removed; a new checkpointer resumes (both ranks must agree on durable step 4), trains 5-6 and
         must end with the base run's weights at step 6; it saves 5-6 and promotes 6.
     emergency: rank 1 alone receives a real SIGUSR1 after step 3; ``preemption_due`` agrees on every rank, the
@@ -137,16 +137,32 @@ def _equiv(out: str, layout: str, result: dict) -> None:
     result["rank"] = rank
 
 
+_bases: dict[str, tuple[str, dict[int, dict[str, torch.Tensor]]]] = {}
+
+
 def _base(out: str, layout: str) -> dict[int, dict[str, torch.Tensor]]:
-    model, opt = _model()
-    ckpt = _ckpt(_folder(out, layout), f"{out}/durable", promote_every_n_steps=2, local_keep_last=1)
-    weights = {}
-    for step in range(1, 7):
-        _train(model, opt, step)
-        weights[step] = _weights(model)
-        if step <= 5:
-            ckpt.save(step, _state(model, opt, step))
-    ckpt.close()
+    """The base run's folders in ``out`` and its weights per step: run once per layout (in the first fallback mode's
+    ``base`` folder), copied for every later mode of that layout (rank 0 copies the durable tier)."""
+    if layout not in _bases:
+        where = f"{out}/base"
+        os.makedirs(where, exist_ok=True)
+        model, opt = _model()
+        ckpt = _ckpt(_folder(where, layout), f"{where}/durable", promote_every_n_steps=2, local_keep_last=1)
+        weights = {}
+        for step in range(1, 7):
+            _train(model, opt, step)
+            weights[step] = _weights(model)
+            if step <= 5:
+                ckpt.save(step, _state(model, opt, step))
+        ckpt.close()
+        dist.barrier()  # every rank's part committed: the base folders are complete
+        _bases[layout] = (where, weights)
+    where, weights = _bases[layout]
+    if layout == "node" or dist.get_rank() == 0:
+        shutil.copytree(_folder(where, layout), _folder(out, layout))
+    if dist.get_rank() == 0:
+        shutil.copytree(f"{where}/durable", f"{out}/durable")
+    dist.barrier()  # the copies are complete before any rank damages its part
     return weights
 
 
