@@ -36,9 +36,10 @@ def run_gc(args: argparse.Namespace) -> int:
     return gc_store(args, args.uri)
 
 
-def gc_store(args: argparse.Namespace, uri: str, *, local: bool = False) -> int:
+def gc_store(args: argparse.Namespace, uri: str, *, local: bool = False, protect: frozenset[int] = frozenset()) -> int:
     """``gc`` of one store (``args`` as parsed and checked by :func:`cmd_gc`); ``local``: a node-local tier, opened
-    without the storage options. Returns the exit status."""
+    without the storage options; ``protect``: steps never removed (beside ``--keep-last`` and ``--keep-best``).
+    Returns the exit status."""
     store = open_store(args, run_id=args.run_id, uri=uri, local=local)
     listing = store.scan(include_uncommitted=True)
     print_skipped(listing.skipped, to_stderr=False)  # never opened, never removed: named
@@ -59,7 +60,7 @@ def gc_store(args: argparse.Namespace, uri: str, *, local: bool = False) -> int:
         args.keep_last,
         all_runs=args.run_id is None,
         dry_run=args.dry_run,
-        protect=frozenset(best),
+        protect=frozenset(best) | protect,
         generations=gens,  # each manifest read once, not listed and read again
     )
     swept = store.upload_sweeper.last if not args.dry_run else None

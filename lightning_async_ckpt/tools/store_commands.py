@@ -22,6 +22,7 @@ __all__ = [
     "cmd_ls",
     "accelerate_folders_at",
     "cmd_verify",
+    "generation_row",
     "ls_rows",
     "open_store",
     "print_committed_summary",
@@ -89,41 +90,40 @@ def ls_rows(args: argparse.Namespace, uri: str, *, local: bool = False) -> tuple
         print_skipped(inner.skipped, to_stderr=args.json)
         located += [(version, g) for g in inner.generations]
     now = time.time()
-    rows = []
-    for version, g in located:
-        rows.append(
-            {
-                "version": version,
-                "step": g.step,
-                "committed": g.committed,
-                "bytes": g.manifest.total_bytes if g.manifest else None,
-                "objects": len(g.manifest.objects) if g.manifest else None,
-                "format": g.manifest.checkpoint_format if g.manifest else None,
-                "ranks": _rank_bytes(g.manifest),
-                "run_id": g.run_id,
-                "committed_at": g.manifest.committed_at if g.manifest else None,
-                "age_s": (now - g.mtime) if g.mtime else None,
-                "path": g.path,
-                "error": g.error,
-                "promoted_from": g.manifest.extra.get("promoted_from") if g.manifest else None,
-                "replica_of": g.manifest.extra.get("replica_of") if g.manifest else None,
-            }
-        )
-    return rows, versions
+    return [generation_row(g, version, now) for version, g in located], versions
+
+
+def generation_row(g: Any, version: int, now: float) -> dict[str, Any]:
+    """``ls``'s row (``--json`` object) of listed generation ``g`` of version folder ``version`` (0: the store)."""
+    return {
+        "version": version,
+        "step": g.step,
+        "committed": g.committed,
+        "bytes": g.manifest.total_bytes if g.manifest else None,
+        "objects": len(g.manifest.objects) if g.manifest else None,
+        "format": g.manifest.checkpoint_format if g.manifest else None,
+        "ranks": _rank_bytes(g.manifest),
+        "run_id": g.run_id,
+        "committed_at": g.manifest.committed_at if g.manifest else None,
+        "age_s": (now - g.mtime) if g.mtime else None,
+        "path": g.path,
+        "error": g.error,
+        "promoted_from": g.manifest.extra.get("promoted_from") if g.manifest else None,
+        "replica_of": g.manifest.extra.get("replica_of") if g.manifest else None,
+    }
 
 
 def print_ls_table(rows: list[dict[str, Any]], *, tiers: bool = False) -> None:
     """``ls``'s table of ``rows`` (with ``TIER`` and ``PROMOTED`` columns when ``tiers``), rejected manifests, the
     summary line."""
-    head = ("STEP", "STATE", "SIZE", "OBJECTS", "AGE", "RUN", "RANKS", "PATH")
-    table = [(("TIER", "PROMOTED") if tiers else ()) + head]
+    head = ("STATE", "SIZE", "OBJECTS", "AGE", "RUN", "RANKS", "PATH")
+    table = [(("TIER", "PROMOTED", "STEP", "HOLDER") if tiers else ("STEP",)) + head]
     for r in rows:
         state = "committed" if r["committed"] else ("INVALID" if r["error"] else "uncommitted")
-        label = (r["tier"], r["promoted"]) if tiers else ()
+        label = (r["tier"], r["promoted"], str(r["step"]), r["holder"]) if tiers else (str(r["step"]),)
         table.append(
             label
             + (
-                str(r["step"]),
                 state,
                 fmt_bytes(r["bytes"]),
                 str(r["objects"]) if r["objects"] is not None else "-",
