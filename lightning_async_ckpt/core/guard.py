@@ -155,6 +155,7 @@ class CutGuard:
         self._tracked: dict[int, tuple[int, int, int, int, tuple[int, int]]] = {}
         self._protected: set[int] = set()
         self._written: dict[int, str | None] = {}  # index -> why its pages count as written (None: they were not)
+        self._addresses: dict[int, tuple[int, int]] = {}  # index -> (data pointer, bytes) at the cut
 
     def record(self) -> None:
         """At the cut: version counters, and the sampled bytes or full checksums of every deferred storage."""
@@ -200,8 +201,9 @@ class CutGuard:
             self._versions[slot.index] = _versions(slot)
             if slot.device.type != "cpu":
                 self._sums[slot.index] = device_partials(_as_bytes(slot.storage))
-            elif not self._track(slot):
+            else:
                 host.append(slot)
+        host = self._track(host)
         workers = min(4, os.cpu_count() or 1)
         if sum(slot.nbytes for slot in host) < _PARALLEL_BYTES or workers < 2:
             for slot in host:
@@ -211,22 +213,26 @@ class CutGuard:
             for slot in host:
                 self._sums[slot.index] = fingerprint(_as_bytes(slot.storage), pool)
 
-    def _track(self, slot: StorageSlot) -> bool:
-        """Write-protect ``slot``'s whole pages and fingerprint its partial ones; ``False``: fingerprint it all."""
-        if slot.nbytes < _TRACK_MIN_BYTES or slot.storage.is_shared() or _pinned(slot.storage):
-            return False  # shared memory has writers in other processes; pinned memory may be written by DMA
-        if self._tracker is None:
-            self._tracker = tracker()
-            if self._tracker is None:
-                return False
-        address = slot.storage.data_ptr()
-        start, end = page_interior(address, slot.nbytes)
-        if end - start < _TRACK_MIN_BYTES or not self._tracker.protect(start, end):
-            return False
-        self._protected.add(slot.index)
-        head, tail = start - address, end - address
-        self._tracked[slot.index] = (start, end, head, tail, _edge_sums(_as_bytes(slot.storage), head, tail))
-        return True
+    def _track(self, host: list[StorageSlot]) -> list[StorageSlot]:
+        """Write-protect the whole pages of the large host slots (their partial pages fingerprinted here); returns
+        the slots to fingerprint whole."""
+        # Shared memory has writers in other processes; pinned memory may be written by DMA.
+        candidates = [s for s in host if s.nbytes >= _TRACK_MIN_BYTES and not s.storage.is_shared()]
+        candidates = [s for s in candidates if not _pinned(s.storage)]
+        if not candidates or (self._tracker is None and (tracker_ := tracker()) is None):
+            return host
+        self._tracker = self._tracker or tracker_
+        spans = {s.index: (s.storage.data_ptr(), *page_interior(s.storage.data_ptr(), s.nbytes)) for s in candidates}
+        candidates = [s for s in candidates if spans[s.index][2] - spans[s.index][1] >= _TRACK_MIN_BYTES]
+        armed = self._tracker.protect_all([spans[s.index][1:] for s in candidates])
+        for slot, ok in zip(candidates, armed, strict=True):
+            if ok:
+                address, start, end = spans[slot.index]
+                head, tail = start - address, end - address
+                self._protected.add(slot.index)
+                self._tracked[slot.index] = (start, end, head, tail, _edge_sums(_as_bytes(slot.storage), head, tail))
+                self._addresses[slot.index] = (address, slot.nbytes)
+        return [s for s in host if s.index not in self._tracked]
 
     def seal(self, slots: Sequence[StorageSlot]) -> None:
         """Right after ``slots`` were copied and before their fence opens: read their version counters again, and
@@ -241,6 +247,8 @@ class CutGuard:
                         self._written[slot.index] = "page written" if self._tracker.written(start, end) else None
                     except OSError as exc:  # cannot prove it unwritten: refused
                         self._written[slot.index] = f"write tracking failed: {exc}"
+                    if (slot.storage.data_ptr(), slot.storage.nbytes()) != self._addresses[slot.index]:
+                        self._written[slot.index] = "storage moved (resized) since the cut"
                     self._protected.discard(slot.index)
                     self._tracker.release(start, end)
 

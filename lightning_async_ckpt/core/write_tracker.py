@@ -20,6 +20,7 @@ proves itself on this kernel before the first use: a self-test must see exactly 
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 import errno
 import fcntl
@@ -30,6 +31,7 @@ import platform
 import struct
 import sys
 import threading
+from collections.abc import Sequence
 
 __all__ = ["PAGE", "WriteTracker", "page_interior", "tracker"]
 
@@ -43,6 +45,7 @@ _FEATURE_WP_ASYNC = 1 << 15
 _UFFDIO_API = 0xC018AA3F  # _IOWR(0xAA, 0x3F, struct uffdio_api)
 _UFFDIO_REGISTER = 0xC020AA00  # _IOWR(0xAA, 0x00, struct uffdio_register)
 _UFFDIO_WRITEPROTECT = 0xC018AA06  # _IOWR(0xAA, 0x06, struct uffdio_writeprotect)
+_UFFDIO_UNREGISTER = 0x8010AA01  # _IOR(0xAA, 0x01, struct uffdio_range)
 _REGISTER_MODE_WP = 1 << 1
 _WRITEPROTECT_MODE_WP = 1 << 0
 _PAGEMAP_SCAN = 0xC0606610  # _IOWR('f', 16, struct pm_scan_arg)
@@ -79,7 +82,9 @@ def page_interior(address: int, nbytes: int) -> tuple[int, int]:
 class WriteTracker:
     """Write-protects page ranges and reports whether they were written since (one per process).
 
-    Thread-safety: every method takes the tracker's lock; a range is tracked by one session at a time.
+    Thread-safety: every method takes the tracker's lock; a range is tracked by one session at a time. Every method
+    is a no-op (or refuses) in a process other than the one that opened it: a forked child inherits the descriptors,
+    which would act on the parent's memory.
 
     Args:
         uffd: A ``userfaultfd`` descriptor after its ``UFFDIO_API`` handshake with asynchronous write protection.
@@ -91,62 +96,69 @@ class WriteTracker:
         self._uffd = uffd
         self._pagemap = pagemap
         self._lock = threading.Lock()
-        self._active: dict[int, int] = {}  # start -> end of every protected range
+        self._active: dict[int, int] = {}  # start -> end of every protected (and registered) range
         self._region = (_Region * 1)()
+        self._warned = False
+
+    def protect_all(self, ranges: Sequence[tuple[int, int]]) -> list[bool]:
+        """Register and write-protect each page-aligned ``(start, end)``; per range, whether it is tracked.
+
+        A range is refused (the caller fingerprints it) when: it overlaps a range tracked now (that session's scan
+        would be reset); it is not private anonymous memory (a shared or file mapping changes without a write through
+        this process's page tables); another ``userfaultfd`` registered it (``EBUSY``: never protect another's
+        memory); or the process holds descriptors through which devices or the kernel write memory without a fault
+        (an ``io_uring``, RDMA verbs, VFIO: then every range is refused). One read of ``/proc/self/maps`` serves every
+        range.
+        """
+        if os.getpid() != self.pid or not ranges:
+            return [False] * len(ranges)
+        with self._lock:
+            if _pinned_writers():
+                if not self._warned:
+                    self._warned = True
+                    _log.info("exact guard: fingerprinting (an io_uring, RDMA or VFIO user can write memory unseen)")
+                return [False] * len(ranges)
+            spans = _anonymous_private_spans()
+            out = []
+            for start, end in ranges:
+                out.append(
+                    start < end
+                    and start % PAGE == 0
+                    and end % PAGE == 0
+                    and not any(s < end and start < e for s, e in self._active.items())
+                    and _covered(spans, start, end)
+                    and self._arm(start, end)
+                )
+            return out
 
     def protect(self, start: int, end: int) -> bool:
-        """Write-protect the page-aligned ``[start, end)``; ``False`` when it cannot be tracked (fingerprint it).
-
-        Refused: a range overlapping one tracked now (its session's scan would be reset), memory that is not private
-        and anonymous (a shared or file mapping changes without a write through this process's page tables: another
-        process, ``write`` to the file, another mapping of the same pages), or any error. Only a range this
-        tracker registered is ever protected, and it registers a range only after checking its mappings, so memory
-        mapped anew at a registered address is checked again.
-        """
-        if start >= end or start % PAGE or end % PAGE:
-            return False
-        with self._lock:
-            if any(s < end and start < e for s, e in self._active.items()):
-                return False
-            try:
-                self._write_protect(start, end, on=True)
-            except OSError as exc:
-                if exc.errno not in (errno.ENOENT, errno.EINVAL):
-                    return False
-                if not _private_anonymous(start, end):
-                    return False  # shared or file memory changes without a write through these page tables
-                try:  # not registered yet (or remapped since): register, then protect
-                    _ioctl(self._uffd, _UFFDIO_REGISTER, start, end - start, _REGISTER_MODE_WP, 0)
-                    self._write_protect(start, end, on=True)
-                except OSError:
-                    try:  # a part may have been protected before the error: lift it (nobody would scan it)
-                        self._write_protect(start, end, on=False)
-                    except OSError:
-                        pass
-                    return False
-            self._active[start] = end
-            return True
+        """:meth:`protect_all` of one range."""
+        return self.protect_all([(start, end)])[0]
 
     def written(self, start: int, end: int) -> bool:
-        """Whether any page of the tracked ``[start, end)`` was written since :meth:`protect`.
+        """Whether any page of the tracked ``[start, end)`` was written since it was protected.
 
         Raises:
-            OSError: The kernel could not scan the range (the caller refuses the snapshot: it cannot prove it).
+            OSError: The kernel could not scan the range, the range is not tracked, or this is another process (the
+                caller refuses the snapshot: it cannot prove it).
         """
+        if os.getpid() != self.pid:
+            raise OSError(errno.EPERM, "write tracking belongs to another process (forked)")
         with self._lock:
+            if self._active.get(start) != end:
+                raise OSError(errno.ENOENT, "range not tracked")
             region = ctypes.addressof(self._region)
             args = (96, _PM_SCAN_CHECK_WPASYNC, start, end, 0, region, 1, 0, 0, _PAGE_IS_WRITTEN, 0, _PAGE_IS_WRITTEN)
             return _ioctl(self._pagemap, _PAGEMAP_SCAN, *args) > 0
 
     def release(self, start: int, end: int) -> None:
-        """Stop tracking ``[start, end)``: lift the protection so later writes (the optimizer's) take no fault."""
+        """Stop tracking ``[start, end)``: lift the protection (later writes, the optimizer's, take no fault) and
+        unregister the range (its mappings merge back)."""
+        if os.getpid() != self.pid:
+            return
         with self._lock:
-            if self._active.pop(start, None) is None:
-                return
-            try:
-                self._write_protect(start, end, on=False)
-            except OSError:  # unmapped since (the storage was freed): nothing left to unprotect
-                pass
+            if self._active.pop(start, None) is not None:
+                self._disarm(start, end)
 
     @property
     def active(self) -> int:
@@ -154,33 +166,75 @@ class WriteTracker:
         with self._lock:
             return len(self._active)
 
-    def _write_protect(self, start: int, end: int, *, on: bool) -> None:
-        mode = _WRITEPROTECT_MODE_WP if on else 0
-        _ioctl(self._uffd, _UFFDIO_WRITEPROTECT, start, end - start, mode)
+    def _arm(self, start: int, end: int) -> bool:
+        try:  # register first: EBUSY when another userfaultfd owns the range
+            _ioctl(self._uffd, _UFFDIO_REGISTER, start, end - start, _REGISTER_MODE_WP, 0)
+        except OSError:
+            return False
+        try:
+            _ioctl(self._uffd, _UFFDIO_WRITEPROTECT, start, end - start, _WRITEPROTECT_MODE_WP)
+        except OSError:
+            self._disarm(start, end)
+            return False
+        self._active[start] = end
+        return True
+
+    def _disarm(self, start: int, end: int) -> None:
+        for request, words in (
+            (_UFFDIO_WRITEPROTECT, (start, end - start, 0)),
+            (_UFFDIO_UNREGISTER, (start, end - start)),
+        ):
+            try:
+                _ioctl(self._uffd, request, *words)
+            except OSError:  # unmapped since (the storage was freed): nothing left
+                pass
 
 
 _ANONYMOUS_NAMES = ("", "[heap]", "[stack]")
 
 
-def _private_anonymous(start: int, end: int) -> bool:
-    """Whether ``/proc/self/maps`` shows ``[start, end)`` covered by private anonymous mappings only."""
-    covered = start
+def _anonymous_private_spans() -> list[tuple[int, int]]:
+    """The address spans ``/proc/self/maps`` shows private and anonymous, merged (empty when it cannot be read)."""
+    spans: list[tuple[int, int]] = []
     try:
         with open("/proc/self/maps") as maps:
             for line in maps:
                 fields = line.split(None, 5)
-                low, high = (int(x, 16) for x in fields[0].split("-"))
-                if high <= covered or low >= end:
-                    continue
                 name = fields[5].strip() if len(fields) > 5 else ""
-                anonymous = name in _ANONYMOUS_NAMES or name.startswith("[anon:")
-                if low > covered or fields[1][3] != "p" or not anonymous:
-                    return False
-                covered = high
-                if covered >= end:
-                    return True
+                if fields[1][3] == "p" and (name in _ANONYMOUS_NAMES or name.startswith("[anon:")):
+                    low, high = (int(x, 16) for x in fields[0].split("-"))
+                    if spans and spans[-1][1] == low:
+                        spans[-1] = (spans[-1][0], high)
+                    else:
+                        spans.append((low, high))
     except (OSError, ValueError, IndexError):
-        return False
+        return []
+    return spans
+
+
+def _covered(spans: list[tuple[int, int]], start: int, end: int) -> bool:
+    """Whether one span of ``spans`` (sorted, merged) contains ``[start, end)``."""
+    index = bisect.bisect_right(spans, (start, float("inf"))) - 1
+    return index >= 0 and spans[index][0] <= start and end <= spans[index][1]
+
+
+_PINNED_WRITER_LINKS = ("anon_inode:[io_uring]", "/dev/infiniband/", "/dev/vfio/")
+
+
+def _pinned_writers() -> bool:
+    """Whether this process holds a descriptor through which devices or the kernel may write its memory without a
+    page fault (io_uring registered buffers, RDMA verbs, VFIO)."""
+    try:
+        fds = os.listdir("/proc/self/fd")
+    except OSError:
+        return True
+    for fd in fds:
+        try:
+            link = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith(_PINNED_WRITER_LINKS):
+            return True
     return False
 
 
@@ -243,15 +297,17 @@ def _self_test(candidate: WriteTracker) -> bool:
         base = ctypes.addressof(view)
         del view  # the address stays valid while the mapping is open
         area[:] = b"\x01" * (3 * PAGE)
-        if not candidate.protect(base, base + 3 * PAGE):
+        pages = [(base + i * PAGE, base + (i + 1) * PAGE) for i in range(3)]
+        if not all(candidate.protect_all(pages)):
             return False
         try:
-            clean = not candidate.written(base, base + 3 * PAGE)
+            clean = not any(candidate.written(*page) for page in pages)
             area[PAGE + 7] = 2
-            seen = candidate.written(base + PAGE, base + 2 * PAGE)
-            others = candidate.written(base, base + PAGE) or candidate.written(base + 2 * PAGE, base + 3 * PAGE)
+            seen = candidate.written(*pages[1])
+            others = candidate.written(*pages[0]) or candidate.written(*pages[2])
         finally:
-            candidate.release(base, base + 3 * PAGE)
+            for page in pages:
+                candidate.release(*page)
         return clean and seen and not others
     finally:
         area.close()

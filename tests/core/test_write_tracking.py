@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import platform
 import subprocess
 import sys
 import threading
@@ -241,3 +242,108 @@ def test_a_file_backed_storage_is_fingerprinted_and_a_write_to_the_file_is_refus
         os.close(fd)
     job.run()
     assert job.error is not None and "checksum" in str(job.error)
+
+
+@needs_tracker
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="io_uring_setup's syscall number is x86-64's here")
+def test_an_io_uring_in_the_process_turns_tracking_off():
+    # A ring's registered buffers are written by the kernel through its own mapping (no fault, the protection bit
+    # stays): with a ring open every storage is fingerprinted.
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.syscall.restype = ctypes.c_long
+    params = (ctypes.c_uint8 * 120)()
+    ring = libc.syscall(425, 4, params)  # io_uring_setup
+    if ring < 0:
+        pytest.skip(f"io_uring_setup failed: errno {ctypes.get_errno()}")
+    try:
+        weight = torch.zeros(MB4)
+        _, job = _job(weight)
+        job.copy_at_cut()
+        assert job._guard.tracked_bytes == 0
+        weight.numpy()[MB4 // 2] = 1.0
+        job.run()
+        assert job.error is not None and "checksum" in str(job.error)
+    finally:
+        os.close(ring)
+    _, job = _job(torch.zeros(MB4))
+    job.copy_at_cut()
+    assert job._guard.tracked_bytes > 0  # the ring closed: tracked again
+    job.run()
+
+
+_FOREIGN_UFFD = """
+import ctypes, fcntl, os, struct, sys, threading
+import torch
+sys.path.insert(0, os.getcwd())
+from tests.core.test_write_tracking import MB4, _job
+from lightning_async_ckpt.core.write_tracker import page_interior
+
+libc = ctypes.CDLL(None, use_errno=True)
+libc.syscall.restype = ctypes.c_long
+other = libc.syscall(323, os.O_CLOEXEC | 1)
+fcntl.ioctl(other, 0xC018AA3F, bytearray(struct.pack("QQQ", 0xAA, 0, 0)))  # synchronous write protection
+weight = torch.ones(MB4)
+start, end = page_interior(weight.data_ptr(), weight.numel() * 4)
+assert libc.ioctl(other, 0xC020AA00, (ctypes.c_uint64 * 4)(start, end - start, 2, 0)) == 0
+_, job = _job(weight)
+job.copy_at_cut()
+done = threading.Event()
+threading.Thread(target=lambda: (weight.data.__setitem__(MB4 // 2, 2.0), done.set()), daemon=True).start()
+if not done.wait(60):
+    print("HANG"); sys.stdout.flush(); os._exit(1)
+job.run()
+print("tracked", job._guard.tracked_bytes, "refused", "checksum" in str(job.error))
+"""
+
+
+@needs_tracker
+def test_memory_another_userfaultfd_registered_is_fingerprinted_and_writes_never_block():
+    # Registering first (EBUSY on another's range) instead of protecting first: protecting memory another
+    # synchronous userfaultfd owns would block the next write forever.
+    out = subprocess.run([sys.executable, "-c", _FOREIGN_UFFD], capture_output=True, text=True, timeout=300)
+    assert out.stdout.split()[-4:] == ["tracked", "0", "refused", "True"], out.stdout + out.stderr
+
+
+_FORK_RELEASE = """
+import os, sys
+import torch
+sys.path.insert(0, os.getcwd())
+from tests.core.test_write_tracking import MB4, _job
+
+weight = torch.randn(MB4)
+_, job = _job(weight)
+job.copy_at_cut()
+pid = os.fork()
+if pid == 0:
+    job._guard.release()  # the child drops its copy: must not touch the parent's protection
+    del job
+    os._exit(0)
+os.waitpid(pid, 0)
+job.run()
+print("committed", job.error is None)
+"""
+
+
+@needs_tracker
+def test_a_forked_child_cannot_release_or_scan_the_parents_tracking():
+    out = subprocess.run([sys.executable, "-c", _FORK_RELEASE], capture_output=True, text=True, timeout=300)
+    assert out.stdout.split()[-2:] == ["committed", "True"], out.stdout + out.stderr
+
+
+@needs_tracker
+def test_released_ranges_are_unregistered_so_mappings_do_not_pile_up():
+    def mappings() -> int:
+        with open("/proc/self/maps") as maps:
+            return sum(1 for _ in maps)
+
+    tensors = [torch.randn(300 << 8) for _ in range(200)]  # 300 KiB each: heap or small mappings
+    before = mappings()
+    for _ in range(3):
+        _, jobs = zip(*[_job(t) for t in tensors], strict=True)
+        for job in jobs:
+            job.copy_at_cut()
+        assert sum(job._guard.tracked_bytes > 0 for job in jobs) > 100
+        for job in jobs:
+            job.run()
+            assert job.error is None
+    assert mappings() - before < 20
