@@ -1,7 +1,7 @@
 """Shared test fixtures: an S3 endpoint on loopback (moto), fresh buckets and memory roots, and a thread-leak guard.
 
 Fixtures:
-    s3_endpoint: Session-wide moto S3 server on 127.0.0.1 (free port) with dummy AWS credentials; its URL.
+    s3_endpoint: Session-wide moto S3 server, a process of its own, on 127.0.0.1 (free port); dummy AWS credentials; URL.
     s3_uri: A fresh bucket per test: ``("s3://<bucket>/ckpt", storage_options)``.
     memory_uri: A unique ``memory://`` root per test, removed afterwards.
     no_leaked_threads (autouse): Fails a test that leaves a ``lightning_async_ckpt*`` thread running.
@@ -9,7 +9,6 @@ Fixtures:
 
 from __future__ import annotations
 
-import logging
 import shutil
 import threading
 import time
@@ -76,14 +75,18 @@ def no_files_in_the_working_directory() -> Iterator[None]:
 
 
 @pytest.fixture(scope="session")
-def s3_endpoint() -> Iterator[str]:
+def s3_endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """Start a moto S3 server on a free loopback port for the session; yield its URL.
 
-    Dummy credentials and region are set in the environment (also seen by subprocesses) so nothing can
-    reach a real account.
+    The server is a process of its own (``tests/helpers/moto_process.py``), so its requests do not wait for the
+    GIL of the pytest process; it appends every request line to a log that ``tests/helpers/s3_requests.py`` reads
+    (the log's path is in ``$LAC_TEST_MOTO_REQUEST_LOG``). Dummy credentials and region are set in the environment
+    (also seen by subprocesses, the server included) so nothing can reach a real account.
     """
-    moto_server = pytest.importorskip("moto.server", reason="moto[server] is needed for S3 tests")
     pytest.importorskip("s3fs", reason="s3fs is needed for S3 tests")
+    from tests.helpers.moto_process import LOG_ENV, MotoUnavailable, moto_server
+
+    log = tmp_path_factory.mktemp("moto") / "requests.log"
     with pytest.MonkeyPatch.context() as mp:
         for key, value in _AWS_ENV.items():
             mp.setenv(key, value)
@@ -94,15 +97,12 @@ def s3_endpoint() -> Iterator[str]:
         mp.setenv("AWS_SHARED_CREDENTIALS_FILE", "/nonexistent/lightning_async_ckpt-tests/credentials")
         mp.setenv("NO_PROXY", "127.0.0.1,localhost")
         mp.setenv("no_proxy", "127.0.0.1,localhost")
-        # werkzeug logs every request to stderr; keep failures readable.
-        logging.getLogger("werkzeug").setLevel(logging.WARNING)
-        server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-        server.start()
+        mp.setenv(LOG_ENV, str(log))
         try:
-            host, port = server.get_host_and_port()
-            yield f"http://{host}:{port}"
-        finally:
-            server.stop()
+            with moto_server(log) as url:
+                yield url
+        except MotoUnavailable as exc:  # raised only while starting: moto[server] is not installed
+            pytest.skip(str(exc))
 
 
 def _clear_s3fs_instances() -> None:
