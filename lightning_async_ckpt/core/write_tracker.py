@@ -28,6 +28,7 @@ import logging
 import mmap
 import os
 import platform
+import re
 import struct
 import sys
 import threading
@@ -180,35 +181,33 @@ class WriteTracker:
         return True
 
     def _disarm(self, start: int, end: int) -> None:
-        for request, words in (
-            (_UFFDIO_WRITEPROTECT, (start, end - start, 0)),
-            (_UFFDIO_UNREGISTER, (start, end - start)),
-        ):
-            try:
-                _ioctl(self._uffd, request, *words)
-            except OSError:  # unmapped since (the storage was freed): nothing left
-                pass
+        try:  # unregistering lifts the protection too (one page-table walk)
+            _ioctl(self._uffd, _UFFDIO_UNREGISTER, start, end - start)
+        except OSError:  # unmapped since (the storage was freed): nothing left
+            pass
 
 
-_ANONYMOUS_NAMES = ("", "[heap]", "[stack]")
+# A private mapping with no file (inode 0) and no name, or the heap, the stack, a named anonymous mapping.
+_ANONYMOUS_PRIVATE = re.compile(
+    rb"^([0-9a-f]+)-([0-9a-f]+) [r-][w-][x-]p [0-9a-f]+ [0-9a-f]+:[0-9a-f]+ 0[ \t]*(?:\[heap\]|\[stack\]|\[anon:[^\]\n]*\])?$",
+    re.MULTILINE,
+)
 
 
 def _anonymous_private_spans() -> list[tuple[int, int]]:
     """The address spans ``/proc/self/maps`` shows private and anonymous, merged (empty when it cannot be read)."""
-    spans: list[tuple[int, int]] = []
     try:
-        with open("/proc/self/maps") as maps:
-            for line in maps:
-                fields = line.split(None, 5)
-                name = fields[5].strip() if len(fields) > 5 else ""
-                if fields[1][3] == "p" and (name in _ANONYMOUS_NAMES or name.startswith("[anon:")):
-                    low, high = (int(x, 16) for x in fields[0].split("-"))
-                    if spans and spans[-1][1] == low:
-                        spans[-1] = (spans[-1][0], high)
-                    else:
-                        spans.append((low, high))
-    except (OSError, ValueError, IndexError):
+        with open("/proc/self/maps", "rb") as maps:
+            text = maps.read()
+    except OSError:
         return []
+    spans: list[tuple[int, int]] = []
+    for low_hex, high_hex in _ANONYMOUS_PRIVATE.findall(text):
+        low, high = int(low_hex, 16), int(high_hex, 16)
+        if spans and spans[-1][1] == low:
+            spans[-1] = (spans[-1][0], high)
+        else:
+            spans.append((low, high))
     return spans
 
 
