@@ -22,6 +22,7 @@ on the 2-core machine, about as long as most scenarios themselves).
 
 from __future__ import annotations
 
+import atexit
 import gc
 import json
 import os
@@ -82,6 +83,17 @@ def _become(spec: dict, protocol: list) -> None:
     except BaseException:  # noqa: BLE001 - as the interpreter does: the traceback on stderr, status 1
         traceback.print_exc()
         code = 1
+    if spec.get("fast_exit"):
+        # The interpreter's own exit steps up to module teardown: join the threads (and their exit hooks), run the
+        # atexit handlers, flush; then leave without tearing down the inherited heap.
+        threading._shutdown()  # noqa: SLF001 - what Py_FinalizeEx calls first
+        atexit._run_exitfuncs()  # noqa: SLF001
+        if code is not None and not isinstance(code, int):
+            print(code, file=sys.stderr)
+            code = 1
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code or 0)
     sys.exit(code)  # through interpreter finalization, like a real process
 
 
