@@ -29,6 +29,7 @@ import sys
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
@@ -85,6 +86,9 @@ def _fit(callbacks: list, max_steps: int, ckpt_path: str | None = None) -> tuple
         max_steps=max_steps,
         callbacks=callbacks,
         logger=False,
+        # A fit without the library's callback (the reference) must not get Lightning's default ModelCheckpoint,
+        # which would write into the working directory (the checkout).
+        enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks),
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,
