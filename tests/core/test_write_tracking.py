@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from lightning_async_ckpt.core import write_tracker
+from lightning_async_ckpt.core import guard, write_tracker
 from lightning_async_ckpt.core.capture import CapturePlan, Category, DeferralProof, Fence
 from lightning_async_ckpt.core.staging import BufferPool, StagingJob
 from lightning_async_ckpt.core.write_tracker import PAGE, page_interior, tracker
@@ -28,6 +28,12 @@ needs_tracker = pytest.mark.skipif(
     tracker() is None, reason="this kernel has no asynchronous userfaultfd write protection with PAGEMAP_SCAN"
 )
 MB4 = (4 << 20) // 4  # float32 elements of a 4 MiB tensor
+
+
+@pytest.fixture(autouse=True)
+def _track_small_states(monkeypatch):
+    # The guard tracks only cuts of at least 128 MB (below, the fingerprint is cheaper); these tests use 4 MB.
+    monkeypatch.setattr(guard, "_TRACK_MIN_TOTAL", 0)
 
 
 def _job(weight: torch.Tensor) -> tuple[CapturePlan, StagingJob]:
@@ -276,7 +282,10 @@ import ctypes, fcntl, os, struct, sys, threading
 import torch
 sys.path.insert(0, os.getcwd())
 from tests.core.test_write_tracking import MB4, _job
+from lightning_async_ckpt.core import guard
 from lightning_async_ckpt.core.write_tracker import page_interior
+
+guard._TRACK_MIN_TOTAL = 0
 
 libc = ctypes.CDLL(None, use_errno=True)
 libc.syscall.restype = ctypes.c_long
@@ -309,7 +318,9 @@ import os, sys
 import torch
 sys.path.insert(0, os.getcwd())
 from tests.core.test_write_tracking import MB4, _job
+from lightning_async_ckpt.core import guard
 
+guard._TRACK_MIN_TOTAL = 0
 weight = torch.randn(MB4)
 _, job = _job(weight)
 job.copy_at_cut()
@@ -347,3 +358,12 @@ def test_released_ranges_are_unregistered_so_mappings_do_not_pile_up():
             job.run()
             assert job.error is None
     assert mappings() - before < 20
+
+
+def test_a_small_cut_is_fingerprinted(monkeypatch):
+    monkeypatch.setattr(guard, "_TRACK_MIN_TOTAL", 128 << 20)
+    _, job = _job(torch.randn(MB4))
+    job.copy_at_cut()
+    assert job._guard.tracked_bytes == 0
+    job.run()
+    assert job.error is None
