@@ -4,13 +4,12 @@ again, and a rank that lost its own part resumes from it. Two real gloo ranks, r
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.helpers.dist import launch_ranks
+from tests.helpers.dist import launch_ranks, rank_results
 
 WORKER = Path(__file__).resolve().parents[1] / "helpers" / "sharded_replica_repair_worker.py"
 
@@ -18,11 +17,7 @@ WORKER = Path(__file__).resolve().parents[1] / "helpers" / "sharded_replica_repa
 @pytest.mark.slow
 def test_a_damaged_dcp_replica_is_repaired_write_once_and_restores_a_lost_rank(tmp_path):
     procs = launch_ranks([sys.executable, str(WORKER), str(tmp_path)], timeout=240)
-    results = []
-    for proc in procs:
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")][-1]
-        results.append(json.loads(line[len("RESULT ") :]))
+    results = rank_results(procs)
     r0, r1 = results
     assert r1["damaged"] == {"0": {"1": True, "2": False}}
     # Step 2's bytes went to rank 1 twice: the damaged replica was re-read, not only its manifest compared.

@@ -258,3 +258,13 @@ def launch_ranks(
             out, err = proc.communicate()
         results.append(subprocess.CompletedProcess(proc.args, proc.returncode, out, err))
     return results
+
+
+def rank_results(procs: list[subprocess.CompletedProcess]) -> list[dict]:
+    """Each rank's last ``RESULT <json>`` line, parsed, after asserting that every rank exited with 0."""
+    results = []
+    for proc in procs:
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")][-1]
+        results.append(json.loads(line[len("RESULT ") :]))
+    return results

@@ -3,7 +3,6 @@ restored from a peer's replica, not from ``dirpath``, and training continues lik
 
 from __future__ import annotations
 
-import json
 import shutil
 import sys
 from pathlib import Path
@@ -13,7 +12,7 @@ import torch
 
 from lightning_async_ckpt import CheckpointStore
 from lightning_async_ckpt.core.replicas import REPLICA_OF_KEY
-from tests.helpers.dist import launch_ranks
+from tests.helpers.dist import launch_ranks, rank_results
 from tests.helpers.models import assert_same
 
 WORKER = Path(__file__).resolve().parents[1] / "helpers" / "replicas_ddp_worker.py"
@@ -27,11 +26,7 @@ def _launch(base: Path, phase: str, replicas: int, world: int) -> list:
 
 def _run(base: Path, phase: str, replicas: int, world: int) -> list[dict]:
     procs = _launch(base, phase, replicas, world)
-    results = []
-    for proc in procs:
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")][-1]
-        results.append(json.loads(line[len("RESULT ") :]))
+    results = rank_results(procs)
     return results
 
 

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
 import pytest
 
 from lightning_async_ckpt import CheckpointStore
-from tests.helpers.dist import launch_ranks
+from tests.helpers.dist import launch_ranks, rank_results
 
 WORKER = Path(__file__).resolve().parents[1] / "helpers" / "tiers_ddp_worker.py"
 pytestmark = pytest.mark.slow
@@ -17,11 +16,7 @@ pytestmark = pytest.mark.slow
 
 def _run(base: Path, layout: str, phase: str) -> list[dict]:
     procs = launch_ranks([sys.executable, str(WORKER), str(base), layout, phase], timeout=180)
-    results = []
-    for proc in procs:
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")][-1]
-        results.append(json.loads(line[len("RESULT ") :]))
+    results = rank_results(procs)
     return results
 
 

@@ -3,13 +3,12 @@ do, and says what was replicated where (sharded/tiered.py ``emergency_save``). T
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.helpers.dist import launch_ranks
+from tests.helpers.dist import launch_ranks, rank_results
 
 WORKER = Path(__file__).resolve().parents[1] / "helpers" / "sharded_emergency_replicas_worker.py"
 
@@ -17,11 +16,7 @@ WORKER = Path(__file__).resolve().parents[1] / "helpers" / "sharded_emergency_re
 @pytest.mark.slow
 def test_a_signal_makes_every_rank_replicate_the_emergency_step_before_the_save_returns(tmp_path):
     procs = launch_ranks([sys.executable, str(WORKER), str(tmp_path)], timeout=240)
-    results = []
-    for proc in procs:
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")][-1]
-        results.append(json.loads(line[len("RESULT ") :]))
+    results = rank_results(procs)
     for rank, result in enumerate(results):
         target = 1 - rank
         assert result["stopped"] == 3
@@ -38,11 +33,7 @@ LIGHTNING_WORKER = Path(__file__).resolve().parents[1] / "helpers" / "sharded_em
 @pytest.mark.slow
 def test_the_lightning_callback_s_emergency_save_under_fsdp2_waits_for_the_replicas_and_says_where(tmp_path):
     procs = launch_ranks([sys.executable, str(LIGHTNING_WORKER), str(tmp_path)], timeout=300)
-    results = []
-    for proc in procs:
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")][-1]
-        results.append(json.loads(line[len("RESULT ") :]))
+    results = rank_results(procs)
     for rank, result in enumerate(results):
         target = 1 - rank
         assert result["stopped"] == 5 and result["target_holds"] == [5]
