@@ -54,6 +54,7 @@ def restore_from_peers(
     newest_local: tuple[int, int] | None,
     durable_step: int | None,
     newest_store: Callable[[int], CheckpointStore],
+    background: bool = False,
 ) -> tuple[int, int] | None:
     """Collective over ``group`` (every rank calls it): agree on the generation every rank resumes from, and copy
     it into each local folder that lacks it from a rank that holds it.
@@ -64,9 +65,13 @@ def restore_from_peers(
         newest_local: ``(version, step)`` of the newest intact generation of this rank's local tier, or ``None``.
         durable_step: The newest step this rank sees listed in the durable tier, or ``None``.
         newest_store: The local store of a version folder (``0``: ``local_dirpath`` itself).
+        background: A received generation is answered once its bytes are checked and in the page cache; its
+            ``fsync`` and commit follow on a thread (:mod:`~lightning_async_ckpt.core.replica_persist`): read its
+            manifest with ``replica_persist.manifest_of`` until then. For a restart that loads it at once.
 
     Returns:
-        ``(version, step)`` of the agreed local generation, now committed in this rank's folder, or ``None`` when
+        ``(version, step)`` of the agreed local generation, now committed in this rank's folder (with
+        ``background``: being committed), or ``None`` when
         every rank resumes from the durable tier (it is newer, or no rank holds a local generation). Ranks agree on
         the step; the version is this folder's own: a folder holding a damaged copy of the agreed generation
         (committed, so never overwritten) receives it into a new version folder.
@@ -110,7 +115,9 @@ def restore_from_peers(
                 header = json.loads(payload) if kind == Kind.GEN else None
                 where = _version_name(here)
                 committed = (
-                    None if header is None else receive_generation(wire, source, header, local_dirpath, where=where)
+                    None
+                    if header is None
+                    else receive_generation(wire, source, header, local_dirpath, where=where, background=background)
                 )
                 if committed is None:
                     raise ReplicaError(f"step {step} could not be restored from rank {source}")

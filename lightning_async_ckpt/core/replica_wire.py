@@ -14,14 +14,18 @@ from __future__ import annotations
 import enum
 import json
 import logging
+import queue
+import threading
+from dataclasses import replace
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from lightning_async_ckpt.core.replica_persist import DeferredSync, commit_in_background
 from lightning_async_ckpt.core.replica_repair import Held, held_copy, repair_where
 from lightning_async_ckpt.errors import CheckpointError
-from lightning_async_ckpt.storage.io import read_verified
+from lightning_async_ckpt.storage.io import READ_CHUNK, read_verified
 from lightning_async_ckpt.storage.manifest import Manifest
 from lightning_async_ckpt.storage.promote import copy_objects
 from lightning_async_ckpt.storage.store import CheckpointStore
@@ -32,7 +36,7 @@ _log = logging.getLogger("lightning_async_ckpt")
 
 #: The manifest ``extra`` key a replica records its source in (``{"rank": ..., "step": ...}``).
 REPLICA_OF_KEY = "replica_of"
-_CHUNK = 16 << 20
+_CHUNK = READ_CHUNK  # the largest DATA message: one chunk of the sender's reads
 
 
 class Kind(enum.IntEnum):
@@ -67,46 +71,100 @@ class Wire:
     def __init__(self, group: Any, *, tag: int = 0) -> None:
         self.group = group
         self.tag = tag
+        self._data: torch.Tensor | None = None  # the reused buffer DATA payloads are received into
+        self._spare: list[torch.Tensor] = []  # the write-behind buffers of a receiver (:class:`_WriteBehind`)
 
-    def send(self, dst: int, kind: int, payload: bytes | bytearray = b"") -> None:
-        """Send one message of ``kind`` to rank ``dst`` (blocks until the peer takes it)."""
-        dist.send(torch.tensor([kind, len(payload)], dtype=torch.int64), dst, group=self.group, tag=self.tag)
-        if payload:
-            data = payload if isinstance(payload, bytearray) else bytearray(payload)  # torch wants a writable buffer
+    def send(self, dst: int, kind: int, payload: bytes | bytearray | memoryview = b"") -> None:
+        """Send one message of ``kind`` to rank ``dst`` (blocks until the peer takes it). A writable payload (a
+        ``bytearray`` or a view of one) is sent without a copy."""
+        view = memoryview(payload).cast("B")
+        dist.send(torch.tensor([kind, view.nbytes], dtype=torch.int64), dst, group=self.group, tag=self.tag)
+        if view.nbytes:
+            data = bytearray(view) if view.readonly else view  # torch wants a writable buffer
             dist.send(torch.frombuffer(data, dtype=torch.uint8), dst, group=self.group, tag=self.tag)
 
-    def recv(self, src: int) -> tuple[int, Any]:
-        """The next message from rank ``src``: its kind and payload (``bytes``; a ``memoryview`` over the received
-        buffer for ``DATA``, not copied again)."""
+    def recv(self, src: int, into: torch.Tensor | None = None) -> tuple[int, Any]:
+        """The next message from rank ``src``: its kind and payload (``bytes``; for ``DATA`` a ``memoryview`` of
+        ``into`` when it is large enough, else of a buffer this wire reuses: valid until its next :meth:`recv`)."""
         header = torch.empty(2, dtype=torch.int64)
         dist.recv(header, src, group=self.group, tag=self.tag)
         kind, length = int(header[0]), int(header[1])
         if not length:
             return kind, b""
-        payload = torch.empty(length, dtype=torch.uint8)
+        if kind != Kind.DATA:
+            payload = torch.empty(length, dtype=torch.uint8)
+            dist.recv(payload, src, group=self.group, tag=self.tag)
+            return kind, payload.numpy().tobytes()
+        if into is None or into.numel() < length:
+            if self._data is None or self._data.numel() < length:  # a fresh buffer per chunk faulted every page
+                self._data = torch.empty(max(length, _CHUNK), dtype=torch.uint8)
+            into = self._data
+        payload = into[:length]
         dist.recv(payload, src, group=self.group, tag=self.tag)
-        return kind, (payload.numpy().data if kind == Kind.DATA else payload.numpy().tobytes())
+        return kind, payload.numpy().data
+
+    def buffers(self, n: int) -> list[torch.Tensor]:
+        """``n`` receive buffers of one chunk each, kept by this wire for its next calls."""
+        while len(self._spare) < n:
+            self._spare.append(torch.empty(_CHUNK, dtype=torch.uint8))
+        return self._spare[:n]
 
 
 class _Sink:
-    """A write-only stream that sends what it gets as ``DATA`` chunks (one copy into the chunk buffer)."""
+    """A write-only stream that sends each chunk it gets as one ``DATA`` message, without copying it (the reader's
+    chunks are :data:`~lightning_async_ckpt.storage.io.READ_CHUNK` views of its reused buffer)."""
 
     def __init__(self, wire: Wire, dst: int) -> None:
-        self.wire, self.dst, self.buffer = wire, dst, bytearray()
+        self.wire, self.dst = wire, dst
 
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
-        self.buffer += view
-        while len(self.buffer) >= _CHUNK:
-            chunk = self.buffer[:_CHUNK]
-            del self.buffer[:_CHUNK]
-            self.wire.send(self.dst, Kind.DATA, chunk)
+        if view.nbytes:
+            self.wire.send(self.dst, Kind.DATA, view)
         return view.nbytes
 
-    def flush(self) -> None:
-        if self.buffer:
-            self.wire.send(self.dst, Kind.DATA, self.buffer)
-            self.buffer = bytearray()
+
+class _WriteBehind:
+    """Writes received chunks to ``stream`` on a thread of its own while the next chunk is received into another
+    buffer (the network copy and the local write overlap instead of taking turns). A write error is kept in
+    :attr:`failure`; later chunks are then consumed without writing."""
+
+    def __init__(self, stream: Any, buffers: list[torch.Tensor]) -> None:
+        self._stream = stream
+        self._free: queue.SimpleQueue[torch.Tensor] = queue.SimpleQueue()
+        for buffer in buffers:
+            self._free.put(buffer)
+        self._todo: queue.SimpleQueue[tuple[torch.Tensor, int] | None] = queue.SimpleQueue()
+        self.failure: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="lightning-async-ckpt-replica-write", daemon=True)
+        self._thread.start()
+
+    def take(self) -> torch.Tensor:
+        """A free buffer (waits while both are being written)."""
+        return self._free.get()
+
+    def give(self, buffer: torch.Tensor) -> None:
+        """Return a buffer that received nothing to write."""
+        self._free.put(buffer)
+
+    def put(self, buffer: torch.Tensor, nbytes: int) -> None:
+        """Write the first ``nbytes`` of ``buffer`` behind the caller's next receive."""
+        self._todo.put((buffer, nbytes))
+
+    def close(self) -> None:
+        """Wait for every write."""
+        self._todo.put(None)
+        self._thread.join()
+
+    def _run(self) -> None:
+        while (item := self._todo.get()) is not None:
+            buffer, nbytes = item
+            if self.failure is None:
+                try:
+                    self._stream.write(buffer[:nbytes].numpy().data)
+                except BaseException as exc:  # noqa: BLE001 - raised by the receiver after the object's last chunk
+                    self.failure = exc
+            self._free.put(buffer)
 
 
 def version_uri(root: str, where: str) -> str:
@@ -132,7 +190,6 @@ def send_generation(wire: Wire, store: CheckpointStore, step: int, where: str, d
         sink = _Sink(wire, dst)
         try:
             read_verified(store.fs, f"{store.generation_path(step)}/{obj.key}", obj, into=sink)
-            sink.flush()
         except Exception as exc:
             wire.send(dst, Kind.ABORT, f"{type(exc).__name__}: {exc}".encode())
             wire.recv(dst)  # the receiver's FAIL: it aborted its writer (no manifest)
@@ -145,15 +202,19 @@ def send_generation(wire: Wire, store: CheckpointStore, step: int, where: str, d
 
 
 def receive_generation(
-    wire: Wire, src: int, header: dict[str, Any], root: str, *, where: str | None = None
+    wire: Wire, src: int, header: dict[str, Any], root: str, *, where: str | None = None, background: bool = False
 ) -> Manifest | None:
     """Answer one ``GEN`` from ``src``: commit the generation in local folder ``root`` (its version folder, or
     ``where``), manifest last; the manifest committed, or ``None`` when the folder held it intact already or it
     failed (``src`` is told). A damaged committed copy there is left as it is and the generation is committed again
-    into a new version folder (:func:`~lightning_async_ckpt.core.replica_repair.repair_where`)."""
+    into a new version folder (:func:`~lightning_async_ckpt.core.replica_repair.repair_where`).
+
+    ``background``: once every byte is received and checked against the source manifest (in the page cache), answer
+    and return; the objects' ``fsync`` and the commit run on a thread (:mod:`~lightning_async_ckpt.core.replica_persist`,
+    whose ``manifest_of`` answers the returned manifest meanwhile). For a restart, which loads the files at once."""
     manifest = Manifest.from_json(header["manifest"], where=f"replica from rank {src}")
     relative = header["where"] if where is None else where
-    store = CheckpointStore(version_uri(root, relative), run_id=manifest.run_id)
+    store = _receiving_store(version_uri(root, relative), manifest.run_id, background)
     step = manifest.step
     held, why = held_copy(store, manifest)  # an intact copy: every byte re-read, not only the manifest compared
     if held is Held.OTHER:
@@ -171,7 +232,7 @@ def receive_generation(
             version_uri(root, fresh),
         )
         held = Held.INTACT if have else Held.NONE
-        store = CheckpointStore(version_uri(root, fresh), run_id=manifest.run_id)
+        store = _receiving_store(version_uri(root, fresh), manifest.run_id, background)
     if held is Held.INTACT:
         wire.send(src, Kind.HAVE)
         return None
@@ -185,25 +246,33 @@ def receive_generation(
 
     def read_into(obj: Any, stream: Any) -> None:
         # Every DATA message is consumed even after a local write failed, so the sender's stream stays in step.
-        while True:
-            kind, payload = wire.recv(src)
-            if kind == Kind.EOF:
+        behind = _WriteBehind(stream, wire.buffers(2))
+        try:
+            while True:
+                buffer = behind.take()
+                kind, payload = wire.recv(src, into=buffer)
+                if kind == Kind.DATA:
+                    behind.put(buffer, len(payload))
+                    continue
+                behind.give(buffer)
+                if kind == Kind.ABORT:
+                    failure.append(ReplicaError(f"rank {src} aborted: {payload.decode(errors='replace')}"))
                 break
-            if kind == Kind.ABORT:
-                failure.append(ReplicaError(f"rank {src} aborted: {payload.decode(errors='replace')}"))
-                break
-            if not failure:
-                try:
-                    stream.write(payload)
-                except Exception as exc:  # noqa: BLE001 - reported after the object's last message
-                    failure.append(exc)
+        finally:
+            behind.close()
+        if behind.failure is not None:
+            failure.insert(0, behind.failure)
         if failure:
             raise failure[0]
 
     try:
         copy_objects(writer, manifest, read_into)
         extra = {**manifest.extra, REPLICA_OF_KEY: {"rank": src, "step": step}}
-        committed = writer.commit(cut=manifest.cut, plan=manifest.plan, timings=manifest.timings, extra=extra)
+        commit = {"cut": manifest.cut, "plan": manifest.plan, "timings": manifest.timings, "extra": extra}
+        if isinstance(store.backend, DeferredSync):
+            committed = commit_in_background(writer, store.backend, replace(manifest, extra=extra), **commit)
+        else:
+            committed = writer.commit(**commit)
     except Exception as exc:  # noqa: BLE001 - told to the sender; nothing is committed here
         writer.abort()
         if not failure:  # copy_objects stopped early: consume the rest so the sender reaches its last recv
@@ -213,6 +282,15 @@ def receive_generation(
         return None
     wire.send(src, Kind.OK)
     return committed
+
+
+def _receiving_store(uri: str, run_id: str, background: bool) -> CheckpointStore:
+    """The store a generation is received into; with ``background`` (a local folder), objects go through the page
+    cache and their ``fsync`` waits for the background commit."""
+    store = CheckpointStore(uri, run_id=run_id, direct_io=not background)
+    if background and store.is_local:
+        store.backend = DeferredSync(store.backend)
+    return store
 
 
 def _drain_objects(wire: Wire, src: int, manifest: Manifest, done: int) -> None:

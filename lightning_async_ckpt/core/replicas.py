@@ -30,6 +30,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from lightning_async_ckpt.core.replica_persist import wait_restored
 from lightning_async_ckpt.core.replica_restore import folder_id, restore_from_peers
 from lightning_async_ckpt.core.replica_wire import (
     REPLICA_OF_KEY,
@@ -183,9 +184,14 @@ class Replicator:
             self._cond.notify_all()
 
     def drain(self, timeout: float | None = None) -> bool:
-        """Wait until no replication is pending or in flight; whether that happened within ``timeout``."""
+        """Wait until no replication is pending or in flight, and this process's generations restored from a peer
+        are committed (:mod:`~lightning_async_ckpt.core.replica_persist`); whether that happened within
+        ``timeout``."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        restored = wait_restored(timeout)
         with self._cond:
-            return self._cond.wait_for(lambda: self._pending is None and not self._busy, timeout)
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            return self._cond.wait_for(lambda: self._pending is None and not self._busy, left) and restored
 
     def close(self, timeout: float | None = None) -> bool:
         """Finish the replications asked for, tell every target to stop receiving, join the threads."""

@@ -19,8 +19,9 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
+from lightning_async_ckpt.core.replica_persist import manifest_of
 from lightning_async_ckpt.core.replicas import Replicator, replica_plan, restore_from_peers
-from lightning_async_ckpt.errors import ConfigError
+from lightning_async_ckpt.errors import ConfigError, ManifestError
 from lightning_async_ckpt.storage.finder import list_steps, newest_intact
 from lightning_async_ckpt.storage.manifest import Manifest
 from lightning_async_ckpt.storage.store import CheckpointStore
@@ -50,8 +51,17 @@ class Restored:
     manifest: Manifest
 
     def open(self, name: str = "checkpoint.ckpt") -> Any:
-        """Open object ``name`` of the generation for reading (the default serializer's object by default)."""
-        return self.store.open(self.step, name)
+        """Open object ``name`` of the generation for reading (the default serializer's object by default).
+
+        Raises:
+            ManifestError: The manifest lists no object ``name``.
+        """
+        try:
+            entry = self.manifest.object(name)
+        except KeyError as exc:
+            raise ManifestError(str(exc.args[0])) from exc
+        # Through the manifest held here: one restored from a peer is still being committed in the background.
+        return self.store.fs.open(f"{self.store.generation_path(self.step)}/{entry.key}", "rb")
 
 
 def require_process_group() -> None:
@@ -125,11 +135,12 @@ def restore_across_ranks(group: Any, local_dirpath: str, durable: CheckpointStor
         newest_local=newest_local,
         durable_step=listed,
         newest_store=lambda version: _version_store(local_dirpath, version),
+        background=True,  # read at once (Restored.open); a received copy is committed in the background
     )
     if agreed is not None:
         store = _version_store(local_dirpath, agreed[0])
         _log.info("every rank resumes from its local tier, step %d (%s)", agreed[1], store.uri)
-        return Restored(store, agreed[1], "local", store.manifest(agreed[1]))
+        return Restored(store, agreed[1], "local", manifest_of(store, agreed[1]))
     choice: list[Any] = [None]
     if dist.get_rank(group) == 0:
         info = durable.latest()

@@ -98,8 +98,15 @@ def agree_on_local(
     store_of: Callable[[int], CheckpointStore],
 ) -> tuple[int, int] | None:
     """Every rank's ``"last"``: the agreed ``(version, step)`` of the local tier (restored from a peer where this
-    rank's folder lacks it), or ``None`` when every rank resumes from ``dirpath``."""
+    rank's folder lacks it, committed in the background: read its manifest with
+    :func:`~lightning_async_ckpt.core.replica_persist.manifest_of`), or ``None`` when every rank resumes from
+    ``dirpath``."""
     group = ensure_group(tiers, trainer)
-    return restore_from_peers(
-        group, tiers.local_dirpath, newest_local=newest_local, durable_step=durable_step, newest_store=store_of
+    return restore_from_peers(  # a received copy is loaded at once; its fsync and commit go on in the background
+        group,
+        tiers.local_dirpath,
+        newest_local=newest_local,
+        durable_step=durable_step,
+        newest_store=store_of,
+        background=True,
     )

@@ -14,6 +14,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
+from lightning_async_ckpt.core.replica_persist import manifest_of
 from lightning_async_ckpt.lightning import resume
 from lightning_async_ckpt.lightning.arguments import resolve_dirpath
 from lightning_async_ckpt.lightning.last import weights_only
@@ -103,7 +104,7 @@ def _find_last_replicated(callback: Any, trainer: Any, dirpath: str) -> set[str]
         _log.info("ckpt_path='last': every rank resumes from dirpath (no local generation newer on any rank)")
         return resume.find_last(callback, trainer)
     store = CheckpointStore(version_uri(callback.local_dirpath, agreed[0]), check_writable=False)
-    path = loadable_path(store.manifest(agreed[1]), store)
+    path = loadable_path(manifest_of(store, agreed[1]), store)
     _log.info("ckpt_path='last' resumes from the local tier (agreed by every rank): %s", path)
     return {path}
 

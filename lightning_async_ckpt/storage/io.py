@@ -207,7 +207,8 @@ def read_verified(
             ``checksum`` are used) or the expected size in bytes.
         checksum: Expected ``"<algorithm>:<hex>"`` when ``entry_or_size`` is a size; ``None`` checks size only.
         into: A writable file-like object that receives every chunk (e.g. a local copy); then nothing is kept in
-            memory and ``None`` is returned.
+            memory and ``None`` is returned. Each chunk is a view of a buffer the next chunk overwrites: ``write``
+            must copy or consume it before it returns (as files do).
         max_bytes: Refuse (before reading) an object larger than this when collecting into memory.
         opener: Opens ``path`` for reading (default ``fs.open(path, "rb")``); a backend's ``open_read`` when the
             size was just checked.
@@ -229,7 +230,7 @@ def read_verified(
     parts: list[bytes] = []
     got = 0
     with opener() if opener is not None else fs.open(path, "rb") as f:
-        while chunk := f.read(READ_CHUNK):
+        for chunk in _chunks(f, reuse=into is not None):
             got += len(chunk)
             if got > size:
                 raise ManifestError(f"{path}: more than the {size} bytes its manifest lists")
@@ -244,6 +245,21 @@ def read_verified(
     if digest is not None and digest.hexdigest() != expected:
         raise ManifestError(f"{path}: checksum {digest.hexdigest()}, manifest says {expected}")
     return None if into is not None else b"".join(parts)
+
+
+def _chunks(f: Any, *, reuse: bool) -> Any:
+    """The bytes of open file ``f`` in chunks of up to :data:`READ_CHUNK`; with ``reuse``, views of one buffer that
+    each next chunk overwrites (no allocation per chunk: a fresh 8 MiB buffer per read cost page faults on every
+    chunk), else new ``bytes``."""
+    readinto = getattr(f, "readinto", None) if reuse else None
+    if readinto is None:
+        while chunk := f.read(READ_CHUNK):
+            yield chunk
+        return
+    buffer = bytearray(READ_CHUNK)
+    view = memoryview(buffer)
+    while n := readinto(view):
+        yield view[:n]
 
 
 class WriteOnlyStream:
