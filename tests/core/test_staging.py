@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 
 import pytest
@@ -180,3 +181,26 @@ def test_guard_fingerprints_storages_larger_than_float32_can_index() -> None:
     weight[-1] = 1.0  # changes the storage's last byte, which the sample always includes
     job.run()
     assert isinstance(job.error, TornSnapshotError)
+
+
+def _resident_fraction(buf: torch.Tensor) -> float:
+    """Fraction of ``buf``'s pages present in memory (``/proc/self/pagemap``'s present bit), every 16th page."""
+    page = 4096
+    first, last = buf.data_ptr() // page + 1, (buf.data_ptr() + buf.numel()) // page - 1  # whole pages only
+    pages = range(first, last, 16)
+    present = 0
+    with open("/proc/self/pagemap", "rb") as f:
+        for p in pages:
+            f.seek(p * 8)
+            present += int.from_bytes(f.read(8), "little") >> 63
+    return present / len(pages)
+
+
+@pytest.mark.skipif(not os.access("/proc/self/pagemap", os.R_OK), reason="needs /proc/self/pagemap")
+def test_reserved_buffers_are_faulted_in_before_the_first_cut() -> None:
+    # Untouched buffers would fault on the first staging copy, while training runs (waited for at the first fence).
+    plan = CapturePlan.build({"w": torch.ones(16 << 20)})  # one 64 MiB storage
+    pool = BufferPool(None)
+    assert pool.reserve(list(plan.slots)) == 64 << 20
+    (buf,) = [b for bufs in pool._free.values() for b in bufs]
+    assert _resident_fraction(buf) == 1.0
