@@ -160,6 +160,11 @@ class PumpedStream(WriteOnlyStream):
         self._cancelled = False
         self._done: Future = io.submit(self._drain)
 
+    @property
+    def preferred_alignment(self) -> int:
+        """The real stream's (:attr:`ObjectStream.preferred_alignment`)."""
+        return getattr(self._stream, "preferred_alignment", 1)
+
     # -- producer side (the serializer's thread) -----------------------------------------------------------
     def write(self, data: Any) -> int:
         """Queue ``data`` for writing; raises the I/O thread's error, or :class:`AbandonedError`."""

@@ -12,6 +12,7 @@ the job fails with :class:`~lightning_async_ckpt.errors.TornSnapshotError`.
 from __future__ import annotations
 
 import ctypes
+import mmap
 import threading
 import time
 from collections import Counter
@@ -32,6 +33,10 @@ __all__ = ["AUTO_BUDGET_FRACTION", "BufferPool", "StagingJob", "resolve_budget"]
 AUTO_BUDGET_FRACTION = 0.5
 # Background host copies run in chunks of this many bytes, so an abandoned save stops within one chunk.
 _COPY_CHUNK = 64 << 20
+# Pageable staging buffers at least this large are page-aligned anonymous mappings (private: never shared with a
+# forked child); smaller ones come from torch's allocator.
+_ALIGNED_MIN = 1 << 20
+_PRIVATE = mmap.MAP_PRIVATE | getattr(mmap, "MAP_ANONYMOUS", 0)
 # Copy-at-cut host storages up to this size are copied with the GIL held: torch's copy_ releases it, and getting it
 # back costs up to a switch interval (5 ms) whenever a background thread runs Python, once per small tensor.
 _SMALL_COPY = 64 << 10
@@ -197,7 +202,10 @@ def _touched(nbytes: int, pin: bool) -> torch.Tensor:
     fault on the first staging copy, while training runs (0.8 s per 800 MB on the 2-core VM, most of it waited for
     at the first cut's fence). Pinned memory is resident already. Zeroed by one single-threaded memset (no OpenMP
     team beside training's)."""
-    buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+    if pin or nbytes < _ALIGNED_MIN:
+        buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+    else:  # page-aligned (torch's allocator aligns to 64 bytes): a direct-I/O file writes it without a copy
+        buf = torch.frombuffer(mmap.mmap(-1, nbytes, flags=_PRIVATE), dtype=torch.uint8)
     if not pin and nbytes:
         buf.numpy().fill(0)
     return buf

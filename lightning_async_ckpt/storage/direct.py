@@ -31,6 +31,12 @@ _DEPTH = 3
 # A copy smaller than this is done with the GIL held (numpy's GIL release costs more than it saves).
 _SMALL = 64 << 10
 _PRIVATE = mmap.MAP_PRIVATE | getattr(mmap, "MAP_ANONYMOUS", 0)
+# An aligned span at least this large is written from the caller's memory (smaller ones are cheaper to copy).
+_IN_PLACE = 1 << 20
+
+
+def _address(view: memoryview) -> int:
+    return np.frombuffer(view, dtype=np.uint8).__array_interface__["data"][0] if len(view) else 0
 
 
 class _BufferCache:
@@ -113,13 +119,48 @@ class DirectFile:
         self._cur: mmap.mmap | None = None
         self._cur_np: np.ndarray | None = None
         self._fill = 0
+        self._direct = True
         self.closed = False
+        self.in_place_bytes = 0  # bytes written from the caller's memory, without a copy
+
+    #: The file offset and memory alignment that lets :meth:`write` send bytes to the disk without a copy.
+    preferred_alignment = DIRECT_ALIGN
 
     # -- caller side -------------------------------------------------------------------------------------
     def write(self, data: Any) -> int:
-        """Copy ``data`` into the current buffer; full buffers go to the writer thread."""
+        """Copy ``data`` into the current buffer; full buffers go to the writer thread.
+
+        A large ``data`` whose memory and file offset are both :data:`DIRECT_ALIGN`-aligned (a staged storage of a
+        checkpoint serialized with that alignment) is written from its own memory instead, after the buffers queued
+        before it, and only its unaligned tail is copied: one pass over the bytes less. Either way ``data`` is no
+        longer used once this returns.
+        """
         self._raise_error()
         view = memoryview(data).cast("B")
+        total = len(view)
+        aligned = total - total % DIRECT_ALIGN
+        if (
+            aligned >= _IN_PLACE
+            and self._direct
+            and self._fill % DIRECT_ALIGN == 0
+            and _address(view) % DIRECT_ALIGN == 0
+        ):
+            self._write_in_place(view[:aligned])
+            view = view[aligned:]
+        self._copy(view)
+        return total
+
+    def _write_in_place(self, span: memoryview) -> None:
+        if self._cur is not None and self._fill:
+            self._submit(self._fill)  # the bytes before it, in order (an aligned amount: checked by the caller)
+        self._todo.join()
+        self._raise_error()
+        done = 0
+        while done < len(span):  # releases the GIL; the disk reads the caller's memory
+            done += os.write(self._fd, span[done:])
+        self.in_place_bytes += done
+
+    def _copy(self, view: memoryview) -> None:
         total = len(view)
         src = np.frombuffer(view, dtype=np.uint8) if total >= _SMALL else None
         pos = 0
@@ -135,7 +176,6 @@ class DirectFile:
             pos += n
             if self._fill == self._size:
                 self._submit(self._size)
-        return total
 
     def flush(self) -> None:
         """Write everything: the aligned part directly, the tail through the page cache; waits for the disk."""
@@ -153,6 +193,7 @@ class DirectFile:
         if tail:
             flags = fcntl.fcntl(self._fd, fcntl.F_GETFL)
             fcntl.fcntl(self._fd, fcntl.F_SETFL, flags & ~os.O_DIRECT)
+            self._direct = False  # the offset is unaligned from here on: later bytes are copied, as before
             os.write(self._fd, tail)
 
     def fileno(self) -> int:

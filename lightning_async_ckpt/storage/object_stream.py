@@ -36,6 +36,11 @@ class ObjectStream(WriteOnlyStream):
         self.closed = False
         self.failure: StorageError | None = None
 
+    @property
+    def preferred_alignment(self) -> int:
+        """The alignment of file offsets and memory that large writes go to storage best from (1: any)."""
+        return getattr(self._raw, "preferred_alignment", 1)
+
     def write(self, data: Any) -> int:
         """Write ``data``; a storage failure is kept so it, not a serializer's wrapper, decides retries."""
         view = memoryview(data).cast("B")

@@ -4,7 +4,9 @@ between files (a fresh mapping costs page faults on first touch) without stale b
 from __future__ import annotations
 
 import errno
+import mmap
 import os
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -88,3 +90,57 @@ def test_closing_a_checkpointer_releases_the_kept_buffers(tmp_path: Path) -> Non
     with store.open(1, "checkpoint.ckpt") as f:
         loaded = torch.load(f, weights_only=True)
     torch.testing.assert_close(loaded["w"], state["w"], rtol=0, atol=0)
+
+
+def _aligned(data: bytes) -> memoryview:
+    """``data`` in a page-aligned private mapping (as the staging pool's buffers are)."""
+    region = mmap.mmap(-1, len(data), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    region[:] = data
+    return memoryview(region)
+
+
+@pytest.mark.parametrize("tail", [0, 100])
+def test_aligned_spans_are_written_in_place_in_order_with_the_copied_bytes(tmp_path: Path, tail: int) -> None:
+    header, big, small = os.urandom(DIRECT_ALIGN), os.urandom(2 << 20), os.urandom(3000)
+    unaligned = os.urandom((1 << 20) + 5)
+    f = _open(tmp_path / "f")
+    f.write(header)  # copied: small
+    f.write(_aligned(big + os.urandom(tail))[: len(big) + tail])  # aligned memory at an aligned offset: in place
+    f.write(small)  # the offset is unaligned from here: everything else is copied
+    f.write(_aligned(big))
+    f.write(unaligned)
+    f.flush()
+    f.close()
+    written = (tmp_path / "f").read_bytes()
+    tail_bytes = written[DIRECT_ALIGN + len(big) : DIRECT_ALIGN + len(big) + tail]
+    assert len(written) == DIRECT_ALIGN + len(big) + tail + len(small) + len(big) + len(unaligned)
+    assert written[:DIRECT_ALIGN] == header and written[DIRECT_ALIGN : DIRECT_ALIGN + len(big)] == big
+    assert written[DIRECT_ALIGN + len(big) + tail :].startswith(small)
+    assert written.endswith(big + unaligned) and len(tail_bytes) == tail
+    assert f.in_place_bytes == len(big)  # only the first span met both alignments (its tail copied)
+
+
+def test_a_checkpoint_of_large_storages_is_laid_out_for_in_place_writes_and_loads_back(tmp_path: Path) -> None:
+    # The default serializer aligns each storage's bytes to the direct-I/O block when the padding is cheap, and the
+    # staging pool's large buffers are page-aligned: the staged storages reach the disk without the aligned copy.
+    state = {"w": torch.randn(1 << 20), "b": torch.randn(3 << 18), "n": torch.arange(10)}
+    store = CheckpointStore(str(tmp_path / "ckpt"))
+    ckpt = AsyncCheckpointer(store)
+    try:
+        ckpt.save(1, state).committed.result()
+    finally:
+        ckpt.close()
+    path = tmp_path / "ckpt" / store.generation_path(1).rsplit("/", 1)[-1] / "checkpoint.ckpt"
+    raw = path.read_bytes()
+    with zipfile.ZipFile(path) as archive:
+        offsets = {  # where each record's bytes start: after its local header, name and extra field (the padding)
+            info.filename: info.header_offset
+            + 30
+            + int.from_bytes(raw[info.header_offset + 26 : info.header_offset + 28], "little")
+            + int.from_bytes(raw[info.header_offset + 28 : info.header_offset + 30], "little")
+            for info in archive.infolist()
+            if "/data/" in info.filename
+        }
+    assert len(offsets) == 3 and all(offset % DIRECT_ALIGN == 0 for offset in offsets.values()), offsets
+    loaded = torch.load(path, weights_only=True, mmap=True)
+    assert all(torch.equal(loaded[k], v) for k, v in state.items())
