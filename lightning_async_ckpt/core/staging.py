@@ -125,7 +125,7 @@ class BufferPool:
                 if free:
                     out.append(free.pop())
                 else:
-                    out.append(torch.empty(s.nbytes, dtype=torch.uint8, pin_memory=_pin(s)))
+                    out.append(_new_buffer(s.nbytes, _pin(s), touch=False))  # faulted in by the staging copy
                     self.retained_bytes += s.nbytes
                     self.allocations += 1
                     self.allocations_at_cut += 1
@@ -168,7 +168,9 @@ class BufferPool:
                         f"({self.budget_bytes:,}; {self.retained_bytes:,} retained); raise host_memory_budget"
                     )
                 self.retained_bytes += grow  # counted now: a concurrent acquire sees the budget as taken
-            made = [(key, _touched(key[0], key[1])) for key, count in missing.items() for _ in range(count)]
+            made = [
+                (key, _new_buffer(key[0], key[1], touch=True)) for key, count in missing.items() for _ in range(count)
+            ]
             with self._lock:
                 for key, buf in made:
                     self._free.setdefault(key, []).append(buf)
@@ -197,16 +199,19 @@ class BufferPool:
             self._trim(self.retained_bytes)
 
 
-def _touched(nbytes: int, pin: bool) -> torch.Tensor:
-    """A staging buffer reserved ahead of the cut, its pages already faulted in: untouched pageable memory would
-    fault on the first staging copy, while training runs (0.8 s per 800 MB on the 2-core VM, most of it waited for
-    at the first cut's fence). Pinned memory is resident already. Zeroed by one single-threaded memset (no OpenMP
-    team beside training's)."""
+def _new_buffer(nbytes: int, pin: bool, *, touch: bool) -> torch.Tensor:
+    """A staging buffer of ``nbytes``: pinned for CUDA storages; pageable ones of at least :data:`_ALIGNED_MIN` are
+    page-aligned (torch's allocator aligns to 64 bytes), so a direct-I/O file writes them without a copy.
+
+    ``touch`` (a buffer reserved ahead of the cut): its pages are faulted in now, by one single-threaded memset (no
+    OpenMP team beside training's); untouched, they would fault on the first staging copy while training runs (0.8 s
+    per 800 MB on the 2-core VM, most of it waited for at the first cut's fence). Pinned memory is resident already.
+    """
     if pin or nbytes < _ALIGNED_MIN:
         buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
-    else:  # page-aligned (torch's allocator aligns to 64 bytes): a direct-I/O file writes it without a copy
+    else:
         buf = torch.frombuffer(mmap.mmap(-1, nbytes, flags=_PRIVATE), dtype=torch.uint8)
-    if not pin and nbytes:
+    if touch and not pin and nbytes:
         buf.numpy().fill(0)
     return buf
 
