@@ -85,7 +85,8 @@ class Wire:
 
     def recv(self, src: int, into: torch.Tensor | None = None) -> tuple[int, Any]:
         """The next message from rank ``src``: its kind and payload (``bytes``; for ``DATA`` a ``memoryview`` of
-        ``into`` when it is large enough, else of a buffer this wire reuses: valid until its next :meth:`recv`)."""
+        ``into`` when it is large enough (else of a new buffer), or without ``into`` of a buffer this wire reuses:
+        valid until its next :meth:`recv`)."""
         header = torch.empty(2, dtype=torch.int64)
         dist.recv(header, src, group=self.group, tag=self.tag)
         kind, length = int(header[0]), int(header[1])
@@ -95,10 +96,12 @@ class Wire:
             payload = torch.empty(length, dtype=torch.uint8)
             dist.recv(payload, src, group=self.group, tag=self.tag)
             return kind, payload.numpy().tobytes()
-        if into is None or into.numel() < length:
+        if into is None:
             if self._data is None or self._data.numel() < length:  # a fresh buffer per chunk faulted every page
                 self._data = torch.empty(max(length, _CHUNK), dtype=torch.uint8)
             into = self._data
+        elif into.numel() < length:  # longer than the caller's buffer: a buffer of its own (never the shared one)
+            into = torch.empty(length, dtype=torch.uint8)
         payload = into[:length]
         dist.recv(payload, src, group=self.group, tag=self.tag)
         return kind, payload.numpy().data
@@ -134,7 +137,7 @@ class _WriteBehind:
         self._free: queue.SimpleQueue[torch.Tensor] = queue.SimpleQueue()
         for buffer in buffers:
             self._free.put(buffer)
-        self._todo: queue.SimpleQueue[tuple[torch.Tensor, int] | None] = queue.SimpleQueue()
+        self._todo: queue.SimpleQueue[tuple[torch.Tensor, memoryview] | None] = queue.SimpleQueue()
         self.failure: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="lightning-async-ckpt-replica-write", daemon=True)
         self._thread.start()
@@ -147,9 +150,10 @@ class _WriteBehind:
         """Return a buffer that received nothing to write."""
         self._free.put(buffer)
 
-    def put(self, buffer: torch.Tensor, nbytes: int) -> None:
-        """Write the first ``nbytes`` of ``buffer`` behind the caller's next receive."""
-        self._todo.put((buffer, nbytes))
+    def put(self, buffer: torch.Tensor, payload: memoryview) -> None:
+        """Write ``payload`` (received into ``buffer``, or into a larger buffer of its own) behind the caller's next
+        receive; ``buffer`` is free again once it is written."""
+        self._todo.put((buffer, payload))
 
     def close(self) -> None:
         """Wait for every write."""
@@ -158,10 +162,10 @@ class _WriteBehind:
 
     def _run(self) -> None:
         while (item := self._todo.get()) is not None:
-            buffer, nbytes = item
+            buffer, payload = item
             if self.failure is None:
                 try:
-                    self._stream.write(buffer[:nbytes].numpy().data)
+                    self._stream.write(payload)
                 except BaseException as exc:  # noqa: BLE001 - raised by the receiver after the object's last chunk
                     self.failure = exc
             self._free.put(buffer)
@@ -252,7 +256,7 @@ def receive_generation(
                 buffer = behind.take()
                 kind, payload = wire.recv(src, into=buffer)
                 if kind == Kind.DATA:
-                    behind.put(buffer, len(payload))
+                    behind.put(buffer, payload)
                     continue
                 behind.give(buffer)
                 if kind == Kind.ABORT:
