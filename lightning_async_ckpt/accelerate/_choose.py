@@ -35,10 +35,13 @@ _ACCELERATE_FILES = ("model.safetensors", "pytorch_model.bin", "optimizer.bin", 
 
 @dataclass(frozen=True)
 class Choice:
-    """The generation every process loads: its folder's URL and its step (picklable, sent to every process)."""
+    """The generation every process loads: its folder's URL and its step (picklable, sent to every process); with
+    ``manifest`` when the folder's own is still being written (a copy restored from a peer, committed in the
+    background: :mod:`~lightning_async_ckpt.core.replica_persist`)."""
 
     url: str
     step: int
+    manifest: Any = None
 
 
 def choose(fs: Any, root: str, uri: str, options: dict[str, Any], step: int | None) -> Choice | None:

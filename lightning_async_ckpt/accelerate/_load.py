@@ -206,7 +206,9 @@ def _prepare(choice: Choice, options: dict[str, Any], rank: int, trusted: bool) 
 
     fs, folder = url_to_regular_fs(choice.url, **options)
     folder = folder.rstrip("/")
-    manifest = Manifest.from_json(fs.cat_file(f"{folder}/{MANIFEST_NAME}"), where=f"{choice.url}/{MANIFEST_NAME}")
+    manifest = choice.manifest or Manifest.from_json(
+        fs.cat_file(f"{folder}/{MANIFEST_NAME}"), where=f"{choice.url}/{MANIFEST_NAME}"
+    )
     rng = next((o.name for o in manifest.objects if o.name == f"random_states_{rank}.pkl"), None)
     safe: dict[str, bytes] = {}
     if not trusted:

@@ -30,6 +30,7 @@ from lightning_async_ckpt.accelerate._choose import Choice
 from lightning_async_ckpt.accelerate._collective import collective_for
 from lightning_async_ckpt.accelerate._tier_load import accept_accelerate, holding_version, skip_damaged, version_store
 from lightning_async_ckpt.core.collective import agree
+from lightning_async_ckpt.core.replica_persist import manifest_of
 from lightning_async_ckpt.core.replicas import Replicator, replica_targets, restore_from_peers
 from lightning_async_ckpt.core.tiered_replicas import open_replicas
 from lightning_async_ckpt.errors import CheckpointError, ConfigError
@@ -145,13 +146,14 @@ def choose_with_peers(
         newest_local=newest,
         durable_step=durable,
         newest_store=lambda version: version_store(local_dirpath, version),
+        background=True,  # loaded at once: a received copy's fsync and commit go on in the background
     )
     if agreed is None:
         _log.info("load_state: no process holds a local generation as new as %s's: loading from it", uri)
         return None
     store = version_store(local_dirpath, agreed[0])
     _log.info("load_state: every process resumes from its local tier, step %d (%s)", agreed[1], store.uri)
-    return Choice(url=store.url(agreed[1]), step=agreed[1])
+    return Choice(url=store.url(agreed[1]), step=agreed[1], manifest=manifest_of(store, agreed[1]))
 
 
 def agree_local_location(collective: Any, local_dirpath: str, start_step: int) -> str:
