@@ -57,6 +57,12 @@ class DeferredSync:
         self._fds.append(os.dup(raw.fileno()))
         raw.close()
 
+    def forget(self) -> None:
+        """Close the kept descriptors without ``fsync`` (the attempt was aborted: nothing of it is committed)."""
+        fds, self._fds = self._fds, []
+        for fd in fds:
+            os.close(fd)
+
     def sync(self) -> None:
         """``fsync`` every object finished so far (each through a duplicate of its descriptor) and close them."""
         fds, self._fds = self._fds, []

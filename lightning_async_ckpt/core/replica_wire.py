@@ -279,6 +279,8 @@ def receive_generation(
             committed = writer.commit(**commit)
     except Exception as exc:  # noqa: BLE001 - told to the sender; nothing is committed here
         writer.abort()
+        if isinstance(store.backend, DeferredSync):
+            store.backend.forget()
         if not failure:  # copy_objects stopped early: consume the rest so the sender reaches its last recv
             _drain_objects(wire, src, manifest, done=len(writer.objects))
         wire.send(src, Kind.FAIL, f"{type(exc).__name__}: {exc}".encode())
