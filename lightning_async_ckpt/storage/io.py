@@ -249,8 +249,8 @@ def read_verified(
 
 def _chunks(f: Any, *, reuse: bool) -> Any:
     """The bytes of open file ``f`` in chunks of up to :data:`READ_CHUNK`; with ``reuse``, views of one buffer that
-    each next chunk overwrites (no allocation per chunk: a fresh 8 MiB buffer per read cost page faults on every
-    chunk), else new ``bytes``."""
+    each next chunk overwrites (no new buffer per chunk; a peer replica's sender puts these views on the wire as
+    they are), else new ``bytes``."""
     readinto = getattr(f, "readinto", None) if reuse else None
     if readinto is None:
         while chunk := f.read(READ_CHUNK):
