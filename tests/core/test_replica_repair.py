@@ -4,20 +4,18 @@ held copy's bytes are re-read before "have it", a fresh copy goes to a new versi
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.helpers.dist import launch_ranks, rank_results
+from tests.helpers.dist import run_ranks
 
 WORKER = Path(__file__).resolve().parents[1] / "helpers" / "replica_repair_worker.py"
 
 
 @pytest.mark.slow
 def test_a_damaged_replica_is_received_again_into_a_new_version_folder_and_a_restore_reads_it_intact(tmp_path):
-    procs = launch_ranks([sys.executable, str(WORKER), str(tmp_path)], timeout=240)
-    results = rank_results(procs)
+    results = run_ranks(WORKER, tmp_path, timeout=240)
     r0, r1 = results
     replica = {"rank": 0, "step": 1}
     # The byte flip left the manifest as it was: committed, but it fails verification.

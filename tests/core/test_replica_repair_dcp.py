@@ -4,20 +4,18 @@ again, and a rank that lost its own part resumes from it. Two real gloo ranks, r
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.helpers.dist import launch_ranks, rank_results
+from tests.helpers.dist import run_ranks
 
 WORKER = Path(__file__).resolve().parents[1] / "helpers" / "sharded_replica_repair_worker.py"
 
 
 @pytest.mark.slow
 def test_a_damaged_dcp_replica_is_repaired_write_once_and_restores_a_lost_rank(tmp_path):
-    procs = launch_ranks([sys.executable, str(WORKER), str(tmp_path)], timeout=240)
-    results = rank_results(procs)
+    results = run_ranks(WORKER, tmp_path, timeout=240)
     r0, r1 = results
     assert r1["damaged"] == {"0": {"1": True, "2": False}}
     # Step 2's bytes went to rank 1 twice: the damaged replica was re-read, not only its manifest compared.

@@ -15,18 +15,14 @@ from pathlib import Path
 import pytest
 
 from lightning_async_ckpt import CheckpointStore
-from tests.helpers.dist import launch_ranks, rank_results
+from tests.helpers.dist import launch_ranks, run_ranks
 
 WORKER = Path(__file__).resolve().parents[1] / "helpers" / "restored_commit_worker.py"
 
 
-def _launch(base: Path, mode: str) -> list[dict]:
-    return rank_results(launch_ranks([sys.executable, str(WORKER), str(base), mode], timeout=180))
-
-
 @pytest.mark.slow
 def test_a_restored_generation_is_read_before_it_is_durable_and_listed_only_after(tmp_path) -> None:
-    receiver, holder = _launch(tmp_path, "gated")  # rank 0 lost its folder; rank 1 holds step 3
+    receiver, holder = run_ranks(WORKER, tmp_path, "gated", timeout=180)  # rank 0 lost its folder; rank 1 holds step 3
     assert holder["agreed"] == receiver["agreed"] == [0, 3]
     # Held back: nothing listed, the bytes already readable and the source's.
     assert receiver["held"] is True
@@ -45,7 +41,7 @@ def test_a_restored_generation_is_read_before_it_is_durable_and_listed_only_afte
     crashed = launch_ranks([sys.executable, str(WORKER), str(tmp_path), "crash"], timeout=180)
     assert [p.returncode for p in crashed] == [0, 0], crashed[0].stderr[-3000:]
     assert CheckpointStore(str(tmp_path / "local-0"), check_writable=False).generations() == []
-    receiver, holder = _launch(tmp_path, "again")
+    receiver, holder = run_ranks(WORKER, tmp_path, "again", timeout=180)
     assert receiver["agreed"] == [0, 3]
     assert receiver["joined"] is True and receiver["listed_after"] == [3] and receiver["verified_after"] is True
     assert receiver["digest_after"] == holder["digest_source"]

@@ -268,3 +268,9 @@ def rank_results(procs: list[subprocess.CompletedProcess]) -> list[dict]:
         line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")][-1]
         results.append(json.loads(line[len("RESULT ") :]))
     return results
+
+
+def run_ranks(script: Path | str, *args: object, timeout: float, world_size: int = 2) -> list[dict]:
+    """``python script *args`` once per rank (:func:`launch_ranks`), then each rank's :func:`rank_results`."""
+    argv = [sys.executable, str(script), *(str(a) for a in args)]
+    return rank_results(launch_ranks(argv, timeout=timeout, world_size=world_size))

@@ -2,22 +2,19 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 
 from lightning_async_ckpt import CheckpointStore
-from tests.helpers.dist import launch_ranks, rank_results
+from tests.helpers.dist import run_ranks
 
 WORKER = Path(__file__).resolve().parents[1] / "helpers" / "tiers_ddp_worker.py"
 pytestmark = pytest.mark.slow
 
 
 def _run(base: Path, layout: str, phase: str) -> list[dict]:
-    procs = launch_ranks([sys.executable, str(WORKER), str(base), layout, phase], timeout=180)
-    results = rank_results(procs)
-    return results
+    return run_ranks(WORKER, base, layout, phase, timeout=180)
 
 
 def _steps(path: Path) -> list[int]:

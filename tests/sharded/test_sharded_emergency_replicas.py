@@ -3,20 +3,18 @@ do, and says what was replicated where (sharded/tiered.py ``emergency_save``). T
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.helpers.dist import launch_ranks, rank_results
+from tests.helpers.dist import run_ranks
 
 WORKER = Path(__file__).resolve().parents[1] / "helpers" / "sharded_emergency_replicas_worker.py"
 
 
 @pytest.mark.slow
 def test_a_signal_makes_every_rank_replicate_the_emergency_step_before_the_save_returns(tmp_path):
-    procs = launch_ranks([sys.executable, str(WORKER), str(tmp_path)], timeout=240)
-    results = rank_results(procs)
+    results = run_ranks(WORKER, tmp_path, timeout=240)
     for rank, result in enumerate(results):
         target = 1 - rank
         assert result["stopped"] == 3
@@ -32,8 +30,7 @@ LIGHTNING_WORKER = Path(__file__).resolve().parents[1] / "helpers" / "sharded_em
 
 @pytest.mark.slow
 def test_the_lightning_callback_s_emergency_save_under_fsdp2_waits_for_the_replicas_and_says_where(tmp_path):
-    procs = launch_ranks([sys.executable, str(LIGHTNING_WORKER), str(tmp_path)], timeout=300)
-    results = rank_results(procs)
+    results = run_ranks(LIGHTNING_WORKER, tmp_path, timeout=300)
     for rank, result in enumerate(results):
         target = 1 - rank
         assert result["stopped"] == 5 and result["target_holds"] == [5]
