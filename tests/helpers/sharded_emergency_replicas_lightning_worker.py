@@ -17,13 +17,12 @@ import sys
 
 import lightning.pytorch as pl
 import torch.distributed as dist
-from lightning.pytorch.strategies import ModelParallelStrategy
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from lightning_async_ckpt import AsyncCheckpointCallback  # noqa: E402
 from lightning_async_ckpt.storage.store import CheckpointStore  # noqa: E402
-from tests.helpers.lightning_sharded_worker import ShardedModel, loader  # noqa: E402
+from tests.helpers.lightning_sharded_worker import ShardedModel, fit  # noqa: E402
 
 
 class Signal(pl.Callback):
@@ -39,20 +38,7 @@ class Signal(pl.Callback):
 
 def _fit(callbacks: list, max_steps: int) -> tuple[pl.LightningModule, pl.Trainer]:
     model = ShardedModel("plain")
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy=ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1),
-        max_steps=max_steps,
-        callbacks=callbacks,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-    )
-    pl.seed_everything(7)
-    trainer.fit(model, loader())
-    return model, trainer
+    return model, fit(model, callbacks, max_steps)
 
 
 class Lines(logging.Handler):
