@@ -8,7 +8,6 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
-from torchmetrics import Metric
 
 from lightning_async_ckpt.core.interfaces import TrainingCheckpointer
 from lightning_async_ckpt.lightning.naming import loadable_path
@@ -32,53 +31,62 @@ _OPTIMIZER_STATE_FACTOR = {"Adam": 2, "AdamW": 2, "SGD": 1, "RMSprop": 1, "Adagr
 def log_progress(
     pl_module: pl.LightningModule, ck: TrainingCheckpointer, requested_step: int | None, skipped: int, last: tuple
 ) -> tuple:
-    """Log the ``ckpt/*`` metrics that changed since ``last``; returns the new state to pass next time.
+    """Publish the ``ckpt/*`` metrics that changed since ``last``; returns the new state to pass next time.
 
-    ``ckpt/committed_step`` goes to the progress bar: only it is recoverable progress. Each metric is logged only
-    when its value changed (a cut changes the request's, a commit the record's): every ``self.log`` call costs the
-    training thread Lightning's bookkeeping, and a GIL hand-off for each tensor it makes while background threads
-    run.
+    Published without ``LightningModule.log``: each of its calls costs the training thread about 2 ms of Lightning's
+    result-collection bookkeeping (moving the ``_ResultMetric`` to the value's device walks the whole metric
+    object), paid at every cut and commit. What ``self.log(on_step=True, on_epoch=False)`` would give is written
+    directly: the changed values into ``trainer.callback_metrics`` and ``trainer.logged_metrics`` (CPU tensors: a
+    Python number would become a tensor on the module's device, a host-to-device copy that synchronizes a GPU),
+    ``ckpt/committed_step`` into the progress bar as an integer (only it is recoverable progress), and every current
+    value to the loggers when Lightning flushes its own step metrics (``log_every_n_steps``), as its step metrics
+    would be.
     """
+    trainer = pl_module.trainer
     committed_step = ck.committed_step
     record = ck.last_committed
     state = (requested_step, committed_step, skipped, ck.outstanding, id(record) if record is not None else None)
-    if state == last:
-        return last
-    before = last if len(last) == len(state) else (None,) * len(state)
-    metrics = {"ckpt/requested_step": requested_step, "ckpt/backlog": ck.outstanding, "ckpt/skipped": skipped}
-    metrics = {k: v for (k, v), old in zip(metrics.items(), (before[0], before[3], before[2]), strict=True) if v != old}
-    if record is not None and state[4] != before[4]:
-        metrics.update(
-            {
-                "ckpt/blocked_s": record.blocked_s,
-                "ckpt/staging_s": record.staging_s,
-                "ckpt/cut_to_committed_s": record.cut_to_committed_s,
-                "ckpt/bytes": record.bytes,
-                # What the steps felt (the background work competes for the cores), not only the hooks' time.
-                "ckpt/step_slowdown_s": getattr(record, "step_slowdown_s", None),
-            }
-        )
-    for key, value in metrics.items():
-        if value is not None:
-            # A CPU tensor: a Python number would become a tensor on the module's device, and that host-to-device
-            # copy synchronizes the GPU at every cut and commit (the GPU then idles while the host prepares the
-            # next batch: about one step per cut on an H200).
-            pl_module.log(key, torch.tensor(float(value)), on_step=True, on_epoch=False, batch_size=1)
-    if committed_step is not None and committed_step != before[1]:
-        # Lightning turns every logged tensor or number into a float (the TQDM bar then shows `12.00`); a metric
-        # object's own value is passed through, so an integer one shows as `12`.
-        metric = _StepMetric()
-        metric(committed_step)
-        pl_module.log(
-            "ckpt/committed_step",
-            metric,
-            on_step=True,
-            on_epoch=False,
-            prog_bar=True,
-            batch_size=1,
-            metric_attribute="_lightning_async_ckpt_committed_step",
-        )
-    return state
+    values: dict[str, float] = dict(last[-1]) if len(last) == len(state) + 1 else {}
+    if state != last[: len(state)]:
+        before = last if len(last) == len(state) + 1 else (None,) * len(state)
+        metrics = {"ckpt/requested_step": requested_step, "ckpt/backlog": ck.outstanding, "ckpt/skipped": skipped}
+        changed = {
+            k: v for (k, v), old in zip(metrics.items(), (before[0], before[3], before[2]), strict=True) if v != old
+        }
+        if record is not None and state[4] != before[4]:
+            changed.update(
+                {
+                    "ckpt/blocked_s": record.blocked_s,
+                    "ckpt/staging_s": record.staging_s,
+                    "ckpt/cut_to_committed_s": record.cut_to_committed_s,
+                    "ckpt/bytes": record.bytes,
+                    # What the steps felt (the background work competes for the cores), not only the hooks' time.
+                    "ckpt/step_slowdown_s": getattr(record, "step_slowdown_s", None),
+                }
+            )
+        if committed_step is not None and committed_step != before[1]:
+            changed["ckpt/committed_step"] = committed_step
+        changed = {k: float(v) for k, v in changed.items() if v is not None}
+        values.update(changed)
+        tensors = {k: torch.tensor(v) for k, v in changed.items()}
+        if "ckpt/committed_step" in changed:
+            tensors["ckpt/committed_step"] = torch.tensor(int(committed_step), dtype=torch.int64)
+            # An integer: Lightning turns a logged number into a float, and the TQDM bar would show `12.00`.
+            trainer.progress_bar_metrics["ckpt/committed_step"] = int(committed_step)
+        trainer.callback_metrics.update(tensors)
+        trainer.logged_metrics.update(tensors)
+    if values and _flushes_step_metrics(trainer):
+        trainer._logger_connector.log_metrics({k: torch.tensor(v) for k, v in values.items()})
+    return (*state, values)
+
+
+def _flushes_step_metrics(trainer: pl.Trainer) -> bool:
+    """Whether Lightning sends its step metrics to the loggers at the end of this batch (mirrors its own check)."""
+    if not trainer.loggers:
+        return False
+    if trainer.fit_loop._should_accumulate() and trainer.lightning_module.automatic_optimization:
+        return False
+    return bool(trainer._logger_connector.should_update_logs or trainer.fast_dev_run)
 
 
 def log_final(trainer: pl.Trainer, committed_step: int | None, *, to_loggers: bool) -> None:
@@ -95,23 +103,6 @@ def log_final(trainer: pl.Trainer, committed_step: int | None, *, to_loggers: bo
         return
     trainer._logger_connector.log_metrics({"ckpt/committed_step": float(committed_step)})
     trainer.progress_bar_metrics["ckpt/committed_step"] = committed_step
-
-
-class _StepMetric(Metric):
-    """A step number as an integer metric (``compute`` returns an ``int64`` tensor); no cross-rank reduction."""
-
-    full_state_update = False
-
-    def __init__(self) -> None:
-        # No collective ever: ranks log it at different batches (each when its own value changed).
-        super().__init__(sync_on_compute=False, dist_sync_on_step=False)
-        self.add_state("step", default=torch.tensor(0, dtype=torch.int64), dist_reduce_fx="max")
-
-    def update(self, step: int) -> None:
-        self.step = torch.tensor(int(step), dtype=torch.int64)
-
-    def compute(self) -> torch.Tensor:
-        return self.step
 
 
 def training_started(trainer: pl.Trainer) -> bool:
