@@ -25,6 +25,7 @@ AUTO_BUDGET_FRACTION = 0.5
 # forked child); smaller ones come from torch's allocator.
 _ALIGNED_MIN = 1 << 20
 _PRIVATE = mmap.MAP_PRIVATE | getattr(mmap, "MAP_ANONYMOUS", 0)
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux
 
 
 def resolve_budget(budget: int | str | None, reserved_bytes: int = 0) -> int | None:
@@ -185,17 +186,18 @@ def _new_buffer(nbytes: int, pin: bool, *, touch: bool) -> torch.Tensor:
     """A staging buffer of ``nbytes``: pinned for CUDA storages; pageable ones of at least :data:`_ALIGNED_MIN` are
     page-aligned (torch's allocator aligns to 64 bytes), so a direct-I/O file writes them without a copy.
 
-    ``touch`` (a buffer reserved ahead of the cut): its pages are faulted in now, by one single-threaded memset (no
-    OpenMP team beside training's); untouched, they would fault on the first staging copy while training runs (0.8 s
+    ``touch`` (a buffer reserved ahead of the cut): its pages are made resident now (populated by the kernel for a
+    mapping, else one single-threaded memset: no OpenMP team beside training's); untouched, they would fault on the first staging copy while training runs (0.8 s
     per 800 MB on the 2-core VM, most of it waited for at the first cut's fence). Pinned memory is resident already.
     """
     if pin or nbytes < _ALIGNED_MIN:
         buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
-    else:
-        buf = torch.frombuffer(mmap.mmap(-1, nbytes, flags=_PRIVATE), dtype=torch.uint8)
-    if touch and not pin and nbytes:
-        buf.numpy().fill(0)
-    return buf
+        if touch and not pin and nbytes:
+            buf.numpy().fill(0)
+        return buf
+    # MAP_POPULATE: the kernel populates the mapping inside mmap(), without a page fault per page (0.40-0.49 s per
+    # 800 MB on the 2-core VM against 0.66-0.75 s for faulting it in by a memset).
+    return torch.frombuffer(mmap.mmap(-1, nbytes, flags=_PRIVATE | (_POPULATE if touch else 0)), dtype=torch.uint8)
 
 
 def _pin(slot: StorageSlot) -> bool:
