@@ -74,6 +74,8 @@ class BufferPool:
         self.allocations_at_cut = 0
         self.bytes_allocated_at_cut = 0
         self._reserving: list[threading.Event] = []
+        #: Reservations begun so far (a step clock tells the periods in which one ran).
+        self.reservations = 0
 
     def check(self, needed_bytes: int) -> None:
         """Raise before training if one snapshot of ``needed_bytes`` cannot fit the budget."""
@@ -129,7 +131,13 @@ class BufferPool:
         ticket = threading.Event()
         with self._lock:
             self._reserving.append(ticket)
+            self.reservations += 1
         return ticket
+
+    @property
+    def reserving(self) -> bool:
+        """Whether a :meth:`reserve` announced by :meth:`begin_reserve` is still running."""
+        return bool(self._reserving)
 
     def reserve(self, slots: Sequence[StorageSlot], *, ticket: threading.Event | None = None) -> int:
         """Allocate free buffers for ``slots`` ahead of the cut (pinned for CUDA storages), within the budget.

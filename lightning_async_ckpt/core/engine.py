@@ -107,6 +107,7 @@ class AsyncCheckpointer(ProgressView, Lifecycle, DrainOnExit):
         self._fence_hooks = FenceHooks(lambda fence: self.wait(fence))  # late-bound: wait may be wrapped
         self.in_flight = InFlight()
         self.step_clock = StepClock()  # what the steps feel around saves (ticks at each batch-start fence)
+        self._reserve_seen = (False, 0)  # the pool's (reserving, reservations) at the last tick
         self._cut_since_tick = False
         self.progress = Progress(options.on_error)  # committed step, records, refusals, the error queue
         self.requested_step: int | None = None
@@ -297,7 +298,11 @@ class AsyncCheckpointer(ProgressView, Lifecycle, DrainOnExit):
         """
         if fence is Fence.BATCH_START:  # once per step: the period since the last one, for StepClock
             running = self.in_flight.running_records()  # most steps have none: no lock, no list
-            self.step_clock.tick(time.perf_counter(), running, started=self._cut_since_tick)
+            # The pool's fill ahead of the first cut ran at the period's start or end, or began within it.
+            reserving, begun = self.pool.reserving, self.pool.reservations
+            background = reserving or self._reserve_seen[0] or begun != self._reserve_seen[1]
+            self._reserve_seen = (reserving, begun)
+            self.step_clock.tick(time.perf_counter(), running, started=self._cut_since_tick, background=background)
             self._cut_since_tick = False
         if raise_errors:
             self.raise_pending()

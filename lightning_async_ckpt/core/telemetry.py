@@ -126,6 +126,7 @@ class StepClock:
     def __init__(self, window: int = 64) -> None:
         self._quiet: deque[float] = deque(maxlen=window)
         self._last: float | None = None
+        self._warm_up = True  # the first period: allocations and lazy set-up, no baseline
         self._open: list[SaveRecord] = []
 
     @property
@@ -133,23 +134,27 @@ class StepClock:
         """Median step period with no save in flight (``None`` before the first quiet step)."""
         return statistics.median(self._quiet) if self._quiet else None
 
-    def tick(self, now: float, in_flight: list[SaveRecord], *, started: bool = False) -> None:
+    def tick(self, now: float, in_flight: list[SaveRecord], *, started: bool = False, background: bool = False) -> None:
         """A batch starts at ``now`` (``time.perf_counter()``) with the records of the saves still in flight.
 
         ``started``: a save was requested during the period that ends now (it counts as in flight even when it
-        already ended).
+        already ended). ``background``: other work of the library ran during the period (the staging pool filled
+        ahead of the first cut): it takes cores from training too, so the period is no quiet sample. The first
+        period is never one either: the first step allocates (optimizer state, allocator pools, lazy modules), and
+        a slow first step in the median would make every later save's slowdown look negative.
         """
         involved = {id(r): r for r in [*self._open, *in_flight]}
         if self._last is not None:
             period = now - self._last
-            if not involved and not started:
-                self._quiet.append(period)
-            else:
+            if involved or started:
                 base = self.quiet_median_s
                 for record in involved.values():
                     record.slowed_steps += 1
                     if base is not None:
                         record.step_slowdown_s = (record.step_slowdown_s or 0.0) + period - base
+            elif not background and not self._warm_up:
+                self._quiet.append(period)
+            self._warm_up = False
         self._last = now
         self._open = list(in_flight)
 

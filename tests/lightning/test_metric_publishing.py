@@ -55,7 +55,7 @@ def test_ckpt_metrics_are_published_without_lightning_module_log(tmp_path):
     metrics = trainer.callback_metrics
     assert float(metrics["ckpt/requested_step"]) == 12
     assert isinstance(metrics["ckpt/blocked_s"], torch.Tensor) and float(metrics["ckpt/bytes"]) > 0
-    assert "ckpt/step_slowdown_s" in metrics and "ckpt/backlog" in metrics
+    assert "ckpt/backlog" in metrics and "ckpt/cut_to_committed_s" in metrics
     assert float(trainer.logged_metrics["ckpt/requested_step"]) == 12
     assert trainer.progress_bar_metrics["ckpt/committed_step"] == 12
     assert isinstance(trainer.progress_bar_metrics["ckpt/committed_step"], int)  # the bar shows 12, not 12.00
