@@ -34,6 +34,8 @@ import sys
 import threading
 from collections.abc import Sequence
 
+from lightning_async_ckpt.core import uffd_calls
+
 __all__ = ["PAGE", "WriteTracker", "page_interior", "tracker"]
 
 _log = logging.getLogger("lightning_async_ckpt")
@@ -45,29 +47,16 @@ _FEATURE_WP_UNPOPULATED = 1 << 13
 _FEATURE_WP_ASYNC = 1 << 15
 _UFFDIO_API = 0xC018AA3F  # _IOWR(0xAA, 0x3F, struct uffdio_api)
 _UFFDIO_REGISTER = 0xC020AA00  # _IOWR(0xAA, 0x00, struct uffdio_register)
-_UFFDIO_WRITEPROTECT = 0xC018AA06  # _IOWR(0xAA, 0x06, struct uffdio_writeprotect)
 _UFFDIO_UNREGISTER = 0x8010AA01  # _IOR(0xAA, 0x01, struct uffdio_range)
 _REGISTER_MODE_WP = 1 << 1
-_WRITEPROTECT_MODE_WP = 1 << 0
 _PAGEMAP_SCAN = 0xC0606610  # _IOWR('f', 16, struct pm_scan_arg)
 _PM_SCAN_CHECK_WPASYNC = 1 << 1
 _PAGE_IS_WRITTEN = 1 << 1
 
 
-# libc's ioctl called with the GIL held (PyDLL): the calls are short (a page-table walk), and a GIL hand-off back to
-# the training thread after each one can cost a scheduler switch interval while background threads run Python.
-_libc: ctypes.PyDLL | None = None  # set by _open (Linux only)
-
-
 def _ioctl(fd: int, request: int, *words: int) -> int:
-    """``ioctl(fd, request, &words)`` on an array of 64-bit words; the kernel's answer, or ``OSError``."""
-    arg = (ctypes.c_uint64 * len(words))(*words)
-    assert _libc is not None  # a tracker exists only after _open set it
-    result = _libc.ioctl(fd, request, ctypes.addressof(arg))
-    if result < 0:
-        code = ctypes.get_errno()
-        raise OSError(code, os.strerror(code))
-    return result
+    """``ioctl(fd, request, &words)`` with the GIL held; the kernel's answer, or ``OSError``."""
+    return uffd_calls.ioctl(fd, request, *words)
 
 
 class _Region(ctypes.Structure):
@@ -120,17 +109,23 @@ class WriteTracker:
                     _log.info("exact guard: fingerprinting (an io_uring, RDMA or VFIO user can write memory unseen)")
                 return [False] * len(ranges)
             spans = _anonymous_private_spans()
-            out = []
-            for start, end in ranges:
-                out.append(
-                    start < end
-                    and start % PAGE == 0
-                    and end % PAGE == 0
-                    and not any(s < end and start < e for s, e in self._active.items())
-                    and _covered(spans, start, end)
-                    and self._arm(start, end)
-                )
-            return out
+            registered = [
+                start < end
+                and start % PAGE == 0
+                and end % PAGE == 0
+                and not any(s < end and start < e for s, e in self._active.items())
+                and _covered(spans, start, end)
+                and self._register(start, end)
+                for start, end in ranges
+            ]
+            chosen = [r for r, ok in zip(ranges, registered, strict=True) if ok]
+            failed = uffd_calls.write_protect(self._uffd, chosen)  # the walks; split with a helper when large
+            for start, end in chosen:
+                if (start, end) in failed:
+                    self._disarm(start, end)
+                else:
+                    self._active[start] = end
+            return [ok and r not in failed for r, ok in zip(ranges, registered, strict=True)]
 
     def protect(self, start: int, end: int) -> bool:
         """:meth:`protect_all` of one range."""
@@ -167,17 +162,11 @@ class WriteTracker:
         with self._lock:
             return len(self._active)
 
-    def _arm(self, start: int, end: int) -> bool:
-        try:  # register first: EBUSY when another userfaultfd owns the range
+    def _register(self, start: int, end: int) -> bool:
+        try:  # EBUSY when another userfaultfd owns the range
             _ioctl(self._uffd, _UFFDIO_REGISTER, start, end - start, _REGISTER_MODE_WP, 0)
         except OSError:
             return False
-        try:
-            _ioctl(self._uffd, _UFFDIO_WRITEPROTECT, start, end - start, _WRITEPROTECT_MODE_WP)
-        except OSError:
-            self._disarm(start, end)
-            return False
-        self._active[start] = end
         return True
 
     def _disarm(self, start: int, end: int) -> None:
@@ -262,11 +251,9 @@ def _open() -> WriteTracker | None:
     number = _SYSCALL.get(platform.machine())
     if number is None:
         return None
-    global _libc
-    _libc = ctypes.PyDLL(None, use_errno=True)
-    _libc.ioctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_void_p]
-    _libc.ioctl.restype = ctypes.c_int
-    uffd = _libc.syscall(number, os.O_CLOEXEC | _UFFD_USER_MODE_ONLY)
+    uffd_calls.load()
+    libc = ctypes.CDLL(None, use_errno=True)
+    uffd = libc.syscall(number, os.O_CLOEXEC | _UFFD_USER_MODE_ONLY)
     if uffd < 0:
         return None
     pagemap = -1

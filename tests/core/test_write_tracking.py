@@ -367,3 +367,51 @@ def test_a_small_cut_is_fingerprinted(monkeypatch):
     assert job._guard.tracked_bytes == 0
     job.run()
     assert job.error is None
+
+
+@needs_tracker
+@pytest.mark.parametrize("repeat", range(3))
+def test_a_protection_split_with_the_helper_thread_sees_exactly_the_writes_of_both_halves(monkeypatch, repeat):
+    # At least PARALLEL_MIN_BYTES in several ranges: half the page-table walks run on a helper thread. Every range of
+    # both halves must be protected when protect_all returns, and written() must see exactly the pages written.
+    from lightning_async_ckpt.core import uffd_calls
+
+    monkeypatch.setattr(uffd_calls, "PARALLEL_MIN_BYTES", 8 << 20)
+    monkeypatch.setattr(uffd_calls, "_CPUS", 2)
+    submitted = []
+    real_init = uffd_calls._Half.__init__
+    monkeypatch.setattr(uffd_calls._Half, "__init__", lambda self, *a: submitted.append(a[1]) or real_init(self, *a))
+    tensors = [torch.zeros(MB4 * (1 + i % 3)) for i in range(6)]
+    spans = [page_interior(t.data_ptr(), t.numel() * 4) for t in tensors]
+    track = tracker()
+    assert all(track.protect_all(spans))
+    try:
+        assert submitted and 0 < len(submitted[0]) < len(spans)  # the helper took some ranges, not all
+        written = {1, 4} if repeat % 2 else {0, 5}
+        for i in written:
+            _raw_write(tensors[i], tensors[i].numel() // 2, 1.0)  # a page in the middle
+        assert {i for i, span in enumerate(spans) if track.written(*span)} == written
+    finally:
+        for span in spans:
+            track.release(*span)
+    assert track.active == 0
+
+
+@needs_tracker
+def test_a_range_the_helper_could_not_protect_is_reported_not_tracked(monkeypatch):
+    from lightning_async_ckpt.core import uffd_calls
+
+    monkeypatch.setattr(uffd_calls, "PARALLEL_MIN_BYTES", 8 << 20)
+    monkeypatch.setattr(uffd_calls, "_CPUS", 2)
+    tensors = [torch.zeros(MB4 * 2) for _ in range(3)]
+    spans = [page_interior(t.data_ptr(), t.numel() * 4) for t in tensors]
+    track = tracker()
+    for span in spans[:2]:
+        assert track._register(*span)
+    try:
+        # The third was never registered: its protection fails (ENOENT) whichever thread tries it.
+        failed = uffd_calls.write_protect(track._uffd, spans)
+        assert failed == {spans[2]}
+    finally:
+        for span in spans[:2]:
+            track._disarm(*span)
