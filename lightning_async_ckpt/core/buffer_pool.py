@@ -134,6 +134,12 @@ class BufferPool:
             self.reservations += 1
         return ticket
 
+    def wait_reserved(self, timeout: float | None = None) -> bool:
+        """Wait until every :meth:`reserve` announced so far ended; ``False`` on timeout."""
+        with self._lock:
+            tickets = list(self._reserving)
+        return all(ticket.wait(timeout) for ticket in tickets)
+
     @property
     def reserving(self) -> bool:
         """Whether a :meth:`reserve` announced by :meth:`begin_reserve` is still running."""

@@ -69,12 +69,23 @@ def test_the_engine_charges_every_step_that_overlapped_a_stalled_save(tmp_path):
 
 
 def test_the_callback_logs_the_step_slowdown_beside_the_blocked_time(tmp_path):
+    ours = AsyncCheckpointCallback(dirpath=str(tmp_path / "ckpt"), every_n_train_steps=8)
+
+    class QuietSteps(pl.Callback):
+        """Before the step clock's tick at step 3, lets the pool's fill end: steps 3 to 8 are quiet samples; at step
+        10 lets the save of step 8 commit, so its record (with its slowdown) is published at that batch end."""
+
+        lightning_async_ckpt_read_only = True
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if trainer.global_step == 3:
+                assert ours.checkpointer.pool.wait_reserved(timeout=60)
+            if trainer.global_step == 10:
+                ours.checkpointer.drain_quietly(60)
+                assert ours.checkpointer.committed_step == 8
+
     pl.seed_everything(1)
-    trainer = pl.Trainer(
-        max_steps=12,
-        callbacks=[AsyncCheckpointCallback(dirpath=str(tmp_path / "ckpt"), every_n_train_steps=4)],
-        **trainer_kwargs(),
-    )
+    trainer = pl.Trainer(max_steps=12, callbacks=[QuietSteps(), ours], **trainer_kwargs())
     trainer.fit(BNDropoutModel(), make_loader())
     assert "ckpt/blocked_s" in trainer.callback_metrics
     assert "ckpt/step_slowdown_s" in trainer.callback_metrics
