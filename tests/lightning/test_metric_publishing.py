@@ -42,13 +42,20 @@ def _rows(logger: CSVLogger) -> list[dict[str, str]]:
         return list(csv.DictReader(f))
 
 
-def test_ckpt_metrics_are_published_without_lightning_module_log(tmp_path):
+def _fit(
+    tmp_path, every: int, log_every: int
+) -> tuple[pl.Trainer, _CountsLogCalls, AsyncCheckpointCallback, CSVLogger]:
     pl.seed_everything(0)
     model = _CountsLogCalls()
-    cb = AsyncCheckpointCallback(str(tmp_path / "ckpt"), every_n_train_steps=2)
+    cb = AsyncCheckpointCallback(str(tmp_path / "ckpt"), every_n_train_steps=every)
     logger = CSVLogger(tmp_path / "logs")
-    trainer = pl.Trainer(callbacks=[cb], **trainer_kwargs(max_steps=12, logger=logger, log_every_n_steps=4))
+    trainer = pl.Trainer(callbacks=[cb], **trainer_kwargs(max_steps=12, logger=logger, log_every_n_steps=log_every))
     trainer.fit(model, make_loader())
+    return trainer, model, cb, logger
+
+
+def test_ckpt_metrics_are_published_without_lightning_module_log(tmp_path):
+    trainer, model, cb, logger = _fit(tmp_path, every=2, log_every=4)
 
     assert model.ckpt_log_calls == 0
     assert cb.committed_step == 12
@@ -70,11 +77,6 @@ def test_ckpt_metrics_are_published_without_lightning_module_log(tmp_path):
 
 def test_a_metric_unchanged_since_the_last_flush_is_sent_again(tmp_path):
     """As with ``self.log``'s step metrics, every flush carries the current value of each ``ckpt/*`` metric."""
-    pl.seed_everything(0)
-    model = _CountsLogCalls()
-    cb = AsyncCheckpointCallback(str(tmp_path / "ckpt"), every_n_train_steps=4)
-    logger = CSVLogger(tmp_path / "logs")
-    trainer = pl.Trainer(callbacks=[cb], **trainer_kwargs(max_steps=12, logger=logger, log_every_n_steps=1))
-    trainer.fit(model, make_loader())
+    _, _, _, logger = _fit(tmp_path, every=4, log_every=1)
     rows = [r for r in _rows(logger) if r.get("ckpt/skipped")]
     assert len({int(r["step"]) for r in rows}) >= 10  # ckpt/skipped never changes (0), yet is in every flush
