@@ -54,11 +54,6 @@ _PM_SCAN_CHECK_WPASYNC = 1 << 1
 _PAGE_IS_WRITTEN = 1 << 1
 
 
-def _ioctl(fd: int, request: int, *words: int) -> int:
-    """``ioctl(fd, request, &words)`` with the GIL held; the kernel's answer, or ``OSError``."""
-    return uffd_calls.ioctl(fd, request, *words)
-
-
 class _Region(ctypes.Structure):
     _fields_ = [("start", ctypes.c_uint64), ("end", ctypes.c_uint64), ("categories", ctypes.c_uint64)]
 
@@ -145,7 +140,7 @@ class WriteTracker:
                 raise OSError(errno.ENOENT, "range not tracked")
             region = ctypes.addressof(self._region)
             args = (96, _PM_SCAN_CHECK_WPASYNC, start, end, 0, region, 1, 0, 0, _PAGE_IS_WRITTEN, 0, _PAGE_IS_WRITTEN)
-            return _ioctl(self._pagemap, _PAGEMAP_SCAN, *args) > 0
+            return uffd_calls.ioctl(self._pagemap, _PAGEMAP_SCAN, *args) > 0
 
     def release(self, start: int, end: int) -> None:
         """Stop tracking ``[start, end)``: lift the protection (later writes, the optimizer's, take no fault) and
@@ -164,14 +159,14 @@ class WriteTracker:
 
     def _register(self, start: int, end: int) -> bool:
         try:  # EBUSY when another userfaultfd owns the range
-            _ioctl(self._uffd, _UFFDIO_REGISTER, start, end - start, _REGISTER_MODE_WP, 0)
+            uffd_calls.ioctl(self._uffd, _UFFDIO_REGISTER, start, end - start, _REGISTER_MODE_WP, 0)
         except OSError:
             return False
         return True
 
     def _disarm(self, start: int, end: int) -> None:
         try:  # unregistering lifts the protection too (one page-table walk)
-            _ioctl(self._uffd, _UFFDIO_UNREGISTER, start, end - start)
+            uffd_calls.ioctl(self._uffd, _UFFDIO_UNREGISTER, start, end - start)
         except OSError:  # unmapped since (the storage was freed): nothing left
             pass
 

@@ -46,9 +46,10 @@ def log_progress(
     committed_step = ck.committed_step
     record = ck.last_committed
     state = (requested_step, committed_step, skipped, ck.outstanding, id(record) if record is not None else None)
-    values: dict[str, float] = dict(last[-1]) if len(last) == len(state) + 1 else {}
+    known = len(last) == len(state) + 1  # else the first call: nothing published yet
+    values: dict[str, float] = last[-1] if known else {}  # replaced, never mutated: the hot path copies nothing
     if state != last[: len(state)]:
-        before = last if len(last) == len(state) + 1 else (None,) * len(state)
+        before = last if known else (None,) * len(state)
         metrics = {"ckpt/requested_step": requested_step, "ckpt/backlog": ck.outstanding, "ckpt/skipped": skipped}
         changed = {
             k: v for (k, v), old in zip(metrics.items(), (before[0], before[3], before[2]), strict=True) if v != old
@@ -67,8 +68,8 @@ def log_progress(
         if committed_step is not None and committed_step != before[1]:
             changed["ckpt/committed_step"] = committed_step
         changed = {k: float(v) for k, v in changed.items() if v is not None}
-        values.update(changed)
-        tensors = {k: torch.tensor(v) for k, v in changed.items()}
+        values = {**values, **changed}
+        tensors = {k: torch.tensor(v) for k, v in changed.items() if k != "ckpt/committed_step"}
         if "ckpt/committed_step" in changed:
             tensors["ckpt/committed_step"] = torch.tensor(int(committed_step), dtype=torch.int64)
             # An integer: Lightning turns a logged number into a float, and the TQDM bar would show `12.00`.
