@@ -16,6 +16,7 @@ import psutil
 import torch
 
 from lightning_async_ckpt.core.capture import StorageSlot
+from lightning_async_ckpt.core.units import parse_size
 from lightning_async_ckpt.errors import ConfigError, HostMemoryBudgetError
 
 __all__ = ["AUTO_BUDGET_FRACTION", "BufferPool", "resolve_budget"]
@@ -32,7 +33,7 @@ def resolve_budget(budget: int | str | None, reserved_bytes: int = 0) -> int | N
     """Turn a budget setting into bytes.
 
     Args:
-        budget: Bytes; ``"auto"`` for ``AUTO_BUDGET_FRACTION`` (half) of the host memory available now, minus
+        budget: Bytes (an int, or a size such as ``"4GiB"``); ``"auto"`` for ``AUTO_BUDGET_FRACTION`` (half) of the host memory available now, minus
             ``reserved_bytes``; ``None`` for no limit.
         reserved_bytes: Host memory other consumers need (input prefetch, optimizer offload, other processes).
     """
@@ -40,8 +41,16 @@ def resolve_budget(budget: int | str | None, reserved_bytes: int = 0) -> int | N
         return None
     if budget == "auto":
         return max(0, int(psutil.virtual_memory().available * AUTO_BUDGET_FRACTION) - reserved_bytes)
+    if isinstance(budget, str):
+        try:
+            budget = int(parse_size(budget))
+        except ValueError:
+            pass  # refused below, with the accepted forms
     if isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0:
-        raise ConfigError(f"host_memory_budget must be a positive number of bytes, 'auto' or None, got {budget!r}")
+        raise ConfigError(
+            f"host_memory_budget must be a positive number of bytes (an int, or a size such as '4GiB' or '500MB'), "
+            f"'auto' or None, got {budget!r}"
+        )
     if reserved_bytes >= budget:
         raise ConfigError(
             f"reserved_host_bytes ({reserved_bytes:,}) leaves nothing of host_memory_budget ({budget:,}) for staging; "

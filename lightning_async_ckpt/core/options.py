@@ -114,8 +114,8 @@ class CheckpointOptions:
         max_outstanding: Saves that may be in flight at once (staging or uploading). Default 1.
         admission: What a request does when ``max_outstanding`` saves are in flight: ``wait``, ``skip``,
             ``coalesce`` or ``abort``.
-        host_memory_budget: Most host bytes staging buffers may retain: bytes, ``"auto"`` (half the available
-            memory at start) or ``None`` (unbounded).
+        host_memory_budget: Most host bytes staging buffers may retain: bytes (``"4GiB"`` is kept as its bytes),
+            ``"auto"`` (half the available memory at start) or ``None`` (unbounded).
         reserved_host_bytes: Host bytes other consumers need (prefetch, optimizer offload, other processes);
             subtracted from the budget.
         keep_last: Committed generations to keep (older ones are removed after each commit); ``None`` keeps all.
@@ -148,7 +148,9 @@ class CheckpointOptions:
 
     def __post_init__(self) -> None:
         validate_admission(self.admission, self.max_outstanding)
-        resolve_budget(self.host_memory_budget)  # validates the budget; with the reserve below
+        budget = resolve_budget(self.host_memory_budget)  # validates the budget; with the reserve below
+        if isinstance(self.host_memory_budget, str) and self.host_memory_budget != "auto":
+            object.__setattr__(self, "host_memory_budget", budget)  # "4GiB" (YAML) kept as its bytes
         if (
             isinstance(self.reserved_host_bytes, bool)
             or not isinstance(self.reserved_host_bytes, int)

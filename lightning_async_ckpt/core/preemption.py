@@ -38,10 +38,16 @@ def check_preemption(signum: Any, grace_s: Any) -> tuple[signal.Signals | None, 
     """
     if signum is not None:
         try:
+            if isinstance(signum, str):  # a name, as YAML (LightningCLI) writes it: "SIGTERM", "TERM", or "15"
+                name = signum.strip().upper()
+                signum = (
+                    int(name) if name.isdigit() else signal.Signals[name if name.startswith("SIG") else f"SIG{name}"]
+                )
             signum = signal.Signals(signum)
-        except (ValueError, TypeError) as exc:
+        except (KeyError, ValueError, TypeError) as exc:
             raise ConfigError(
-                f"preemption_signal must be None or a signal such as signal.SIGUSR1 or signal.SIGTERM, got {signum!r}"
+                "preemption_signal must be None or a signal: signal.SIGUSR1, its name 'SIGUSR1' or its number "
+                f"{int(signal.SIGUSR1)}, got {signum!r}"
             ) from exc
         if signum in (signal.SIGKILL, signal.SIGSTOP):
             raise ConfigError(f"preemption_signal={signum.name} cannot be caught; use SIGUSR1 or SIGTERM")

@@ -56,7 +56,8 @@ class CallbackArguments(ModelCheckpoint):
         admission: When a cut arrives while ``max_outstanding`` saves are in flight: ``wait``, ``skip``,
             ``coalesce`` or ``abort``.
         max_outstanding: Saves in flight at once.
-        host_memory_budget: Bytes, ``"auto"`` (half the available host memory) or ``None`` (unbounded).
+        host_memory_budget: Bytes (an int, or a size such as ``"4GiB"``), ``"auto"`` (half the available host
+            memory) or ``None`` (unbounded).
         reserved_host_bytes: Host bytes other consumers need, subtracted from the budget.
         defer: ``False`` copies everything at the cut (no fences needed).
         guard: The runtime guard over deferred state: ``True``/``"full"`` (default, exact: version counters and a
@@ -83,8 +84,8 @@ class CallbackArguments(ModelCheckpoint):
             (over a separate gloo group; replica ``i`` goes to rank ``i * ranks_per_node``), so a rank that lost its
             node-local folder resumes from a peer, not from ``dirpath`` (``None``: none). Needs ``local_dirpath``
             and fewer replicas than nodes (``docs/tiers.md``).
-        preemption_signal: A signal (``signal.SIGUSR1``, ``signal.SIGTERM``) that asks for an emergency checkpoint
-            at the next batch end; training stops after it (``None``: off).
+        preemption_signal: A signal (``signal.SIGTERM``, its name ``"SIGTERM"`` or its number) that asks for an
+            emergency checkpoint at the next batch end; training stops after it (``None``: off).
         preemption_grace_s: Bound on waiting for the emergency checkpoint's commit and promotion (``None``: none).
         filename, monitor, mode, save_top_k, save_last, save_weights_only, auto_insert_metric_name,
             train_time_interval, save_on_train_epoch_end, enable_version_counter, save_on_exception:
@@ -133,7 +134,7 @@ class CallbackArguments(ModelCheckpoint):
         local_every_n_train_steps: int | None = None,
         local_keep_last: int | None = None,
         replicas: int | None = None,
-        preemption_signal: int | None = None,
+        preemption_signal: int | str | None = None,
         preemption_grace_s: float | None = None,
     ) -> None:
         args = check_selection(

@@ -18,6 +18,7 @@ import sys
 from dataclasses import asdict
 from typing import Any
 
+from lightning_async_ckpt.core.units import parse_size as size_in_bytes
 from lightning_async_ckpt.errors import ConfigError
 from lightning_async_ckpt.tools.fmt import fmt_bytes, fmt_seconds, print_table
 from lightning_async_ckpt.tools.store_commands import UsageError
@@ -36,7 +37,6 @@ __all__ = [
 
 # The name the benchmark module is registered under in sys.modules (tests put a stand-in there).
 BENCH_MODULE = "lightning_async_ckpt_bench"
-_SIZE_RE = re.compile(r"^\s*(-?[0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([kmgtp]?i?b?)?\s*(/s)?\s*$", re.IGNORECASE)
 _DURATION_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*(us|ms|s|min|h)?\s*$", re.IGNORECASE)
 _DURATION_UNITS = {"": 1.0, "s": 1.0, "ms": 1e-3, "us": 1e-6, "min": 60.0, "h": 3600.0}
 # The flags of each plan model beside the backlog model's (their dests, as argparse names them).
@@ -52,10 +52,6 @@ _RECOVERY_FLAGS = (
     "node_loss",
     "blocking",
 )
-_SIZE_UNITS = {"": 1, "b": 1}
-for _i, _p in enumerate("kmgtp", start=1):
-    _SIZE_UNITS[f"{_p}b"] = _SIZE_UNITS[_p] = 1000**_i
-    _SIZE_UNITS[f"{_p}ib"] = _SIZE_UNITS[f"{_p}i"] = 1024**_i
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -143,11 +139,10 @@ def exit_code(exc: SystemExit) -> int:
 
 def parse_size(text: str) -> float:
     """Parse ``4GiB``, ``500MB``, ``200MB/s``, ``1e9``; argparse turns the error into a usage error."""
-    match = _SIZE_RE.match(text)
-    unit = (match.group(2) or "").lower() if match else ""
-    if not match or unit not in _SIZE_UNITS:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a size (examples: 1000000, 512MB, 4GiB, 200MB/s)")
-    return float(match.group(1)) * _SIZE_UNITS[unit]
+    try:
+        return size_in_bytes(re.sub(r"\s*/s\s*$", "", text))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size (examples: 1000000, 512MB, 4GiB, 200MB/s)") from None
 
 
 def parse_duration(text: str) -> float:
