@@ -14,6 +14,7 @@ from lightning_async_ckpt.errors import ConfigError, GenerationExistsError
 __all__ = [
     "ModelCheckpointConfigError",
     "Selection",
+    "check_apart",
     "check_arguments",
     "check_selection",
     "check_shared_dirpath",
@@ -223,8 +224,27 @@ def check_shared_dirpath(callback: Any, trainer: Any) -> None:
             )
 
 
+def check_apart(dirpath: str, local_dirpath: str) -> None:
+    """Refuse a ``local_dirpath`` that is ``dirpath``, inside it, or holds it: each tier's retention would see the
+    other's generations as its own.
+
+    Raises:
+        ConfigError: Naming both folders and the fix.
+    """
+    from lightning_async_ckpt.lightning.rerun import comparable_path
+
+    durable, local = comparable_path(dirpath), comparable_path(local_dirpath)
+    if durable == local or durable.startswith(local + "/") or local.startswith(durable + "/"):
+        raise ConfigError(
+            f"local_dirpath {local_dirpath!r} and dirpath {dirpath!r} overlap: the local tier needs a separate "
+            "node-local folder (e.g. /local_nvme/ckpt or /dev/shm/ckpt) outside dirpath, and dirpath must not lie "
+            "inside it"
+        )
+
+
 def check_tiers(
     *,
+    dirpath: str | None,
     local_dirpath: Any,
     local_every_n_train_steps: Any,
     local_keep_last: Any,
@@ -232,7 +252,8 @@ def check_tiers(
     monitor: Any,
     replicas: Any = None,
 ) -> str | None:
-    """Validate the local tier's arguments (``docs/tiers.md``); return ``local_dirpath`` normalized (or ``None``).
+    """Validate the local tier's arguments (``docs/tiers.md``) beside the normalized ``dirpath``; return
+    ``local_dirpath`` normalized (or ``None``).
 
     Raises:
         ConfigError: Naming the argument and what it accepts.
@@ -256,6 +277,8 @@ def check_tiers(
         return None
     if not local:
         raise ConfigError("local_dirpath must name a folder (node-local NVMe or /dev/shm), got ''")
+    if dirpath:  # None (the default root's folder) and "" (the cwd) are checked at setup
+        check_apart(dirpath, local)
     if monitor is not None:
         raise ConfigError(
             f"monitor={monitor!r} (best-k) with local_dirpath is not supported yet: rank with a separate "

@@ -198,6 +198,7 @@ class CallbackArguments(ModelCheckpoint):
         self.log_metrics = log_metrics  # the ckpt/* metrics to the loggers and the progress bar (progress.py)
         self.ddp_layout = check_ddp_layout(ddp_layout)  # DDP: rank 0 writes, or every rank a slice (sliced.py)
         self.local_dirpath = check_tiers(
+            dirpath=self.dirpath,
             local_dirpath=local_dirpath,
             local_every_n_train_steps=local_every_n_train_steps,
             local_keep_last=local_keep_last,

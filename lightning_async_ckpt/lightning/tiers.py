@@ -26,6 +26,7 @@ from typing import Any
 
 from lightning_async_ckpt.core.capture import Fence
 from lightning_async_ckpt.core.engine import AsyncCheckpointer
+from lightning_async_ckpt.lightning.arguments import check_apart
 from lightning_async_ckpt.lightning.replicas import setup_replicas
 from lightning_async_ckpt.lightning.rerun import run_locations, version_uri
 from lightning_async_ckpt.lightning.sharded_tiers import emergency_replicas, place_sharded
@@ -93,7 +94,9 @@ class Tiers:
 
     def checkpointer(self, store: CheckpointStore, options: Any, local_uri: str | None = None) -> AsyncCheckpointer:
         """The engine writing the local tier, and the promoter from it to ``store`` (the durable tier)."""
-        self.local_store = CheckpointStore(local_uri or self.local_dirpath, run_id=store.run_id)
+        check_apart(store.uri, self.local_dirpath)  # dirpath=None and "" are known here, at setup
+        self.local_store = CheckpointStore(local_uri or self.local_dirpath, run_id=store.run_id, check_writable=False)
+        self.local_store.backend.check_writable(self.local_store.root, self.local_store.uri, name="local_dirpath")
         # Retention of the local tier is the promoter's: it keeps the generation being promoted.
         engine = AsyncCheckpointer(self.local_store, replace(options, keep_last=None))
         engine.declare_fences({Fence.BATCH_START, Fence.OPTIMIZER_STEP})

@@ -187,10 +187,11 @@ class Backend:
         """Why a root that lists as missing cannot be read, or ``None`` when missing simply means empty."""
         return None
 
-    def check_writable(self, root: str, uri: str) -> None:
+    def check_writable(self, root: str, uri: str, name: str = "dirpath") -> None:
         """Fail before training when ``root`` cannot hold checkpoints.
 
         Local disk and ``memory://`` are written to; elsewhere the bucket (or root) must exist and be listable.
+        ``name`` is the argument the error names (``dirpath``, ``local_dirpath``).
 
         Raises:
             ConfigError: Naming the location (and the bucket) and the fix.
@@ -198,7 +199,7 @@ class Backend:
         if self.kind != "local" and "memory" not in protocols(self.fs):
             why = self.missing_root_error(root)
             if why is not None:
-                raise ConfigError(f"dirpath {uri!r} cannot be used: {why}; create it or fix the URL")
+                raise ConfigError(f"{name} {uri!r} cannot be used: {why}; create it or fix the URL")
             return
         try:
             self.fs.makedirs(root, exist_ok=True)
@@ -207,7 +208,7 @@ class Backend:
             self.fs.rm_file(probe)
         except Exception as exc:
             raise ConfigError(
-                f"dirpath {uri!r} is not writable ({exc}); choose a writable folder or fix its permissions"
+                f"{name} {uri!r} is not writable ({exc}); choose a writable folder or fix its permissions"
             ) from exc
 
     def read_capped(self, path: str, limit: int) -> bytes:

@@ -1,0 +1,53 @@
+"""Issue 39: habits ModelCheckpoint users bring (round 4) — retention by default, foreign files, both tiers, logs.
+
+Real Trainers and real local folders.
+"""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import pytest
+
+from lightning_async_ckpt import AsyncCheckpointCallback, CheckpointStore, ConfigError
+from tests.helpers.models import BNDropoutModel, make_loader, trainer_kwargs
+
+
+def _fit(callback, *, max_steps=8, root=None, ckpt_path=None):
+    pl.seed_everything(7)
+    kw = trainer_kwargs(default_root_dir=root) if root else trainer_kwargs()
+    trainer = pl.Trainer(max_steps=max_steps, callbacks=[callback], **kw)
+    trainer.fit(BNDropoutModel(), make_loader(), ckpt_path=ckpt_path)
+    return trainer
+
+
+def _steps(path):
+    return [g.step for g in CheckpointStore(str(path), check_writable=False).generations()]
+
+
+# -- point 6: the two tiers in one place -------------------------------------------------------------------
+@pytest.mark.parametrize("local", ["ckpt", "ckpt/local", "."])
+def test_local_dirpath_overlapping_dirpath_is_refused_at_construction(tmp_path, local):
+    with pytest.raises(ConfigError, match="local_dirpath .* dirpath") as info:
+        AsyncCheckpointCallback(str(tmp_path / "ckpt"), every_n_train_steps=2, local_dirpath=str(tmp_path / local))
+    assert "separate" in str(info.value)
+
+
+def test_local_dirpath_inside_the_default_dirpath_is_refused_before_training(tmp_path):
+    # dirpath=None: <default_root_dir>/checkpoints, known at setup.
+    cb = AsyncCheckpointCallback(
+        every_n_train_steps=2, local_dirpath=str(tmp_path / "checkpoints" / "local"), local_every_n_train_steps=1
+    )
+    with pytest.raises(ConfigError, match="local_dirpath"):
+        _fit(cb, root=str(tmp_path))
+    assert not (tmp_path / "checkpoints" / "local").exists()
+
+
+def test_an_unusable_local_dirpath_is_reported_under_its_own_name(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    cb = AsyncCheckpointCallback(
+        str(tmp_path / "ckpt"), every_n_train_steps=2, local_dirpath=str(blocker / "local"), local_every_n_train_steps=1
+    )
+    with pytest.raises(ConfigError) as info:
+        _fit(cb)
+    assert str(info.value).startswith(f"local_dirpath {str(blocker / 'local')!r} is not writable")
