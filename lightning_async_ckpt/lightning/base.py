@@ -52,7 +52,9 @@ class CallbackArguments(ModelCheckpoint):
             ``ModelCheckpoint(every_n_train_steps=...)``'s checkpoint of that step, or at that epoch's end when
             this callback's own schedule saves the step there (then it is ``ModelCheckpoint``'s epoch-end file);
             otherwise (early stopping, ``max_time``) in ``on_train_end``, after the other callbacks' ``on_train_end``.
-        keep_last: Committed generations to keep; ``None`` keeps all.
+        keep_last: Committed generations to keep (the newest ``keep_last``). By default (neither ``keep_last`` nor
+            ``save_top_k``, no ``monitor``) the newest one is kept, like ``ModelCheckpoint``'s ``save_top_k=1``;
+            ``save_top_k=-1`` keeps every generation. With ``local_dirpath`` this is ``dirpath``'s retention.
         admission: When a cut arrives while ``max_outstanding`` saves are in flight: ``wait``, ``skip``,
             ``coalesce`` or ``abort``.
         max_outstanding: Saves in flight at once.

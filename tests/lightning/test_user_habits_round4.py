@@ -51,3 +51,34 @@ def test_an_unusable_local_dirpath_is_reported_under_its_own_name(tmp_path):
     with pytest.raises(ConfigError) as info:
         _fit(cb)
     assert str(info.value).startswith(f"local_dirpath {str(blocker / 'local')!r} is not writable")
+
+
+# -- point 1: retention by default, like ModelCheckpoint(save_top_k=1) without monitor -------------------------
+def test_by_default_only_the_newest_generation_is_kept_like_model_checkpoint(tmp_path):
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    theirs = ModelCheckpoint(str(tmp_path / "theirs"), every_n_train_steps=4)
+    ours = AsyncCheckpointCallback(str(tmp_path / "ours"), every_n_train_steps=4)
+    pl.seed_everything(7)
+    trainer = pl.Trainer(max_steps=12, callbacks=[theirs, ours], **trainer_kwargs())
+    trainer.fit(BNDropoutModel(), make_loader())
+    assert len(list((tmp_path / "theirs").iterdir())) == 1  # ModelCheckpoint keeps one file
+    assert _steps(tmp_path / "ours") == [12]
+    assert ours.save_top_k == theirs.save_top_k == 1 and ours.options.keep_last == 1
+
+
+def test_save_top_k_minus_one_keeps_every_generation(tmp_path):
+    _fit(AsyncCheckpointCallback(str(tmp_path / "ckpt"), every_n_train_steps=4, save_top_k=-1), max_steps=12)
+    assert _steps(tmp_path / "ckpt") == [4, 8, 12]
+
+
+def test_by_default_with_both_tiers_dirpath_keeps_the_newest(tmp_path):
+    cb = AsyncCheckpointCallback(
+        str(tmp_path / "durable"),
+        every_n_train_steps=4,
+        local_dirpath=str(tmp_path / "local"),
+        local_every_n_train_steps=2,
+    )
+    _fit(cb, max_steps=12)
+    assert _steps(tmp_path / "durable") == [12]
+    assert _steps(tmp_path / "local")[-1] == 12
