@@ -6,10 +6,13 @@ injects the faults you plan with :class:`Fault`: fail the k-th ``open``/``write`
 ``threading.Event`` (optionally timing out); or run a callback at an exact call (a crash test kills its own process
 there). ``bandwidth_bps`` caps write throughput.
 
-Importing this module registers the ``faulty`` protocol with fsspec, so the wrapper can be named by URL and
-configured through ``storage_options`` wherever a store is opened::
+:func:`register_faulty` registers the ``faulty`` protocol with fsspec (nothing is registered by installing or
+importing the package), so the wrapper can be named by URL and configured through ``storage_options`` wherever a
+store is opened::
 
-    from lightning_async_ckpt.testing import Fault
+    from lightning_async_ckpt.testing import Fault, register_faulty
+
+    register_faulty()
 
     callback = AsyncCheckpointCallback(
         dirpath="faulty:///tmp/ckpt",
@@ -38,7 +41,7 @@ from fsspec.spec import AbstractFileSystem
 
 from lightning_async_ckpt.errors import ConfigError
 
-__all__ = ["OPS", "Fault", "FaultCall", "FaultyFileSystem"]
+__all__ = ["OPS", "Fault", "FaultCall", "FaultyFileSystem", "register_faulty"]
 
 #: Operations a :class:`Fault` can target. ``write``, ``read`` and ``close`` are calls on files opened through the
 #: wrapper; the others are filesystem methods of the same name.
@@ -377,5 +380,10 @@ class _FaultyFile:
         return getattr(self._raw, name)
 
 
-# The "faulty://" protocol is registered through the package's `fsspec.specs` entry point (pyproject.toml), so
-# nothing is registered at import time.
+def register_faulty() -> None:
+    """Register :class:`FaultyFileSystem` as fsspec's ``faulty://`` protocol in this process (idempotent).
+
+    Call it in the test (or test process) that names ``faulty://`` URLs; installing or importing the package
+    registers nothing.
+    """
+    fsspec.register_implementation("faulty", FaultyFileSystem, clobber=True)

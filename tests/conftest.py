@@ -19,7 +19,10 @@ from typing import Any
 
 import pytest
 
+from lightning_async_ckpt.testing import register_faulty
+
 pytest_plugins = ("pytester",)
+register_faulty()  # the tests name faulty:// URLs; installing the package registers nothing
 
 # Every thread the library starts is named with this prefix (style: "named threads make it one line").
 THREAD_PREFIX = "lightning_async_ckpt"

@@ -194,7 +194,9 @@ def check_selection(
                 "without monitor pass only one of them"
             )
         # Nothing set keeps the newest generation, like ModelCheckpoint's save_top_k=1 without monitor.
-        engine_keep = (1 if keep_last is None else keep_last) if save_top_k is None else (None if save_top_k == -1 else 1)
+        engine_keep = (
+            (1 if keep_last is None else keep_last) if save_top_k is None else (None if save_top_k == -1 else 1)
+        )
         reported = 0 if save_top_k == 0 else (-1 if engine_keep is None else engine_keep)
         return Selection(filename, None, mode, reported, 0, save_last, engine_keep, 1)
     top_k = 1 if save_top_k is None else save_top_k

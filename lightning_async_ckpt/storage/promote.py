@@ -185,6 +185,8 @@ class Promoter:
         self._newest_due: int | None = None
         self._closing = False
         self._thread: threading.Thread | None = None
+        self._retaining = False  # a pass over source runs (one at a time: two would remove the same generation)
+        self._retain_again = False
 
     def committed(self, step: int, *, promote: bool) -> None:
         """Generation ``step`` was committed on ``source``; ``promote`` asks for its promotion."""
@@ -202,7 +204,7 @@ class Promoter:
                     self._newest_due = max(step, self._newest_due or step)
                     self._start()
                     self._cond.notify_all()
-        self._retain(self.source, self.source_keep_last, protect=self.protected())
+        self._retain_source()
 
     def protected(self) -> frozenset[int]:
         """Steps ``source``'s retention must keep: the pending and in-flight promotions, and the newest generation
@@ -302,7 +304,25 @@ class Promoter:
         _log.info("step %d promoted from %s to %s", step, self.source.uri, self.target.uri)
         self._event("promoted", step=step, promote_s=time.monotonic() - started, target=self.target.uri)
         self._retain(self.target, self.keep_last)
-        self._retain(self.source, self.source_keep_last, protect=self.protected())
+        self._retain_source()
+
+    def _retain_source(self) -> None:
+        # Called after each source commit (upload thread) and each promotion (promotion thread): one pass at a
+        # time; a pass asked for while one runs is run by that one once it ends, so the caller never waits.
+        if self.source_keep_last is None:
+            return
+        with self._cond:
+            if self._retaining:
+                self._retain_again = True
+                return
+            self._retaining = True
+        while True:
+            self._retain(self.source, self.source_keep_last, protect=self.protected())
+            with self._cond:
+                if not self._retain_again:
+                    self._retaining = False
+                    return
+                self._retain_again = False
 
     @staticmethod
     def _retain(store: CheckpointStore, keep_last: int | None, protect: frozenset[int] = frozenset()) -> None:

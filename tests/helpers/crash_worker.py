@@ -33,8 +33,14 @@ import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402
 
 from lightning_async_ckpt import AsyncCheckpointCallback, AsyncCheckpointer, CheckpointStore  # noqa: E402
-from lightning_async_ckpt.testing import Fault, FaultCall  # noqa: E402
+from lightning_async_ckpt.testing import (  # noqa: E402
+    Fault,
+    FaultCall,
+    register_faulty,
+)
 from tests.helpers.models import BNDropoutModel, make_loader, trainer_kwargs  # noqa: E402
+
+register_faulty()  # this process names faulty:// URLs
 
 # A crash test must never hang: a child that outlives this is killed by SIGALRM (exit code -14).
 CHILD_ALARM_S = 60

@@ -32,7 +32,12 @@ sys.path.insert(
 import torch  # noqa: E402
 
 from lightning_async_ckpt import AsyncCheckpointer, CheckpointStore  # noqa: E402
-from lightning_async_ckpt.testing import Fault  # noqa: E402
+from lightning_async_ckpt.testing import (
+    Fault,  # noqa: E402
+    register_faulty,
+)
+
+register_faulty()  # this process names faulty:// URLs
 
 CHILD_ALARM_S = 60
 

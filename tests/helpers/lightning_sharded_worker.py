@@ -34,7 +34,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 from lightning_async_ckpt import AsyncCheckpointCallback, latest_checkpoint  # noqa: E402
 from lightning_async_ckpt.storage.store import CheckpointStore  # noqa: E402
-from lightning_async_ckpt.testing import Fault  # noqa: E402
+from lightning_async_ckpt.testing import (
+    Fault,  # noqa: E402
+    register_faulty,
+)
+
+register_faulty()  # this process names faulty:// URLs
 
 
 def make_net(kind: str) -> nn.Sequential:

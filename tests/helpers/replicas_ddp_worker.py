@@ -20,8 +20,13 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from lightning_async_ckpt import AsyncCheckpointCallback  # noqa: E402
-from lightning_async_ckpt.testing import Fault  # noqa: E402
+from lightning_async_ckpt.testing import (
+    Fault,  # noqa: E402
+    register_faulty,
+)
 from tests.helpers.models import BNDropoutModel, make_loader  # noqa: E402
+
+register_faulty()  # this process names faulty:// URLs
 
 
 def main() -> None:

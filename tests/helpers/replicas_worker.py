@@ -25,7 +25,12 @@ from lightning_async_ckpt.core.replicas import (  # noqa: E402
 )
 from lightning_async_ckpt.storage.finder import newest_intact  # noqa: E402
 from lightning_async_ckpt.storage.store import CheckpointStore  # noqa: E402
-from lightning_async_ckpt.testing import Fault  # noqa: E402
+from lightning_async_ckpt.testing import (
+    Fault,  # noqa: E402
+    register_faulty,
+)
+
+register_faulty()  # this process names faulty:// URLs
 
 
 def _commit(store: CheckpointStore, step: int) -> None:

@@ -23,7 +23,14 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from lightning_async_ckpt.storage.store import CheckpointStore  # noqa: E402
-from lightning_async_ckpt.testing import OPS, Fault, FaultCall  # noqa: E402
+from lightning_async_ckpt.testing import (  # noqa: E402
+    OPS,
+    Fault,
+    FaultCall,
+    register_faulty,
+)
+
+register_faulty()  # this process names faulty:// URLs
 
 CALLS: Counter[str] = Counter()
 

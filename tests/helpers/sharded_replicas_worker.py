@@ -34,7 +34,10 @@ import lightning_async_ckpt.testing  # noqa: E402, F401 - registers faulty://
 from lightning_async_ckpt.errors import ConfigError  # noqa: E402
 from lightning_async_ckpt.sharded.tiered import TieredShardedCheckpointer  # noqa: E402
 from lightning_async_ckpt.storage.store import CheckpointStore  # noqa: E402
+from lightning_async_ckpt.testing import register_faulty  # noqa: E402
 from tests.helpers.sharded_tiers_worker import _model, _same, _state, _train, _weights  # noqa: E402
+
+register_faulty()  # this process names faulty:// URLs
 
 GROUP_TIMEOUT_S = 60.0
 

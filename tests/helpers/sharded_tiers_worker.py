@@ -42,7 +42,9 @@ from torch.distributed.tensor import DTensor
 from lightning_async_ckpt.sharded.tier_resume import TierChoice
 from lightning_async_ckpt.sharded.tiered import TieredShardedCheckpointer
 from lightning_async_ckpt.storage.store import CheckpointStore
-from lightning_async_ckpt.testing import Fault
+from lightning_async_ckpt.testing import Fault, register_faulty
+
+register_faulty()  # this process names faulty:// URLs
 
 GROUP_TIMEOUT_S = 60.0
 

@@ -45,7 +45,9 @@ from torch.distributed.fsdp import fully_shard
 
 from lightning_async_ckpt.sharded import ShardedCheckpointer, ShardedSaveError
 from lightning_async_ckpt.storage.store import CheckpointStore
-from lightning_async_ckpt.testing import Fault
+from lightning_async_ckpt.testing import Fault, register_faulty
+
+register_faulty()  # this process names faulty:// URLs
 
 #: The checkpoint groups' timeout. Every expected error here comes from an injected fault or a dead peer within
 #: a fraction of a second; the tests check that it is that error (never a timeout) and that it came before this.

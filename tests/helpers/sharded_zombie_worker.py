@@ -25,6 +25,10 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
+from lightning_async_ckpt.testing import register_faulty
+
+register_faulty()  # this process names faulty:// URLs
+
 A_TIMEOUT_S = 5.0
 GROUP_TIMEOUT_S = 60.0
 

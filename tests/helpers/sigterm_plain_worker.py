@@ -17,7 +17,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 import torch  # noqa: E402
 
 from lightning_async_ckpt import AsyncCheckpointer, CheckpointStore  # noqa: E402
-from lightning_async_ckpt.testing import Fault  # noqa: E402
+from lightning_async_ckpt.testing import (
+    Fault,  # noqa: E402
+    register_faulty,
+)
+
+register_faulty()  # this process names faulty:// URLs
 
 
 def main(root: str, mode: str) -> None:

@@ -18,7 +18,9 @@ from torch.distributed.fsdp import fully_shard
 
 from lightning_async_ckpt.sharded import ShardedCheckpointer
 from lightning_async_ckpt.storage.store import CheckpointStore
-from lightning_async_ckpt.testing import Fault
+from lightning_async_ckpt.testing import Fault, register_faulty
+
+register_faulty()  # this process names faulty:// URLs
 
 GROUP_TIMEOUT_S = 30.0
 #: What s3fs raises for S3's throttling answer (a ``ClientError`` translated to ``OSError``).
