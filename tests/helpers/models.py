@@ -175,7 +175,9 @@ def fit_compare_every_step(
 
     datamodule = fit_kwargs.pop("datamodule", None)
     val_data = fit_kwargs.pop("val_data", None)
-    ours = AsyncCheckpointCallback(dirpath=str(tmp_path / "async"), every_n_train_steps=1, save_on_train_end=False)
+    ours = AsyncCheckpointCallback(
+        dirpath=str(tmp_path / "async"), every_n_train_steps=1, save_on_train_end=False, save_top_k=-1
+    )
     sync = ModelCheckpoint(dirpath=tmp_path / "sync", every_n_train_steps=1, save_top_k=-1, filename="{step}")
     pl.seed_everything(3)
     trainer = pl.Trainer(max_steps=max_steps, callbacks=[*callbacks, sync, ours], **trainer_kwargs(**fit_kwargs))

@@ -102,6 +102,7 @@ def _callback(out: str, rank: int) -> AsyncCheckpointCallback:
     return AsyncCheckpointCallback(
         dirpath=f"{out}/durable",
         every_n_train_steps=4,
+        save_top_k=-1,
         local_dirpath=f"{out}/node{rank}",
         local_every_n_train_steps=2,
         local_keep_last=2,

@@ -48,7 +48,7 @@ def test_final_checkpoint_at_max_steps_mid_epoch_with_ema_resumes_like_model_che
     # on_train_end. Repeated with three seeds.
     for seed in (5, 6, 7):
         root = tmp_path / str(seed)
-        ours = AsyncCheckpointCallback(dirpath=str(root / "async"), every_n_train_steps=5)
+        ours = AsyncCheckpointCallback(dirpath=str(root / "async"), every_n_train_steps=5, save_top_k=-1)
         sync = ModelCheckpoint(dirpath=root / "sync", every_n_train_steps=1, save_top_k=-1, filename="{step}")
         _fit([EMAWeightAveraging(decay=0.5), sync, ours], max_steps=7, seed=seed)
         store = CheckpointStore(str(root / "async"), check_writable=False)
@@ -90,7 +90,7 @@ class _StopsAtStep5(pl.Callback):
 
 def test_an_end_not_known_at_the_batch_end_is_checkpointed_at_on_train_end(tmp_path):
     # The documented rule: taken in on_train_end, after Lightning's end-of-training bookkeeping; still committed.
-    ours = AsyncCheckpointCallback(dirpath=str(tmp_path), every_n_train_steps=3)
+    ours = AsyncCheckpointCallback(dirpath=str(tmp_path), every_n_train_steps=3, save_top_k=-1)
     trainer, _ = _fit([_StopsAtStep5(), ours], max_steps=20)
     assert trainer.global_step == 5
     store = CheckpointStore(str(tmp_path), check_writable=False)

@@ -58,7 +58,9 @@ def test_a_write_the_proof_cannot_see_is_refused_retaken_and_demoted(tmp_path):
     # at the first batch end after its verdict, and the demoted category is named in the manifest's plan.
     for run in range(2):
         root = tmp_path / str(run)
-        ours = AsyncCheckpointCallback(dirpath=str(root / "async"), every_n_train_steps=2, save_on_train_end=False)
+        ours = AsyncCheckpointCallback(
+            dirpath=str(root / "async"), every_n_train_steps=2, save_on_train_end=False, save_top_k=-1
+        )
         sync = ModelCheckpoint(dirpath=root / "sync", every_n_train_steps=1, save_top_k=-1, filename="{step}")
         pl.seed_everything(3)
         trainer = pl.Trainer(max_steps=16, callbacks=[sync, ours, _TrustedButWrites()], **trainer_kwargs())

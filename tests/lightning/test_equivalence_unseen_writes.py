@@ -130,7 +130,9 @@ def _loader() -> DataLoader:
 def _fit_and_compare(
     tmp_path, model: PaddedTable, *, max_steps: int = 6, val_data=None, **fit_kwargs
 ) -> AsyncCheckpointCallback:
-    ours = AsyncCheckpointCallback(dirpath=str(tmp_path / "async"), every_n_train_steps=1, save_on_train_end=False)
+    ours = AsyncCheckpointCallback(
+        dirpath=str(tmp_path / "async"), every_n_train_steps=1, save_on_train_end=False, save_top_k=-1
+    )
     sync = ModelCheckpoint(dirpath=tmp_path / "sync", every_n_train_steps=1, save_top_k=-1, filename="{step}")
     hold = HoldStaging(ours)
     model.hold = hold

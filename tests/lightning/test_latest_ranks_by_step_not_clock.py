@@ -65,10 +65,16 @@ def _fit(callback: AsyncCheckpointCallback, *, max_steps: int, ckpt_path: str | 
 
 def test_ckpt_path_last_resumes_the_newest_step_whatever_the_writers_clocks(tmp_path: Path) -> None:
     root = str(tmp_path / "ckpt")
-    _fit(AsyncCheckpointCallback(dirpath=root, every_n_train_steps=2), max_steps=4)  # dirpath: steps 2, 4
-    _fit(AsyncCheckpointCallback(dirpath=root, every_n_train_steps=2), max_steps=4)  # a fresh re-run: v1
+    _fit(
+        AsyncCheckpointCallback(dirpath=root, every_n_train_steps=2, save_top_k=-1), max_steps=4
+    )  # dirpath: steps 2, 4
+    _fit(AsyncCheckpointCallback(dirpath=root, every_n_train_steps=2, save_top_k=-1), max_steps=4)  # a fresh re-run: v1
     # The re-run resumed on a node an hour behind: v1's steps 6 and 8 look older than dirpath's step 4.
-    _fit(AsyncCheckpointCallback(dirpath=root, every_n_train_steps=2), max_steps=8, ckpt_path=latest_checkpoint(root))
+    _fit(
+        AsyncCheckpointCallback(dirpath=root, every_n_train_steps=2, save_top_k=-1),
+        max_steps=8,
+        ckpt_path=latest_checkpoint(root),
+    )
     _clock_behind(tmp_path / "ckpt" / "v1", [6, 8])
     seen: list[int] = []
 
@@ -79,7 +85,9 @@ def test_ckpt_path_last_resumes_the_newest_step_whatever_the_writers_clocks(tmp_
 
     pl.seed_everything(7)
     trainer = pl.Trainer(
-        max_steps=10, callbacks=[AsyncCheckpointCallback(dirpath=root, every_n_train_steps=2)], **trainer_kwargs()
+        max_steps=10,
+        callbacks=[AsyncCheckpointCallback(dirpath=root, every_n_train_steps=2, save_top_k=-1)],
+        **trainer_kwargs(),
     )
     trainer.fit(Counting(), make_loader(), ckpt_path="last")
     assert seen[0] == 8  # resumed from v1's step 8, not dirpath's step 4

@@ -34,7 +34,9 @@ def _fit(tmp_path, callbacks, *, max_steps=8, accumulate=2, model=None, ckpt_pat
 
 
 def test_committed_checkpoint_equals_model_checkpoint_at_every_step(tmp_path):
-    ours = AsyncCheckpointCallback(dirpath=str(tmp_path / "async"), every_n_train_steps=2, save_on_train_end=False)
+    ours = AsyncCheckpointCallback(
+        dirpath=str(tmp_path / "async"), every_n_train_steps=2, save_on_train_end=False, save_top_k=-1
+    )
     sync = ModelCheckpoint(dirpath=tmp_path / "sync", every_n_train_steps=2, save_top_k=-1, filename="{step}")
     _fit(tmp_path, [ours, sync])
 
@@ -102,7 +104,9 @@ class _Manual(BNDropoutModel):
 
 @pytest.mark.parametrize("model_cls", [_WritesAfterBackward, _Manual])
 def test_unproven_deferral_falls_back_to_batch_start_and_stays_equivalent(tmp_path, model_cls):
-    ours = AsyncCheckpointCallback(dirpath=str(tmp_path / "async"), every_n_train_steps=2, save_on_train_end=False)
+    ours = AsyncCheckpointCallback(
+        dirpath=str(tmp_path / "async"), every_n_train_steps=2, save_on_train_end=False, save_top_k=-1
+    )
     sync = ModelCheckpoint(dirpath=tmp_path / "sync", every_n_train_steps=2, save_top_k=-1, filename="{step}")
     _fit(tmp_path, [ours, sync], max_steps=4, accumulate=1, model=model_cls())
     store = CheckpointStore(str(tmp_path / "async"), check_writable=False)
@@ -154,7 +158,7 @@ def test_validate_between_fits_does_not_break(tmp_path):
         def validation_step(self, batch, batch_idx):
             self.log("val_loss", super().training_step(batch, batch_idx))
 
-    ours = AsyncCheckpointCallback(dirpath=str(tmp_path), every_n_train_steps=2)
+    ours = AsyncCheckpointCallback(dirpath=str(tmp_path), every_n_train_steps=2, save_top_k=-1)
     model = WithVal()
     trainer = pl.Trainer(max_steps=4, callbacks=[ours], limit_val_batches=2, **trainer_kwargs())
     trainer.fit(model, make_loader(), make_loader())
@@ -242,11 +246,11 @@ def test_resumed_run_keeps_the_run_id_so_retention_reaches_across_restarts(tmp_p
 
 
 def test_ckpt_path_last_resumes_from_the_newest_committed_generation(tmp_path):
-    ours = AsyncCheckpointCallback(dirpath=str(tmp_path), every_n_train_steps=2)
+    ours = AsyncCheckpointCallback(dirpath=str(tmp_path), every_n_train_steps=2, save_top_k=-1)
     _fit(tmp_path, [ours], max_steps=4, accumulate=1)
     store = CheckpointStore(str(tmp_path))
     store.begin(6).write_bytes("checkpoint.ckpt", b"uncommitted")  # a newer, uncommitted generation
-    again = AsyncCheckpointCallback(dirpath=str(tmp_path), every_n_train_steps=2)
+    again = AsyncCheckpointCallback(dirpath=str(tmp_path), every_n_train_steps=2, save_top_k=-1)
     trainer, _ = _fit(tmp_path, [again], max_steps=6, accumulate=1, ckpt_path="last")
     # Resumed from step 4 (not the uncommitted 6): two more steps, then step 6 committed over the leftover.
     assert trainer.global_step == 6
@@ -286,7 +290,7 @@ class _ReadsOnly(pl.Callback):
 
 
 def test_a_callback_hook_between_the_cut_and_the_next_batch_puts_everything_at_the_cut(tmp_path):
-    ours = AsyncCheckpointCallback(dirpath=str(tmp_path), every_n_train_steps=2, save_on_train_end=False)
+    ours = AsyncCheckpointCallback(dirpath=str(tmp_path), every_n_train_steps=2, save_on_train_end=False, save_top_k=-1)
     _fit(tmp_path, [_WritesWeightsInValidation(), ours], max_steps=4, accumulate=1)
     manifest = CheckpointStore(str(tmp_path), check_writable=False).manifest(2)
     assert {r["fence"] for r in manifest.plan["rows"]} == {"cut"}
@@ -294,7 +298,7 @@ def test_a_callback_hook_between_the_cut_and_the_next_batch_puts_everything_at_t
 
 
 def test_a_callback_declared_read_only_keeps_the_deferral(tmp_path):
-    ours = AsyncCheckpointCallback(dirpath=str(tmp_path), every_n_train_steps=2, save_on_train_end=False)
+    ours = AsyncCheckpointCallback(dirpath=str(tmp_path), every_n_train_steps=2, save_on_train_end=False, save_top_k=-1)
     _fit(tmp_path, [_ReadsOnly(), ours], max_steps=4, accumulate=1)
     fences = {
         r["category"]: r["fence"] for r in CheckpointStore(str(tmp_path), check_writable=False).manifest(2).plan["rows"]
@@ -322,6 +326,7 @@ def test_final_checkpoint_is_taken_even_when_the_last_cuts_were_skipped(tmp_path
         storage_options={"target_protocol": "file", "faults": [stall_first]},
         every_n_train_steps=1,
         admission="skip",
+        save_top_k=-1,
     )
     _fit(tmp_path, [ReleaseAtLastBatch(), ours], max_steps=4, accumulate=1)
     # Steps 2-3 arrived while step 1 was still uploading; step 4 is the known last batch: the final cut waits.
@@ -424,8 +429,8 @@ def test_last_with_a_callback_folder_nested_in_another_callbacks_resumes(tmp_pat
     # ckpts (epoch ends, nothing committed yet) and ckpts/best (every 2 steps): "last" resumes from ckpts/best.
     def callbacks():
         return [
-            AsyncCheckpointCallback(dirpath=str(tmp_path / "ckpts"), save_on_train_end=False),
-            AsyncCheckpointCallback(dirpath=str(tmp_path / "ckpts" / "best"), every_n_train_steps=2),
+            AsyncCheckpointCallback(dirpath=str(tmp_path / "ckpts"), save_on_train_end=False, save_top_k=-1),
+            AsyncCheckpointCallback(dirpath=str(tmp_path / "ckpts" / "best"), every_n_train_steps=2, save_top_k=-1),
         ]
 
     _fit(tmp_path, callbacks(), max_steps=4, accumulate=1)

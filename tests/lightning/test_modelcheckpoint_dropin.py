@@ -24,7 +24,7 @@ from tests.helpers.selection import ValModel, committed, fit, step_of
 
 # -- 1. a pathlib.Path dirpath ---------------------------------------------------------------------------------
 def test_a_pathlib_path_dirpath_is_accepted_like_model_checkpoint(tmp_path):
-    ours = AsyncCheckpointCallback(dirpath=tmp_path / "ckpts", every_n_train_steps=4)
+    ours = AsyncCheckpointCallback(dirpath=tmp_path / "ckpts", every_n_train_steps=4, save_top_k=-1)
     assert ours.dirpath == str(tmp_path / "ckpts") == ModelCheckpoint(dirpath=tmp_path / "ckpts").dirpath
     fit([ours], max_steps=8)
     assert set(committed(tmp_path / "ckpts")) == {4, 8}
@@ -148,7 +148,11 @@ class SeesTheFile(pl.LightningDataModule):
 def test_save_on_exception_writes_model_checkpoints_file_before_the_exception_propagates(tmp_path):
     sync = ModelCheckpoint(dirpath=tmp_path / "sync", filename="exception", save_on_exception=True, every_n_epochs=7)
     ours = AsyncCheckpointCallback(
-        dirpath=str(tmp_path / "async"), filename="exception", save_on_exception=True, every_n_train_steps=2
+        dirpath=str(tmp_path / "async"),
+        filename="exception",
+        save_on_exception=True,
+        every_n_train_steps=2,
+        save_top_k=-1,
     )
     probe = SeesTheFile([tmp_path / "sync" / "exception.ckpt", tmp_path / "async" / "exception.ckpt"])
     pl.seed_everything(3)
@@ -170,7 +174,7 @@ def test_save_on_exception_writes_model_checkpoints_file_before_the_exception_pr
 
 def test_save_on_exception_skips_a_step_already_saved_and_the_sanity_check(tmp_path):
     ours = AsyncCheckpointCallback(
-        dirpath=str(tmp_path), filename="exception", save_on_exception=True, every_n_train_steps=1
+        dirpath=str(tmp_path), filename="exception", save_on_exception=True, every_n_train_steps=1, save_top_k=-1
     )
     pl.seed_everything(3)
     trainer = pl.Trainer(callbacks=[ours], **trainer_kwargs(max_epochs=2))
@@ -190,7 +194,9 @@ def test_save_on_exception_skips_a_step_already_saved_and_the_sanity_check(tmp_p
             if self.trainer.sanity_checking:
                 raise RuntimeError("Trouble!")
 
-    ours = AsyncCheckpointCallback(dirpath=str(tmp_path / "sanity"), filename="exception", save_on_exception=True)
+    ours = AsyncCheckpointCallback(
+        dirpath=str(tmp_path / "sanity"), filename="exception", save_on_exception=True, save_top_k=-1
+    )
     trainer = pl.Trainer(callbacks=[ours], **trainer_kwargs(max_epochs=1, num_sanity_val_steps=1))
     with pytest.raises(RuntimeError, match="Trouble!"):
         trainer.fit(RaisesInSanityCheck(), make_loader(n=64), make_loader(n=32, seed=1))
@@ -198,7 +204,9 @@ def test_save_on_exception_skips_a_step_already_saved_and_the_sanity_check(tmp_p
 
     # Before the first step: nothing to save, like ModelCheckpoint (its _last_global_step_saved starts at 0).
     sync = ModelCheckpoint(dirpath=tmp_path / "sync0", filename="exception", save_on_exception=True)
-    ours = AsyncCheckpointCallback(dirpath=str(tmp_path / "ours0"), filename="exception", save_on_exception=True)
+    ours = AsyncCheckpointCallback(
+        dirpath=str(tmp_path / "ours0"), filename="exception", save_on_exception=True, save_top_k=-1
+    )
     trainer = pl.Trainer(callbacks=[sync, ours], **trainer_kwargs(max_epochs=1))
     with pytest.raises(RuntimeError, match="Trouble!"):
         trainer.fit(RaisesAtStep(0), make_loader(n=64), make_loader(n=32, seed=1))
@@ -266,7 +274,7 @@ def test_a_pickled_callback_equals_the_original_like_model_checkpoint(tmp_path):
 
 def test_an_empty_filename_is_model_checkpoints_default_name(tmp_path):
     sync = ModelCheckpoint(dirpath=tmp_path / "sync", filename="", every_n_train_steps=4, save_top_k=-1)
-    ours = AsyncCheckpointCallback(dirpath=str(tmp_path / "async"), filename="", every_n_train_steps=4)
+    ours = AsyncCheckpointCallback(dirpath=str(tmp_path / "async"), filename="", every_n_train_steps=4, save_top_k=-1)
     fit([sync, ours], max_steps=8)
     assert sorted(os.listdir(tmp_path / "sync")) == ["epoch=0-step=4.ckpt", "epoch=0-step=8.ckpt"]
     assert [os.path.basename(p) for p in (ours.best_model_path,)] == ["epoch=0-step=8.ckpt"]

@@ -65,6 +65,7 @@ def test_sigusr1_commits_locally_promotes_then_stops_and_restores_the_handler(tm
         local_every_n_train_steps=2,
         preemption_signal=signal.SIGUSR1,
         preemption_grace_s=60,
+        save_top_k=-1,
     )
     sync = ModelCheckpoint(dirpath=tmp_path / "sync", every_n_train_steps=1, save_top_k=-1, filename="{step}")
     with caplog.at_level("WARNING", logger="lightning_async_ckpt"):
@@ -97,6 +98,7 @@ def test_sigterm_on_a_single_tier_commits_before_lightning_ends_the_fit(tmp_path
             every_n_train_steps=4,
             preemption_signal=signal.SIGTERM,
             preemption_grace_s=60,
+            save_top_k=-1,
         )
         # Lightning's own SIGTERM handler (installed after setup, calling ours in turn) ends the fit with
         # SIGTERMException once the epoch stops; the emergency checkpoint was committed before.
@@ -128,7 +130,7 @@ def test_without_preemption_signal_no_handler_is_installed(tmp_path):
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"preemption_signal": "USR1"}, "preemption_signal"),
+        ({"preemption_signal": "NOSUCHSIGNAL"}, "preemption_signal"),
         ({"preemption_signal": signal.SIGKILL}, "cannot be caught"),
         ({"preemption_grace_s": -1}, "preemption_grace_s"),
     ],

@@ -30,9 +30,9 @@ def _steps_and_runs(uri):
 
 def test_a_second_fresh_run_writes_a_new_version_and_never_mixes(tmp_path):
     root = str(tmp_path / "ckpt")
-    first = AsyncCheckpointCallback(dirpath=root, every_n_train_steps=2)
+    first = AsyncCheckpointCallback(dirpath=root, every_n_train_steps=2, save_top_k=-1)
     _fit(first, max_steps=4)
-    second = AsyncCheckpointCallback(dirpath=root, every_n_train_steps=2)
+    second = AsyncCheckpointCallback(dirpath=root, every_n_train_steps=2, save_top_k=-1)
     with pytest.warns(UserWarning, match="writes to .*v1"):
         trainer = _fit(second, max_steps=6)  # collided at step 2 before: must train to the end
     assert trainer.global_step == 6
@@ -40,16 +40,16 @@ def test_a_second_fresh_run_writes_a_new_version_and_never_mixes(tmp_path):
     assert _steps_and_runs(f"{root}/v1") == ([2, 4, 6], {second.run_id})
     # A third fresh run takes the next version.
     with pytest.warns(UserWarning, match="writes to .*v2"):
-        _fit(AsyncCheckpointCallback(dirpath=root, every_n_train_steps=2), max_steps=2)
+        _fit(AsyncCheckpointCallback(dirpath=root, every_n_train_steps=2, save_top_k=-1), max_steps=2)
     assert _steps_and_runs(f"{root}/v2")[0] == [2]
 
 
 def test_resuming_with_last_continues_the_same_run_in_place(tmp_path):
     root = str(tmp_path / "ckpt")
-    first = AsyncCheckpointCallback(dirpath=root, every_n_train_steps=2)
+    first = AsyncCheckpointCallback(dirpath=root, every_n_train_steps=2, save_top_k=-1)
     _fit(first, max_steps=4)
     seen: list[int] = []
-    resumed = AsyncCheckpointCallback(dirpath=root, every_n_train_steps=2)
+    resumed = AsyncCheckpointCallback(dirpath=root, every_n_train_steps=2, save_top_k=-1)
     trainer = _fit(resumed, max_steps=8, ckpt_path="last", seen=seen)
     assert seen[0] == 4 and trainer.global_step == 8
     assert _steps_and_runs(root) == ([2, 4, 6, 8], {first.run_id})
@@ -58,13 +58,18 @@ def test_resuming_with_last_continues_the_same_run_in_place(tmp_path):
 
 def test_last_picks_the_newest_version_and_continues_it(tmp_path):
     root = str(tmp_path / "ckpt")
-    _fit(AsyncCheckpointCallback(dirpath=root, every_n_train_steps=2), max_steps=8)
+    _fit(AsyncCheckpointCallback(dirpath=root, every_n_train_steps=2, save_top_k=-1), max_steps=8)
     with pytest.warns(UserWarning, match="v1"):
-        _fit(AsyncCheckpointCallback(dirpath=root, every_n_train_steps=2), max_steps=4)
+        _fit(AsyncCheckpointCallback(dirpath=root, every_n_train_steps=2, save_top_k=-1), max_steps=4)
     # The highest version's newest step is v1's step 4 (not the first run's higher step 8 in dirpath).
     assert latest_checkpoint(root).endswith("v1/step-00000004/epoch=0-step=4.ckpt")
     seen: list[int] = []
-    _fit(AsyncCheckpointCallback(dirpath=root, every_n_train_steps=2), max_steps=6, ckpt_path="last", seen=seen)
+    _fit(
+        AsyncCheckpointCallback(dirpath=root, every_n_train_steps=2, save_top_k=-1),
+        max_steps=6,
+        ckpt_path="last",
+        seen=seen,
+    )
     assert seen[0] == 4
     assert _steps_and_runs(f"{root}/v1")[0] == [2, 4, 6]
     assert _steps_and_runs(root)[0] == [2, 4, 6, 8]
@@ -73,19 +78,19 @@ def test_last_picks_the_newest_version_and_continues_it(tmp_path):
 
 def test_resuming_an_older_step_branches_into_a_new_version(tmp_path):
     root = str(tmp_path / "ckpt")
-    _fit(AsyncCheckpointCallback(dirpath=root, every_n_train_steps=2), max_steps=6)
+    _fit(AsyncCheckpointCallback(dirpath=root, every_n_train_steps=2, save_top_k=-1), max_steps=6)
     older = CheckpointStore(root, check_writable=False).object_url(2, "checkpoint.ckpt")
     with pytest.warns(UserWarning, match="v1"):
-        _fit(AsyncCheckpointCallback(dirpath=root, every_n_train_steps=2), max_steps=6, ckpt_path=older)
+        _fit(AsyncCheckpointCallback(dirpath=root, every_n_train_steps=2, save_top_k=-1), max_steps=6, ckpt_path=older)
     assert _steps_and_runs(root)[0] == [2, 4, 6]
     assert _steps_and_runs(f"{root}/v1")[0] == [4, 6]
 
 
 def test_without_the_version_counter_a_rerun_is_refused_before_training(tmp_path):
     root = str(tmp_path / "ckpt")
-    _fit(AsyncCheckpointCallback(dirpath=root, every_n_train_steps=2), max_steps=4)
+    _fit(AsyncCheckpointCallback(dirpath=root, every_n_train_steps=2, save_top_k=-1), max_steps=4)
     seen: list[int] = []
-    callback = AsyncCheckpointCallback(dirpath=root, every_n_train_steps=2)
+    callback = AsyncCheckpointCallback(dirpath=root, every_n_train_steps=2, save_top_k=-1)
     callback._enable_version_counter = False  # what enable_version_counter=False sets
     with pytest.raises(GenerationExistsError, match="ckpt_path='last'.*enable_version_counter=True") as info:
         _fit(callback, max_steps=4, seen=seen)
@@ -116,11 +121,11 @@ def test_resuming_the_newest_checkpoint_of_a_copied_folder_continues_in_the_copy
     import shutil
 
     first_dir = tmp_path / "first"
-    first = AsyncCheckpointCallback(dirpath=str(first_dir), every_n_train_steps=2)
+    first = AsyncCheckpointCallback(dirpath=str(first_dir), every_n_train_steps=2, save_top_k=-1)
     _fit(first, max_steps=4)
     copy = tmp_path / "copy"
     shutil.copytree(first_dir, copy)
-    resumed = AsyncCheckpointCallback(dirpath=str(copy), every_n_train_steps=2)
+    resumed = AsyncCheckpointCallback(dirpath=str(copy), every_n_train_steps=2, save_top_k=-1)
     _fit(resumed, max_steps=6, ckpt_path=latest_checkpoint(str(copy)))
     assert _steps_and_runs(str(copy)) == ([2, 4, 6], {first.run_id})
     assert not (copy / "v1").exists()
@@ -131,7 +136,7 @@ def test_a_newer_step_with_a_manifest_this_version_rejects_is_never_continued_in
     import json
 
     root = tmp_path / "ckpt"
-    first = AsyncCheckpointCallback(dirpath=str(root), every_n_train_steps=2)
+    first = AsyncCheckpointCallback(dirpath=str(root), every_n_train_steps=2, save_top_k=-1)
     _fit(first, max_steps=4)
     # Step 6 holds a manifest written by a newer format version: not a readable generation, but a step that is
     # never written again. Resuming from step 4 in place would collide with it at step 6.
@@ -140,7 +145,7 @@ def test_a_newer_step_with_a_manifest_this_version_rejects_is_never_continued_in
     body = json.loads((root / "step-00000004" / "manifest.json").read_text())
     body.update(step=6, format_version=99)
     (planted / "manifest.json").write_text(json.dumps(body))
-    resumed = AsyncCheckpointCallback(dirpath=str(root), every_n_train_steps=2)
+    resumed = AsyncCheckpointCallback(dirpath=str(root), every_n_train_steps=2, save_top_k=-1)
     with pytest.warns(UserWarning, match="v1"):
         trainer = _fit(resumed, max_steps=8, ckpt_path="last")
     assert trainer.global_step == 8
@@ -148,31 +153,31 @@ def test_a_newer_step_with_a_manifest_this_version_rejects_is_never_continued_in
     assert _steps_and_runs(f"{root}/v1")[0] == [6, 8]
 
 
-@pytest.mark.parametrize("keep_last", [None, 2])
-def test_last_after_a_branch_continues_the_branch_and_leaves_the_first_history_alone(tmp_path, keep_last):
+@pytest.mark.parametrize("retention", [{"save_top_k": -1}, {"keep_last": 2}])
+def test_last_after_a_branch_continues_the_branch_and_leaves_the_first_history_alone(tmp_path, retention):
     # Fit to 6; resume the older step 4 (branches into v1: steps 6, 8); then "last" restores v1's step 8. Both
     # branches carry the same run id (it travels in the checkpoint): the fit must continue where it resumed from, v1,
     # never in dirpath, whose steps 4 and 6 the branch promised to leave alone (keep_last used to delete them).
     root = str(tmp_path / "ckpt")
-    _fit(AsyncCheckpointCallback(dirpath=root, every_n_train_steps=2, keep_last=keep_last), max_steps=6)
+    _fit(AsyncCheckpointCallback(dirpath=root, every_n_train_steps=2, **retention), max_steps=6)
     older = CheckpointStore(root, check_writable=False).object_url(4, "checkpoint.ckpt")
     with pytest.warns(UserWarning, match="writes to .*v1"):
         _fit(
-            AsyncCheckpointCallback(dirpath=root, every_n_train_steps=2, keep_last=keep_last),
+            AsyncCheckpointCallback(dirpath=root, every_n_train_steps=2, **retention),
             max_steps=8,
             ckpt_path=older,
         )
     before = _steps_and_runs(root)[0]
     seen: list[int] = []
     _fit(
-        AsyncCheckpointCallback(dirpath=root, every_n_train_steps=2, keep_last=keep_last),
+        AsyncCheckpointCallback(dirpath=root, every_n_train_steps=2, **retention),
         max_steps=12,
         ckpt_path="last",
         seen=seen,
     )
     assert seen[0] == 8
     assert _steps_and_runs(root)[0] == before  # the first history: untouched
-    assert _steps_and_runs(f"{root}/v1")[0] == ([10, 12] if keep_last else [6, 8, 10, 12])
+    assert _steps_and_runs(f"{root}/v1")[0] == ([10, 12] if "keep_last" in retention else [6, 8, 10, 12])
     assert not (tmp_path / "ckpt" / "v2").exists()
 
 

@@ -46,7 +46,7 @@ def _fit(callback, *, max_steps, ckpt_path=None):
 
 
 def _callback(uri, options):
-    return AsyncCheckpointCallback(dirpath=uri, every_n_train_steps=2, storage_options=options)
+    return AsyncCheckpointCallback(dirpath=uri, every_n_train_steps=2, storage_options=options, save_top_k=-1)
 
 
 def test_ckpt_path_last_resumes_with_storage_options_only(options_only):
@@ -68,7 +68,7 @@ def test_resuming_with_other_intervals_continues_the_run_in_the_bucket(options_o
     uri, options = options_only
     first = _callback(uri, options)
     _fit(first, max_steps=4)
-    resumed = AsyncCheckpointCallback(dirpath=uri, every_n_train_steps=3, storage_options=options)
+    resumed = AsyncCheckpointCallback(dirpath=uri, every_n_train_steps=3, storage_options=options, save_top_k=-1)
     ckpt_path = "last" if how == "last" else latest_checkpoint(uri, options)
     trainer = _fit(resumed, max_steps=6, ckpt_path=ckpt_path)
     assert trainer.global_step == 6 and resumed.run_id == first.run_id

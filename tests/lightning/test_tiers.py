@@ -48,6 +48,8 @@ def _tiered(tmp_path, **kw):
         local_every_n_train_steps=1,
     )
     args.update(kw)
+    if "keep_last" not in args and "save_top_k" not in args:
+        args["save_top_k"] = -1  # these tests read every promoted generation
     return AsyncCheckpointCallback(**args)
 
 
@@ -94,7 +96,7 @@ def test_retention_per_tier(tmp_path):
 
 
 def test_without_local_dirpath_nothing_changes(tmp_path):
-    ours = AsyncCheckpointCallback(dirpath=str(tmp_path / "d"), every_n_train_steps=4)
+    ours = AsyncCheckpointCallback(dirpath=str(tmp_path / "d"), every_n_train_steps=4, save_top_k=-1)
     _fit([ours])
     assert _steps(tmp_path / "d") == [4, 8]
     assert ours.tiers is None and ours.preemption.signum is None

@@ -83,9 +83,13 @@ def test_last_with_only_weights_only_generations_warns_and_starts_fresh(tmp_path
 def test_a_missing_last_ckpt_in_dirpath_resumes_like_last(tmp_path):
     dirpath = str(tmp_path / "ckpt")
     with pytest.raises(FileNotFoundError, match=r"ckpt_path='last'.*latest_checkpoint"):
-        _fit(AsyncCheckpointCallback(dirpath, every_n_train_steps=2), max_steps=4, ckpt_path=f"{dirpath}/last.ckpt")
-    _fit(AsyncCheckpointCallback(dirpath, every_n_train_steps=2), max_steps=4)
-    cb = AsyncCheckpointCallback(dirpath, every_n_train_steps=2)
+        _fit(
+            AsyncCheckpointCallback(dirpath, every_n_train_steps=2, save_top_k=-1),
+            max_steps=4,
+            ckpt_path=f"{dirpath}/last.ckpt",
+        )
+    _fit(AsyncCheckpointCallback(dirpath, every_n_train_steps=2, save_top_k=-1), max_steps=4)
+    cb = AsyncCheckpointCallback(dirpath, every_n_train_steps=2, save_top_k=-1)
     trainer = _fit(cb, max_steps=6, ckpt_path=f"{dirpath}/last.ckpt")  # what resubmit scripts hard-code
     assert trainer.ckpt_path == latest_checkpoint_before(dirpath, 4)
     assert trainer.global_step == 6 and cb.committed_step == 6

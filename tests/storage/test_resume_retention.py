@@ -132,10 +132,15 @@ def test_last_resumes_from_a_model_checkpoint_last_file_left_in_dirpath(tmp_path
     fit(ModelCheckpoint(dirpath=root, every_n_train_steps=2, save_last=True), max_steps=6)
     assert (root / "last.ckpt").exists()
     seen: list[int] = []
-    ours = AsyncCheckpointCallback(dirpath=str(root), every_n_train_steps=2, save_last=True)
+    ours = AsyncCheckpointCallback(dirpath=str(root), every_n_train_steps=2, save_last=True, save_top_k=-1)
     fit(ours, max_steps=10, ckpt_path="last", seen=seen)
     assert seen[0] == 6  # resumed from last.ckpt, not from scratch
     assert [g.step for g in CheckpointStore(str(root), check_writable=False).generations()] == [8, 10]
     seen.clear()
-    fit(AsyncCheckpointCallback(dirpath=str(root), every_n_train_steps=2, save_last=True), 12, "last", seen)
+    fit(
+        AsyncCheckpointCallback(dirpath=str(root), every_n_train_steps=2, save_last=True, save_top_k=-1),
+        12,
+        "last",
+        seen,
+    )
     assert seen[0] == 10  # now the newest committed generation, newer than last.ckpt

@@ -170,7 +170,7 @@ CALLBACK_CASES = [
     ("local_every_n_train_steps", 0),
     ("local_keep_last", -1),
     ("replicas", 0),
-    ("preemption_signal", "USR1"),
+    ("preemption_signal", "NOSUCHSIGNAL"),
     ("preemption_grace_s", -1.0),
 ]
 
@@ -204,7 +204,7 @@ def _fit(callbacks, *, max_steps, ckpt_path=None, **kw) -> pl.Trainer:
 def committed_run(tmp_path_factory) -> Path:
     """A Lightning run that committed steps 2 and 4 (copied per test)."""
     root = tmp_path_factory.mktemp("committed") / "ckpt"
-    _fit([AsyncCheckpointCallback(dirpath=str(root), every_n_train_steps=2)], max_steps=4)
+    _fit([AsyncCheckpointCallback(dirpath=str(root), every_n_train_steps=2, save_top_k=-1)], max_steps=4)
     assert [g.step for g in CheckpointStore(str(root), check_writable=False).generations()] == [2, 4]
     return root
 
@@ -322,7 +322,7 @@ def test_resume_past_every_hostile_manifest_at_once(run_dir):
 
 def test_a_new_run_does_not_overwrite_a_folder_with_a_rejected_manifest(run_dir):
     _plant(run_dir, "newer-format-version", step=6)
-    callback = AsyncCheckpointCallback(dirpath=str(run_dir), every_n_train_steps=2)
+    callback = AsyncCheckpointCallback(dirpath=str(run_dir), every_n_train_steps=2, save_top_k=-1)
     _fit([callback], max_steps=8, ckpt_path=latest_checkpoint(str(run_dir)))
     # The folder holding a manifest this version cannot read is never overwritten, whatever the run decided.
     assert json.loads((run_dir / "step-00000006" / MANIFEST_NAME).read_text())["format_version"] == 99
@@ -339,7 +339,7 @@ def test_resuming_past_a_torn_manifest_continues_the_run_in_place(run_dir, torn)
     folder.mkdir()
     whole = json.dumps(_valid_body(run_dir)).encode()
     (folder / MANIFEST_NAME).write_bytes(b"" if torn == "empty" else whole[: len(whole) // 2])
-    callback = AsyncCheckpointCallback(dirpath=str(run_dir), every_n_train_steps=2)
+    callback = AsyncCheckpointCallback(dirpath=str(run_dir), every_n_train_steps=2, save_top_k=-1)
     _fit([callback], max_steps=8, ckpt_path=latest_checkpoint(str(run_dir)))
     store = CheckpointStore(str(run_dir), check_writable=False)
     assert [g.step for g in store.generations()] == [2, 4, 6, 8]
