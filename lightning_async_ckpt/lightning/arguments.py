@@ -284,8 +284,9 @@ def check_tiers(
         check_apart(dirpath, local)
     if monitor is not None:
         raise ConfigError(
-            f"monitor={monitor!r} (best-k) with local_dirpath is not supported yet: rank with a separate "
-            "AsyncCheckpointCallback without local_dirpath, or drop monitor"
+            f"monitor={monitor!r} (best-k) with local_dirpath is not supported: rank with a second "
+            f"AsyncCheckpointCallback(dirpath=..., monitor={monitor!r}) without local_dirpath beside this one, or "
+            "drop monitor (docs/configuration.md, local_dirpath)"
         )
     if local_every_n_train_steps is None and not every_n_train_steps:
         raise ConfigError(

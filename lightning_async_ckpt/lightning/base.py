@@ -77,7 +77,9 @@ class CallbackArguments(ModelCheckpoint):
             a slice in torch DCP format; see ``docs/sharded.md``). Sharded strategies always write every rank's shards.
         local_dirpath: A node-local folder (NVMe, ``/dev/shm``): every cut is committed there first, and the
             generations due on the ``dirpath`` cadence (``every_n_train_steps``, epoch ends, the final and the
-            emergency checkpoint) are promoted to ``dirpath`` in the background (``docs/tiers.md``).
+            emergency checkpoint) are promoted to ``dirpath`` in the background (``docs/tiers.md``). It must lie
+            outside ``dirpath`` (and ``dirpath`` outside it). Not with ``monitor`` (best-k), refused here: rank with
+            a second callback without ``local_dirpath``.
         local_every_n_train_steps: Cut to the local tier every N optimizer steps (``None``: only the ``dirpath``
             cadence).
         local_keep_last: Committed generations kept in the local tier (``None``: all); the newest one due on
