@@ -8,6 +8,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_async_ckpt.core.interfaces import TrainingCheckpointer
 from lightning_async_ckpt.lightning.naming import loadable_path
@@ -91,19 +92,22 @@ def _flushes_step_metrics(trainer: pl.Trainer) -> bool:
 
 
 def log_final(trainer: pl.Trainer, committed_step: int | None, *, to_loggers: bool) -> None:
-    """After the final drain: an INFO line naming the final committed step, and that step as the last word.
+    """After the final drain: an INFO line naming the final committed step (through Lightning's ``rank_zero_info``,
+    visible like its own lines), and that step as the last word.
 
     ``self.log`` is refused in ``on_train_end``/``teardown``, where the last saves commit; the final
-    ``ckpt/committed_step`` goes to every logger directly (at the step Lightning logs training metrics at) and
-    into ``trainer.progress_bar_metrics``, so neither ends on the value of the last batch (``to_loggers=False``:
+    ``ckpt/committed_step`` goes to every logger directly (at the step Lightning logs training metrics at), into
+    ``trainer.progress_bar_metrics``, ``trainer.logged_metrics`` and ``trainer.callback_metrics``, so none ends on the value of the last batch (``to_loggers=False``:
     only the INFO line, the callback's ``log_metrics=False``).
     """
     if trainer.is_global_zero:
-        _log.info("final committed checkpoint step %s (every save drained)", committed_step)
+        rank_zero_info(f"final committed checkpoint step {committed_step} (every save drained)")
     if committed_step is None or not to_loggers:
         return
     trainer._logger_connector.log_metrics({"ckpt/committed_step": float(committed_step)})
     trainer.progress_bar_metrics["ckpt/committed_step"] = committed_step
+    final = torch.tensor(int(committed_step), dtype=torch.int64)
+    trainer.logged_metrics["ckpt/committed_step"] = trainer.callback_metrics["ckpt/committed_step"] = final
 
 
 def training_started(trainer: pl.Trainer) -> bool:
@@ -160,10 +164,11 @@ def estimate_checkpoint_bytes(module: torch.nn.Module, optimizers: list[Any]) ->
 
 
 def log_commit(future: Any) -> None:
-    """A done-callback of the ``committed`` future: log the committed step at INFO level."""
+    """A done-callback of the ``committed`` future (``verbose=True``): the committed step, through Lightning's
+    ``rank_zero_info`` like ``ModelCheckpoint``'s verbose lines (visible wherever Lightning's own lines are)."""
     if not future.cancelled() and future.exception() is None:
         manifest = future.result()
-        _log.info("committed checkpoint step %d (%d bytes)", manifest.step, manifest.total_bytes)
+        rank_zero_info(f"committed checkpoint step {manifest.step} ({manifest.total_bytes} bytes)")
 
 
 def preallocate(ck: TrainingCheckpointer, pl_module: pl.LightningModule, optimizers: list[Any]) -> None:

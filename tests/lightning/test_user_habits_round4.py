@@ -82,3 +82,31 @@ def test_by_default_with_both_tiers_dirpath_keeps_the_newest(tmp_path):
     _fit(cb, max_steps=12)
     assert _steps(tmp_path / "durable") == [12]
     assert _steps(tmp_path / "local")[-1] == 12
+
+
+# -- point 8: visible lines, the last metric --------------------------------------------------------------
+_RANK_ZERO = "lightning.pytorch.utilities.rank_zero"  # where ModelCheckpoint's verbose lines go (rank_zero_info)
+
+
+def test_verbose_and_the_final_line_go_through_lightnings_rank_zero_info(tmp_path, caplog):
+    import logging
+
+    cb = AsyncCheckpointCallback(str(tmp_path / "ckpt"), every_n_train_steps=2, verbose=True)
+    with caplog.at_level(logging.INFO):
+        _fit(cb, max_steps=4)
+    shown = [r.getMessage() for r in caplog.records if r.name == _RANK_ZERO]
+    assert any("committed checkpoint step 2" in m for m in shown), shown
+    assert any("final committed checkpoint step 4" in m for m in shown), shown
+
+
+def test_logged_metrics_end_on_the_final_committed_step(tmp_path):
+    from lightning.pytorch.loggers import CSVLogger
+
+    cb = AsyncCheckpointCallback(str(tmp_path / "ckpt"), every_n_train_steps=2)
+    pl.seed_everything(0)
+    kw = trainer_kwargs(max_steps=16, logger=CSVLogger(tmp_path / "logs"), log_every_n_steps=1)
+    trainer = pl.Trainer(callbacks=[cb], **kw)
+    trainer.fit(BNDropoutModel(), make_loader())
+    assert cb.committed_step == 16
+    assert int(trainer.logged_metrics["ckpt/committed_step"]) == 16
+    assert int(trainer.callback_metrics["ckpt/committed_step"]) == 16
