@@ -38,7 +38,7 @@ def main() -> None:
     dirpath, mode = sys.argv[1], sys.argv[2]
     pl.seed_everything(3)
     model = PoisonOnRankZero() if mode == "fail" else BNDropoutModel()
-    callback = AsyncCheckpointCallback(dirpath=dirpath, every_n_train_steps=2, retries=0)
+    callback = AsyncCheckpointCallback(dirpath=dirpath, every_n_train_steps=2, retries=0, save_top_k=-1)
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=2,

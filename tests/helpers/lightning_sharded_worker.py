@@ -115,7 +115,7 @@ def full_weights(model: ShardedModel) -> dict[str, torch.Tensor]:
 def main(out: str) -> None:
     result: dict = {}
     plain = ShardedModel("plain")
-    ours = AsyncCheckpointCallback(dirpath=f"{out}/ours", every_n_train_steps=4)
+    ours = AsyncCheckpointCallback(dirpath=f"{out}/ours", every_n_train_steps=4, save_top_k=-1)
     fit(
         plain,
         [
@@ -135,7 +135,7 @@ def main(out: str) -> None:
         shutil.copytree(store.url(4), f"{out}/half/{os.path.basename(store.url(4))}")
     dist.barrier()
 
-    bn_ours = AsyncCheckpointCallback(dirpath=f"{out}/bn-ours", every_n_train_steps=2)
+    bn_ours = AsyncCheckpointCallback(dirpath=f"{out}/bn-ours", every_n_train_steps=2, save_top_k=-1)
     fit(
         ShardedModel("bn"),
         [
@@ -150,7 +150,7 @@ def main(out: str) -> None:
     resumed = ShardedModel("plain")
     fit(
         resumed,
-        [AsyncCheckpointCallback(dirpath=f"{out}/half", every_n_train_steps=4)],
+        [AsyncCheckpointCallback(dirpath=f"{out}/half", every_n_train_steps=4, save_top_k=-1)],
         max_steps=8,
         ckpt_path=result["half_latest"],
     )
@@ -159,7 +159,12 @@ def main(out: str) -> None:
     result["resumed_equal"] = all(torch.equal(weights[k], resumed_weights[k]) for k in weights)
 
     last = ShardedModel("plain")
-    fit(last, [AsyncCheckpointCallback(dirpath=f"{out}/half", every_n_train_steps=4)], max_steps=10, ckpt_path="last")
+    fit(
+        last,
+        [AsyncCheckpointCallback(dirpath=f"{out}/half", every_n_train_steps=4, save_top_k=-1)],
+        max_steps=10,
+        ckpt_path="last",
+    )
     result.update(last_start=last.start_step, last_steps=len(last.losses))
 
     # Last (it ends the fit with an error): rank 1's data file fails to open at the second save (step 4).
@@ -169,6 +174,7 @@ def main(out: str) -> None:
         storage_options={"target_protocol": "file", "faults": faults},
         every_n_train_steps=2,
         retries=0,
+        save_top_k=-1,
     )
     try:
         fit(ShardedModel("plain"), [faulty], max_steps=8)

@@ -64,8 +64,8 @@ def fit(model: pl.LightningModule, callbacks: list, max_steps: int, ckpt_path: s
 
 
 def main(out: str) -> None:
-    single = AsyncCheckpointCallback(dirpath=f"{out}/single", every_n_train_steps=2)
-    sliced = AsyncCheckpointCallback(dirpath=f"{out}/sliced", every_n_train_steps=2, ddp_layout="sliced")
+    single = AsyncCheckpointCallback(dirpath=f"{out}/single", every_n_train_steps=2, save_top_k=-1)
+    sliced = AsyncCheckpointCallback(dirpath=f"{out}/sliced", every_n_train_steps=2, ddp_layout="sliced", save_top_k=-1)
     trainer = fit(Recording(), [single, sliced], max_steps=4)
     result: dict = {"rank": trainer.global_rank}
     result["sliced_latest"] = latest_checkpoint(f"{out}/sliced")
@@ -73,7 +73,9 @@ def main(out: str) -> None:
     for name in ("sliced", "single"):
         model = Recording()
         # The callback in the Trainer gives the DDP strategy's checkpoint IO the DCP-folder loader (any layout).
-        resumed = AsyncCheckpointCallback(dirpath=f"{out}/r-{name}", every_n_train_steps=100, save_on_train_end=False)
+        resumed = AsyncCheckpointCallback(
+            dirpath=f"{out}/r-{name}", every_n_train_steps=100, save_on_train_end=False, save_top_k=-1
+        )
         fit(model, [resumed], max_steps=6, ckpt_path=result[f"{name}_latest"])
         result[f"{name}_losses"] = model.losses
         if trainer.global_rank == 0:

@@ -44,6 +44,7 @@ def main() -> None:
         replicas=replicas,
         save_on_train_end=False,
         restore_rng=True,
+        save_top_k=-1,
     )
     trainer = pl.Trainer(
         accelerator="cpu",

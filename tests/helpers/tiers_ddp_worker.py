@@ -33,6 +33,7 @@ def main() -> None:
         local_dirpath=local,
         local_every_n_train_steps=2,
         save_on_train_end=False,
+        save_top_k=-1,
     )
     trainer = pl.Trainer(
         accelerator="cpu",
