@@ -36,13 +36,35 @@ __all__ = [
 READ_CHUNK = 8 << 20
 
 
+class _GoogleCrc32c:
+    """``google_crc32c`` behind the ``crc32c`` package's ``crc32c(data, value)`` call."""
+
+    def __init__(self, module: Any) -> None:
+        self._extend = module.extend
+
+    def crc32c(self, data: bytes | memoryview, value: int = 0) -> int:
+        # Its C extension takes only bytes: a view of a staging buffer is copied first.
+        return self._extend(value, data if isinstance(data, bytes) else bytes(data))
+
+
 def crc32c_module() -> Any:
-    """The ``crc32c`` module, or ``None`` when the package is not installed."""
+    """Something with ``crc32c(data, value)``: the ``crc32c`` package where it is installed (hardware-accelerated,
+    reads memoryviews without a copy; LGPL-2.1-or-later, so not a dependency), else ``google-crc32c`` (Apache-2.0,
+    the declared dependency; hardware-accelerated, copies a memoryview first), else ``None``.
+
+    ``benchmarks/bench_crc32c.py`` measures both.
+    """
     try:
-        import crc32c  # hardware-accelerated CRC-32C, releases the GIL on large buffers
+        import crc32c
+    except ImportError:
+        pass
+    else:
+        return crc32c
+    try:
+        import google_crc32c
     except ImportError:
         return None
-    return crc32c
+    return _GoogleCrc32c(google_crc32c)
 
 
 DEFAULT_CHECKSUM = "crc32c" if crc32c_module() is not None else "crc32"
@@ -72,7 +94,7 @@ class Checksum:
         self._sha = hashlib.sha256() if algorithm == "sha256" else None
         self._crc32c = crc32c_module() if algorithm == "crc32c" else None
         if algorithm == "crc32c" and self._crc32c is None:
-            raise ConfigError("checksum 'crc32c' needs the crc32c package: pip install crc32c")
+            raise ConfigError("checksum 'crc32c' needs the google-crc32c package: pip install google-crc32c")
 
     def update(self, data: bytes | memoryview) -> None:
         """Add ``data`` to the running checksum."""

@@ -85,7 +85,7 @@ class CheckpointStore:
         storage_options: Passed to the fsspec filesystem (e.g. ``{"endpoint_url": ...}`` for S3).
         run_id: Identifier recorded in manifests and writer claims; ``gc`` only removes this run's generations
             unless told otherwise. Default: a new random id.
-        checksum: ``"crc32c"`` (default where the ``crc32c`` package is installed, several GB/s), ``"crc32"``
+        checksum: ``"crc32c"`` (default where ``google-crc32c`` or ``crc32c`` is installed, several GB/s), ``"crc32"``
             (zlib) or ``"sha256"``.
         block_size: Multipart block size for object stores, in bytes (default 32 MiB).
         check_writable: Probe the location at construction: local and memory are written to; an object store's
@@ -122,7 +122,7 @@ class CheckpointStore:
         if checksum not in ("crc32c", "crc32", "sha256"):
             raise ConfigError(f"checksum must be 'crc32c', 'crc32' or 'sha256', got {checksum!r}")
         if checksum == "crc32c" and crc32c_module() is None:
-            raise ConfigError("checksum 'crc32c' needs the crc32c package: pip install crc32c")
+            raise ConfigError("checksum 'crc32c' needs the google-crc32c package: pip install google-crc32c")
         if block_size is not None and (not isinstance(block_size, int) or block_size < 5 << 20):
             raise ConfigError(f"block_size must be an int of at least 5 MiB (S3's part minimum), got {block_size!r}")
         if run_id is not None and not isinstance(run_id, str):
