@@ -246,18 +246,25 @@ def take_step_claim(store: CheckpointStore, folder: str, body: bytes) -> bool:
     return True
 
 
-def clear_leftovers(store: CheckpointStore, folder: str, keep: set[str]) -> None:
+def clear_leftovers(store: CheckpointStore, folder: str, keep: set[str]) -> list[str]:
     """Before an attempt writes plain names: remove what earlier attempts left at them.
 
     Every file of ``folder`` goes except the names in ``keep`` (the new attempt's claims), other writers'
     ``w-<token>/`` folders and live attempt claims. An earlier attempt's writer that still holds a descriptor
     then writes to an orphaned inode, and one that opens a name later finds it taken (objects are created
     exclusively), so nothing it writes can land in this attempt's objects.
+
+    Files with no claim of an earlier attempt beside them were not written by the library: nothing is removed,
+    and they are returned (the attempt then writes under its own prefix, :func:`claim_step`).
     """
     try:
         files = store.fs.find(folder)
     except FileNotFoundError:
-        return
+        return []
+    names = [p[len(folder) + 1 :] if p.startswith(folder + "/") else p.rsplit("/", 1)[-1] for p in files]
+    others = [rel for rel in names if rel not in keep and not rel.startswith("w-")]
+    if others and not any(is_claim_name(rel) or rel.endswith(".taken") for rel in others):
+        return others
     removed = False
     for path in files:
         rel = path[len(folder) + 1 :] if path.startswith(folder + "/") else path.rsplit("/", 1)[-1]
@@ -276,6 +283,7 @@ def clear_leftovers(store: CheckpointStore, folder: str, keep: set[str]) -> None
     if removed:
         store.backend.sync_folder(folder)
         store.invalidate_cache()
+    return []
 
 
 def claim_step(store: CheckpointStore, step: int) -> GenerationWriter:
@@ -294,17 +302,23 @@ def claim_step(store: CheckpointStore, step: int) -> GenerationWriter:
         lease = Lease(store, f"{path}/{name}", step, token)
         try:
             lease.create()
-            clear_leftovers(store, path, keep={CLAIM_NAME, name})
+            foreign = clear_leftovers(store, path, keep={CLAIM_NAME, name})
         except BaseException:
             lease.release()
             store.fs.rm_file(claim)
             raise
-        return GenerationWriter(store, step, store.checksum, claim=claim, token=token, lease=lease)
+        if not foreign:
+            return GenerationWriter(store, step, store.checksum, claim=claim, token=token, lease=lease)
+        lease.release()  # files the library never wrote are never replaced: this attempt writes beside them
+        store.fs.rm_file(claim)
+        why = f"holds files not written by lightning_async_ckpt ({', '.join(sorted(foreign)[:5])}): left alone"
+    else:
+        why = "is claimed by another writer"
     prefix = f"w-{token}/"
     store.backend.prepare_folder(f"{path}/{prefix}")
     lease = Lease(store, f"{path}/{prefix}{name}", step, token)
     lease.create()
-    _log.warning("generation %s is claimed by another writer; writing under %s", store.url(step), prefix)
+    _log.warning("generation %s %s; writing under %s", store.url(step), why, prefix)
     return GenerationWriter(store, step, store.checksum, prefix=prefix, token=token, lease=lease)
 
 

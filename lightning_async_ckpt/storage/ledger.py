@@ -34,6 +34,14 @@ class Ledger:
         self._lock = threading.Lock()
         self._known: dict[int, GenerationInfo] = {}
         self.reads = 0  # manifests read by passes (for tests and benchmarks)
+        self._reported: set[int] = set()
+
+    def first_report(self, step: int) -> bool:
+        """Whether ``step``'s foreign files are reported for the first time by this store (then once only)."""
+        with self._lock:
+            first = step not in self._reported
+            self._reported.add(step)
+            return first
 
     def refresh(self, store: CheckpointStore) -> tuple[list[GenerationInfo], set[int]]:
         """List ``store``'s folder once; return its generations by step and the steps whose manifest was read now.

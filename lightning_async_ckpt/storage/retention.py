@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from lightning_async_ckpt.storage.store import CheckpointStore, GenerationInfo
 
 __all__ = [
+    "FOREIGN",
     "Candidate",
     "Refusal",
     "Removal",
@@ -47,6 +48,8 @@ __all__ = [
 ]
 
 _log = logging.getLogger(__name__)
+#: The refusal of an uncommitted folder without a claim or a manifest (reported once per store at WARNING).
+FOREIGN = "no manifest or writer claim of this library: files it did not write are left alone"
 # Generations at most this large are checksum-verified before they count (cheap); larger ones by size.
 CHEAP_VERIFY_BYTES = 64 << 20
 
@@ -165,12 +168,14 @@ def _leftover_refusal(c: Candidate, newest: int | None, run_id: str, all_runs: b
         return f"manifest unreadable right now ({info.error})"
     if newest is None or info.step >= newest:
         return "uncommitted and newer than the newest verified commit: may be in progress"
-    if info.error or all(w == run_id for w in c.writers):
-        # A rejected manifest was never recoverable; every writer claims the step before writing data, so a
-        # leftover without a claim is no save in progress; a claim of this run is this run's crashed attempt.
+    if info.error or (c.writers and all(w == run_id for w in c.writers)):
+        # A rejected manifest was never recoverable; a claim of this run is this run's crashed attempt.
         return None
     if all_runs and (c.age_s is None or c.age_s >= min_age_s):
         return None
+    if not c.writers:
+        # Every writer claims a step before writing data: files without a claim or a manifest are not the library's.
+        return FOREIGN
     who = ", ".join(sorted(set(c.writers))) if c.writers else "an unknown writer"
     return f"uncommitted, written by {who}: may be another run's save in progress"
 
@@ -231,7 +236,14 @@ def execute(
     )
     report = RetentionReport(plan=plan, dry_run=dry_run)
     for refusal in plan.refused:
-        _log.info("retention: not counting/removing step %d: %s", refusal.step, refusal.reason)
+        if refusal.reason == FOREIGN and store.ledger.first_report(refusal.step):
+            _log.warning(
+                "%s holds files not written by lightning_async_ckpt (%s); move them out of dirpath",
+                store.generation_path(refusal.step),
+                refusal.reason,
+            )
+        else:
+            _log.info("retention: not counting/removing step %d: %s", refusal.step, refusal.reason)
     if dry_run:
         report.removed = [r.step for r in plan.remove]
         return report
@@ -321,9 +333,11 @@ def _remove(store: CheckpointStore, info: GenerationInfo) -> None:
         # generation's objects; another writer's prefix ("w-<token>/" not listed here) is left alone.
         store.fs.rm_file(f"{path}/{MANIFEST_NAME}")
         store.backend.sync_folder(path)
-        own = {obj.key.split("/", 1)[0] for obj in info.manifest.objects if obj.path}
+        keys = {obj.key for obj in info.manifest.objects if obj.path}
+        own = {key.split("/", 1)[0] for key in keys if "/" in key}  # this attempt's prefix
         files = store.fs.find(path)
-        foreign = [f for f in files if _prefix(f, path) not in own and _prefix(f, path).startswith("w-")]
+        # Left alone: another writer's prefix ("w-<token>/" not listed here) and files the library never writes.
+        foreign = [f for f in files if _prefix(f, path) not in own and not _written_here(f, path, keys)]
         _remove_spread(store, info.manifest)
         if not foreign:
             try:
@@ -373,6 +387,17 @@ def _sweep_spread(store: CheckpointStore, step: int) -> None:
             continue
     if found:
         _remove_files(store, found)
+
+
+def _written_here(file: str, folder: str, keys: set[str]) -> bool:
+    """Whether ``file`` is one the library writes in a generation folder outside a prefix: an object of the
+    manifest (``keys``), a claim, a takeover marker, the manifest."""
+    rel = file[len(folder) + 1 :] if file.startswith(folder + "/") else file.rsplit("/", 1)[-1]
+    if rel in keys:
+        return True
+    if "/" in rel:
+        return False
+    return is_claim_name(rel) or rel == MANIFEST_NAME or (rel.startswith(".writer-") and rel.endswith(".taken"))
 
 
 def _prefix(file: str, folder: str) -> str:

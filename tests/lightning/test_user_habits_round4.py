@@ -110,3 +110,44 @@ def test_logged_metrics_end_on_the_final_committed_step(tmp_path):
     assert cb.committed_step == 16
     assert int(trainer.logged_metrics["ckpt/committed_step"]) == 16
     assert int(trainer.callback_metrics["ckpt/committed_step"]) == 16
+
+
+# -- point 2: files the library never wrote -------------------------------------------------------------------
+def test_retention_leaves_a_step_folder_it_never_wrote_and_warns_once(tmp_path, caplog):
+    import logging
+
+    dirpath = tmp_path / "ckpt"
+    (dirpath / "step-00000002").mkdir(parents=True)
+    (dirpath / "step-00000002" / "notes.txt").write_text("mine")  # no manifest, no claim: not the library's
+    cb = AsyncCheckpointCallback(str(dirpath), every_n_train_steps=4)
+    with caplog.at_level(logging.WARNING, logger="lightning_async_ckpt"):
+        _fit(cb, max_steps=12)
+    assert (dirpath / "step-00000002" / "notes.txt").read_text() == "mine"
+    assert _steps(dirpath) == [12]
+    warnings = [r.getMessage() for r in caplog.records if "step-00000002" in r.getMessage()]
+    assert len(warnings) == 1 and "not written by" in warnings[0], warnings
+
+
+def test_a_step_folder_holding_foreign_files_is_written_beside_them_never_replaced(tmp_path, caplog):
+    import logging
+
+    dirpath = tmp_path / "ckpt"
+    (dirpath / "step-00000004").mkdir(parents=True)
+    (dirpath / "step-00000004" / "notes.txt").write_text("mine")
+    cb = AsyncCheckpointCallback(str(dirpath), every_n_train_steps=4)
+    with caplog.at_level(logging.WARNING, logger="lightning_async_ckpt"):
+        _fit(cb, max_steps=8)
+    assert (dirpath / "step-00000004" / "notes.txt").read_text() == "mine"  # written beside, then retained
+    assert _steps(dirpath) == [8]
+    assert any("notes.txt" in r.getMessage() for r in caplog.records)
+
+
+def test_retention_of_a_generation_beside_foreign_files_removes_only_its_own(tmp_path):
+    dirpath = tmp_path / "ckpt"
+    _fit(AsyncCheckpointCallback(str(dirpath), every_n_train_steps=4, save_top_k=-1), max_steps=8)
+    (dirpath / "step-00000004" / "notes.txt").write_text("mine")  # a user's file put into a committed generation
+    store = CheckpointStore(str(dirpath), check_writable=False)
+    store.run_id = CheckpointStore(str(dirpath), check_writable=False).manifest(4).run_id
+    store.retain(1)
+    assert _steps(dirpath) == [8]
+    assert sorted(p.name for p in (dirpath / "step-00000004").iterdir()) == ["notes.txt"]
