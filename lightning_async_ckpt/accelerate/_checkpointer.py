@@ -25,7 +25,12 @@ from lightning_async_ckpt.accelerate._layout import (
     _rng_state,
 )
 from lightning_async_ckpt.accelerate._mirrors import MirrorBook
-from lightning_async_ckpt.accelerate._numbering import automatic_root
+from lightning_async_ckpt.accelerate._numbering import (
+    automatic_root,
+    continue_numbering,
+    next_free_index,
+    uncommitted_load_message,
+)
 from lightning_async_ckpt.accelerate._prehooks import remove_when_done, run_save_pre_hooks
 from lightning_async_ckpt.core.capture import DeferralProof, Fence
 from lightning_async_ckpt.core.collective import RankFailedError, agree
@@ -280,11 +285,10 @@ class AccelerateCheckpointer(FolderSaves, DrainOnExit):
         if os.path.exists(manifest_path):
             with open(manifest_path, "rb") as f:
                 self.step = Manifest.from_json(f.read(), where=manifest_path).step
+            # A restarted job is back at iteration 0: its next automatic save goes past every folder there.
+            continue_numbering(self.accelerator, next_free_index(self.accelerator))
         elif os.path.exists(os.path.join(folder, INCOMPLETE_MARKER)):
-            raise CheckpointError(
-                f"{folder} is an uncommitted asynchronous save (its manifest was never written): some of its files "
-                "may be missing or partial; load an older checkpoint"
-            )
+            raise CheckpointError(uncommitted_load_message(folder))
 
     def _on_load_weights(self, *_: Any) -> None:
         # model.load_state_dict(...) is about to overwrite weights a save may still be staging: stage them first.

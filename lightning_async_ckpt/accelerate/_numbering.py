@@ -19,7 +19,14 @@ from typing import Any
 from lightning_async_ckpt.storage.io import fsync_dir
 from lightning_async_ckpt.storage.manifest import MANIFEST_NAME
 
-__all__ = ["AUTO_FOLDER_RE", "apply_total_limit", "automatic_root", "continue_numbering", "next_free_index"]
+__all__ = [
+    "AUTO_FOLDER_RE",
+    "apply_total_limit",
+    "automatic_root",
+    "continue_numbering",
+    "next_free_index",
+    "uncommitted_load_message",
+]
 
 _log = logging.getLogger("lightning_async_ckpt")
 AUTO_FOLDER_RE = re.compile(r"^checkpoint_(\d+)$")
@@ -43,6 +50,26 @@ def next_free_index(accelerator: Any) -> int | None:
         return 0
     found = [int(m.group(1)) for m in map(AUTO_FOLDER_RE.match, names) if m]
     return max(found) + 1 if found else 0
+
+
+def uncommitted_load_message(folder: str) -> str:
+    """What ``accelerator.load_state`` says when it was pointed at ``folder``, a save a kill left uncommitted
+    (accelerate's own ``load_state()`` picks the highest ``checkpoint_N`` whether or not it committed)."""
+    name = os.path.basename(folder)
+    root = os.path.dirname(folder) if AUTO_FOLDER_RE.match(name) else folder
+    committed = sorted(
+        (int(m.group(1)), m.group(0))
+        for m in map(AUTO_FOLDER_RE.match, os.listdir(root) if os.path.isdir(root) else [])
+        if m and os.path.exists(os.path.join(root, m.group(0), MANIFEST_NAME))
+    )
+    newest = f"the newest committed one, {committed[-1][1]}" if committed else "the newest committed generation"
+    return (
+        f"{folder} is an uncommitted asynchronous save (its manifest was never written, e.g. the process was "
+        "killed before it finished): accelerator.load_state cannot load it. Resume with the library's loader, which "
+        f"loads {newest}, and continues accelerate's numbering past every folder there: replace "
+        "accelerator.load_state(...) with\n"
+        f"    from lightning_async_ckpt.accelerate import load_state\n    load_state(accelerator, {root!r})"
+    )
 
 
 def continue_numbering(accelerator: Any, next_index: int | None) -> None:

@@ -10,11 +10,14 @@ generation, whether its objects are complete, who claims an uncommitted one) and
   oldest kept complete one, so retention never leaves fewer recoverable generations than ``keep_last`` (or
   than there were, when there were fewer);
 - an uncommitted leftover is removed only when it is older than the newest complete commit, is not being
-  written by this store, and every writer claim in it is this run's (a crashed attempt of this run) or it has
-  none (every writer claims a step before writing data, so it is no save in progress); with
-  ``all_runs`` (the operator acting for the whole folder) any leftover at least ``min_leftover_age_s`` old.
-  Another run's leftover may be a save in progress: it is refused, with the reason. A claim whose lease has not
-  expired (:mod:`.claims`) is a live writer, whatever its run id: its leftover is refused even for this run.
+  written by this store, and it has writer claims, all of this run's (a crashed attempt of this run), or is what
+  this store's own removal left when it stopped after the manifest; with ``all_runs`` (the operator acting for
+  the whole folder) any leftover at least ``min_leftover_age_s`` old. Another run's leftover may be a save in
+  progress: it is refused, with the reason. A claim whose lease has not expired (:mod:`.claims`) is a live
+  writer, whatever its run id: its leftover is refused even for this run. A folder with neither a manifest nor a
+  claim holds files the library never wrote (every writer claims a step before writing data): it is left alone
+  and reported once at WARNING;
+- removing a committed generation removes its manifest's objects, claims and manifest, never other files there.
 """
 
 from __future__ import annotations
@@ -120,8 +123,12 @@ def plan_retention(
     all_runs: bool,
     writing: frozenset[int] = frozenset(),
     min_leftover_age_s: float = 0.0,
+    removing: frozenset[int] = frozenset(),
 ) -> RetentionPlan:
-    """Decide which generations to remove (pure: no I/O). See the module docstring for the rules."""
+    """Decide which generations to remove (pure: no I/O). See the module docstring for the rules.
+
+    ``removing``: steps this store began removing earlier (their leftovers are the library's, claim or not).
+    """
     gens = sorted(candidates, key=lambda c: c.info.step)
     refused: list[Refusal] = []
 
@@ -150,7 +157,7 @@ def plan_retention(
                 why = "damaged and older" if c.problems else "older"
                 remove.append(Removal(step, True, f"{why} than the newest {len(keep)} verified generation(s)"))
             continue
-        reason = _leftover_refusal(c, newest, run_id, all_runs, min_leftover_age_s)
+        reason = _leftover_refusal(c, newest, run_id, all_runs, min_leftover_age_s, step in removing)
         if reason is None:
             remove.append(Removal(step, False, "uncommitted leftover older than the newest commit"))
         else:
@@ -160,7 +167,9 @@ def plan_retention(
     return RetentionPlan(keep=tuple(sorted(keep)), remove=tuple(remove), refused=tuple(refused))
 
 
-def _leftover_refusal(c: Candidate, newest: int | None, run_id: str, all_runs: bool, min_age_s: float) -> str | None:
+def _leftover_refusal(
+    c: Candidate, newest: int | None, run_id: str, all_runs: bool, min_age_s: float, removing: bool
+) -> str | None:
     info = c.info
     if info.newer_format:
         return "manifest of a newer format version (an upgrade can read it)"
@@ -174,8 +183,9 @@ def _leftover_refusal(c: Candidate, newest: int | None, run_id: str, all_runs: b
     if all_runs and (c.age_s is None or c.age_s >= min_age_s):
         return None
     if not c.writers:
-        # Every writer claims a step before writing data: files without a claim or a manifest are not the library's.
-        return FOREIGN
+        # Every writer claims a step before writing data: files without a claim or a manifest are not the
+        # library's, unless this store's own removal of that generation stopped half-way.
+        return None if removing else FOREIGN
     who = ", ".join(sorted(set(c.writers))) if c.writers else "an unknown writer"
     return f"uncommitted, written by {who}: may be another run's save in progress"
 
@@ -233,6 +243,7 @@ def execute(
         all_runs=all_runs,
         writing=store.writing() | protect,
         min_leftover_age_s=min_leftover_age_s,
+        removing=store.ledger.removing,
     )
     report = RetentionReport(plan=plan, dry_run=dry_run)
     for refusal in plan.refused:
@@ -333,8 +344,8 @@ def _remove(store: CheckpointStore, info: GenerationInfo) -> None:
         # generation's objects; another writer's prefix ("w-<token>/" not listed here) is left alone.
         store.fs.rm_file(f"{path}/{MANIFEST_NAME}")
         store.backend.sync_folder(path)
-        keys = {obj.key for obj in info.manifest.objects if obj.path}
-        own = {key.split("/", 1)[0] for key in keys if "/" in key}  # this attempt's prefix
+        keys = {obj.key for obj in info.manifest.objects if obj.root_path is None}
+        own = {obj.key.split("/", 1)[0] for obj in info.manifest.objects if obj.path}  # this attempt's prefix
         files = store.fs.find(path)
         # Left alone: another writer's prefix ("w-<token>/" not listed here) and files the library never writes.
         foreign = [f for f in files if _prefix(f, path) not in own and not _written_here(f, path, keys)]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from lightning_async_ckpt.storage.generation import GenerationInfo
 from lightning_async_ckpt.storage.manifest import Manifest
-from lightning_async_ckpt.storage.retention import Candidate, plan_retention
+from lightning_async_ckpt.storage.retention import FOREIGN, Candidate, plan_retention
 
 
 def _committed(step: int, run: str = "me", problems: tuple[str, ...] | None = ()) -> Candidate:
@@ -49,7 +49,7 @@ def test_other_runs_generations_and_leftovers_are_left_to_them():
 def test_leftover_rules():
     cands = [
         _leftover(1, ("me",)),  # this run's crashed attempt
-        _leftover(2, ()),  # no claim: no save in progress
+        _leftover(2, ()),  # no claim and no manifest: files the library never wrote (issue 39)
         _leftover(3, ("other",), age_s=10.0),
         _leftover(4, ("?",)),  # a torn claim: unknown writer
         _leftover(5, newer_format=True, error="newer"),
@@ -59,7 +59,10 @@ def test_leftover_rules():
         _leftover(9, ("me",)),  # newer than the newest commit: may be in progress
     ]
     plan = _plan(cands, writing=frozenset({1}))
-    assert [r.step for r in plan.remove] == [2, 7]  # 1 is being written by this store
-    assert sorted(r.step for r in plan.refused) == [3, 4, 5, 6, 9]
+    assert [r.step for r in plan.remove] == [7]  # 1 is being written by this store
+    assert sorted(r.step for r in plan.refused) == [2, 3, 4, 5, 6, 9]
+    assert [r.reason for r in plan.refused if r.step == 2] == [FOREIGN]
+    # What this store's own removal left after the manifest (no claim either) is collected.
+    assert [r.step for r in _plan(cands, writing=frozenset({1}), removing=frozenset({2})).remove] == [2, 7]
     operator = _plan(cands, all_runs=True, min_leftover_age_s=60.0, writing=frozenset({1}))
     assert [r.step for r in operator.remove] == [2, 4, 7]  # 3 is younger than a minute; 4's age is unknown
