@@ -60,7 +60,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
         print(json.dumps(rows, indent=1))
         return 0
     if not rows:
-        print(f"no generations at {args.uri}", file=sys.stderr)
+        print(f"no generations at {args.uri}{other_checkpoints(open_store(args))}", file=sys.stderr)
         return 0
     print_ls_table(rows)
     if versions:
@@ -221,7 +221,11 @@ def verify_store(
         if not targets and not tiered:
             raise UsageError(
                 f"no committed generations at {uri}"
-                + (f" (only uncommitted leftovers: {skipped})" if skipped else "; check the path")
+                + (
+                    f" (only uncommitted leftovers: {skipped})"
+                    if skipped
+                    else other_checkpoints(store) or "; check the path"
+                )
             )
     results = [store.verify(step) for step in targets]
     # A committed generation whose manifest is gone now was retired by a running writer while it was read: not damage.
@@ -302,6 +306,21 @@ def print_skipped(skipped: list[Any], *, to_stderr: bool) -> None:
     """Name every folder entry the listing did not read as a generation (never skipped silently)."""
     for entry in skipped:
         print(f"skipped {entry.name}: {entry.reason}", file=sys.stderr if to_stderr else sys.stdout)
+
+
+def other_checkpoints(store: Any) -> str:
+    """``""``, or what tells a user that ``store``'s folder holds ``ModelCheckpoint`` (``.ckpt``) files instead."""
+    try:
+        files = sorted(path.rstrip("/").rsplit("/", 1)[-1] for path in store.fs.glob(f"{store.root}/*.ckpt"))
+    except Exception:  # noqa: BLE001 - only a hint
+        return ""
+    if not files:
+        return ""
+    shown = ", ".join(files[:8]) + (f" and {len(files) - 8} more" if len(files) > 8 else "")
+    return (
+        f"; it holds ModelCheckpoint files ({shown}): load one with trainer.fit(ckpt_path=...); this library's "
+        "generations are step-* folders (AsyncCheckpointCallback's dirpath)"
+    )
 
 
 def _check_store_path(store: Any, uri: str) -> None:
