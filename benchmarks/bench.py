@@ -26,7 +26,7 @@ import tempfile
 import threading
 import time
 import traceback
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -247,6 +247,28 @@ def _markdown(results: list[ModeResult], floors: dict[str, float], machine: str,
     return "\n".join(lines)
 
 
+def _one_baseline(results: list[ModeResult]) -> list[ModeResult]:
+    """The table's rows: the baseline's runs (first and last, against drift) as one row of their means."""
+    runs = [r for r in results if r.mode == "none" and r.error is None]
+    if len(runs) < 2:
+        return results
+    merged = replace(
+        runs[0],
+        median_step_s=statistics.fmean(r.median_step_s for r in runs),
+        mean_step_s=statistics.fmean(r.mean_step_s for r in runs),
+        peak_rss_mb=max(r.peak_rss_mb for r in runs),
+    )
+    out, placed = [], False
+    for r in results:
+        if r.mode == "none" and r.error is None:
+            if not placed:
+                out.append(merged)
+                placed = True
+            continue
+        out.append(r)
+    return out
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``bench`` (every flag has a help text)."""
     parser = argparse.ArgumentParser(
@@ -357,7 +379,8 @@ def main(argv: list[str] | None = None) -> int:
         # The baseline runs first and last: these machines drift, and one baseline would favour whichever mode
         # ran under the same conditions.
         order = [*modes, "none"] if "none" in modes and len(modes) > 1 else modes
-        for mode in order:
+        for i, mode in enumerate(order, start=1):
+            print(f"# [{i}/{len(order)}] {mode}: running {args.steps} steps ...", flush=True)
             r = _run_mode_or_record(mode, args, folder, model_cls, state0)
             shutil.rmtree(os.path.join(folder, mode), ignore_errors=True)
             results.append(r)
@@ -379,7 +402,7 @@ def main(argv: list[str] | None = None) -> int:
                 r.overhead_pct = 100.0 * (r.mean_step_s - base) / base
             if r.mode != "none" and r.median_step_s and r.error is None:
                 r.own_overhead_pct = 100.0 * (r.mean_step_s - r.median_step_s) / r.median_step_s
-        table = _markdown(results, floors, machine, args)
+        table = _markdown(_one_baseline(results), floors, machine, args)
         print(table)
         payload = {
             "machine": machine,

@@ -108,3 +108,17 @@ def test_the_lightning_cpu_preset_interleaves_the_modes_and_prints_ratios_last(
     ratios = out[out.index("Ratios of ours to async_checkpoint_io") :]
     assert "- hooks s/ckpt:" in ratios and "- step slowdown s/ckpt:" in ratios
     assert not any(line.startswith("|") for line in ratios.splitlines())  # the ratios come last
+
+
+def test_the_table_lists_the_baseline_once_and_each_mode_announces_itself(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Issue 39, point 11: `none` runs first and last (drift), but is one row; progress says what runs now.
+    bench = load_bench()
+    out_md = tmp_path / "bench.md"
+    argv = [*_TINY, "--modes", "none,ours_copy", "--dir", str(tmp_path / "s"), "--json", str(tmp_path / "b.json")]
+    assert bench.main([*argv, "--markdown", str(out_md)]) == 0
+    rows = [line.split("|")[1].strip() for line in out_md.read_text().splitlines() if line.startswith("| ")]
+    assert rows[1:] == ["none", "ours_copy"]  # after the header
+    out = capsys.readouterr().out
+    assert "# [1/3] none: running" in out and "# [2/3] ours_copy: running" in out and "# [3/3] none: running" in out
