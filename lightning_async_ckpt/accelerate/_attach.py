@@ -94,13 +94,13 @@ def attach(
     if not callable(getattr(accelerator, "register_save_state_pre_hook", None)):
         raise ConfigError(f"attach needs an accelerate.Accelerator, got {type(accelerator).__name__}")
     _check_supported(accelerator)
-    if not accelerator._optimizers:
+    if not accelerator._optimizers and not accelerator._models:
         # The step counts the prepared optimizers' updates: attached before prepare(), every save would be
         # labelled with fewer steps than its weights took (and a resume would replay data).
         raise ConfigError(
-            "attach(accelerator, ...) goes after accelerator.prepare(model, optimizer, ...): no prepared optimizer "
-            "yet, so its updates would not be counted and every checkpoint would name an earlier step. Call "
-            "model, optimizer, ... = accelerator.prepare(...) first, then attach"
+            "attach(accelerator, ...) goes after accelerator.prepare(model, optimizer, ...): nothing is prepared "
+            "yet, so the optimizer's updates would not be counted and every checkpoint would name an earlier step. "
+            "Call model, optimizer, ... = accelerator.prepare(...) first, then attach"
         )
     if not isinstance(defer, bool):
         raise ConfigError(f"defer must be True or False, got {defer!r}")
