@@ -389,16 +389,12 @@ class AccelerateCheckpointer(FolderSaves, DrainOnExit):
     def _exit(self) -> None:
         if self._closed:
             return
-        if self._multi:
-            # No collective at interpreter exit: folders not confirmed on every process stay uncommitted.
-            for save in self._unsettled:
-                save.abandon()
-            if self._unsettled:
-                _log.warning(
-                    "interpreter exit without close(): %d save_state folder(s) left uncommitted", len(self._unsettled)
-                )
-            return
+        # With several processes close() is a collective: a script's `save_state()` then `sys.exit()` reaches it on
+        # every process, which confirms and commits the last folders. A process that never comes (killed, stuck)
+        # fails it within the collective bound, and the folders not confirmed everywhere stay uncommitted.
+        unsettled = len(self._unsettled)
         try:
             self.close(timeout=self.options.drain_timeout_s)
         except Exception:  # noqa: BLE001 - nothing can be raised at exit; it is logged
-            _log.warning("checkpoint error at interpreter exit", exc_info=True)
+            left = f" ({unsettled} save_state folder(s) may be left uncommitted)" if self._multi and unsettled else ""
+            _log.warning("checkpoint error at interpreter exit%s", left, exc_info=True)

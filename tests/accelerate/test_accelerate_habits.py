@@ -95,3 +95,39 @@ def test_the_next_save_after_accelerates_own_load_of_a_committed_folder_continue
     ckpt.close()
     states = {f.name: f.state for f in accelerate_folders(str(tmp_path / "checkpoints")) or []}
     assert states["checkpoint_4"] == "committed" and states["checkpoint_3"] == "uncommitted"
+
+
+# -- point 3: two processes, save_state() then sys.exit() ---------------------------------------------------------
+@pytest.mark.slow
+def test_two_processes_save_state_then_exit_commit_the_last_save(tmp_path):
+    import json
+    import sys
+
+    from lightning_async_ckpt.accelerate.folders import accelerate_folders
+    from tests.helpers.dist import launch_ranks
+
+    for proc in launch_ranks([sys.executable, __file__, str(tmp_path)], timeout=240):
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    states = {f.name: f.state for f in accelerate_folders(str(tmp_path / "checkpoints")) or []}
+    assert states == {"checkpoint_0": "committed", "checkpoint_1": "committed"}, states
+    assert json.loads((tmp_path / "checkpoints" / "checkpoint_1" / "manifest.json").read_text())["step"] == 2
+
+
+def _exit_worker(project_dir: str) -> None:
+    """One rank: the usual end of an Accelerate script, a save and then sys.exit() without close()."""
+    import sys
+
+    acc, model, opt = _automatic(project_dir)
+    attach(acc)
+    for _ in range(2):
+        _step(acc, model, opt)
+        acc.save_state()  # checkpoint_0 (step 1), checkpoint_1 (step 2)
+    sys.exit(0)
+
+
+if __name__ == "__main__":
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    _exit_worker(sys.argv[1])
