@@ -17,6 +17,7 @@ __all__ = [
     "ProgressReports",
     "estimate_checkpoint_bytes",
     "log_commit",
+    "log_durable_lag",
     "log_final",
     "log_progress",
     "log_stopped",
@@ -80,6 +81,18 @@ def log_progress(
     if values and _flushes_step_metrics(trainer):
         trainer._logger_connector.log_metrics({k: torch.tensor(v) for k, v in values.items()})
     return (*state, values)
+
+
+def log_durable_lag(trainer: pl.Trainer, lag: int) -> None:
+    """With ``local_dirpath``: ``ckpt/durable_lag``, the due generations not yet promoted to ``dirpath``, into the
+    trainer's metrics and the loggers when it changed (the promoter warns past ``LAG_WARN_GENERATIONS``)."""
+    last = trainer.callback_metrics.get("ckpt/durable_lag")
+    if last is not None and int(last) == lag:
+        return
+    value = torch.tensor(lag, dtype=torch.int64)
+    trainer.callback_metrics["ckpt/durable_lag"] = trainer.logged_metrics["ckpt/durable_lag"] = value
+    if trainer.loggers:
+        trainer._logger_connector.log_metrics({"ckpt/durable_lag": float(lag)})
 
 
 def _flushes_step_metrics(trainer: pl.Trainer) -> bool:
@@ -214,3 +227,6 @@ class ProgressReports:
             if self.log_metrics:
                 ck, logged = self.checkpointer, self._logged
                 self._logged = log_progress(pl_module, ck, self.requested_step, self.skipped, logged)
+                promoter = None if self.tiers is None else self.tiers.promoter
+                if promoter is not None:
+                    log_durable_lag(pl_module.trainer, promoter.lag)

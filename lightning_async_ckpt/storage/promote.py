@@ -40,6 +40,8 @@ _log = logging.getLogger("lightning_async_ckpt")
 
 #: The manifest ``extra`` key a promoted generation records its source in (``{"uri": ..., "step": ...}``).
 PROMOTED_FROM_KEY = "promoted_from"
+#: A durable tier more than this many due generations behind the local one is reported (WARNING, event).
+LAG_WARN_GENERATIONS = 2
 
 
 #: The private prefix of an attempt that wrote beside another attempt's claim (``storage/claims.py``).
@@ -186,10 +188,13 @@ class Promoter:
         self._closing = False
         self._thread: threading.Thread | None = None
         self._retaining = False  # a pass over source runs (one at a time: two would remove the same generation)
+        self._due: set[int] = set()  # asked to be promoted, newer than the newest promoted generation
+        self._lag_reported = False
         self._retain_again = False
 
     def committed(self, step: int, *, promote: bool) -> None:
         """Generation ``step`` was committed on ``source``; ``promote`` asks for its promotion."""
+        lagging = False
         if promote:
             with self._cond:
                 if self._closing:
@@ -202,8 +207,22 @@ class Promoter:
                     if self._pending is None or self._pending < step:
                         self._pending = step
                     self._newest_due = max(step, self._newest_due or step)
+                    self._due.add(step)
+                    lagging = len(self._due) > LAG_WARN_GENERATIONS and not self._lag_reported
+                    self._lag_reported = self._lag_reported or lagging
                     self._start()
                     self._cond.notify_all()
+            if lagging:  # outside the lock: a logging handler may be slow
+                lag = self.lag
+                _log.warning(
+                    "the durable tier %s is %d generations behind the local one (newest promoted: step %s): "
+                    "promotions take longer than the cadence; raise every_n_train_steps / promote_every_n_steps "
+                    "or the bandwidth to it",
+                    self.target.uri,
+                    lag,
+                    self.promoted_step,
+                )
+                self._event("promotion_lagging", step=step, lag=lag)
         self._retain_source()
 
     def protected(self) -> frozenset[int]:
@@ -213,6 +232,13 @@ class Promoter:
             steps = {self._pending, self._in_flight, self._newest_due}
             done = self.promoted_step
         return frozenset(s for s in steps if s is not None and (done is None or s > done))
+
+    @property
+    def lag(self) -> int:
+        """Generations asked to be promoted that are newer than the newest promoted one (in flight, pending, or
+        replaced by a newer pending one); above :data:`LAG_WARN_GENERATIONS` it is reported once."""
+        with self._cond:
+            return len(self._due)
 
     @property
     def busy(self) -> bool:
@@ -301,6 +327,8 @@ class Promoter:
         with self._cond:
             if self.promoted_step is None or manifest.step > self.promoted_step:
                 self.promoted_step = manifest.step
+            self._due = {s for s in self._due if s > self.promoted_step}
+            self._lag_reported = self._lag_reported and len(self._due) > LAG_WARN_GENERATIONS
         _log.info("step %d promoted from %s to %s", step, self.source.uri, self.target.uri)
         self._event("promoted", step=step, promote_s=time.monotonic() - started, target=self.target.uri)
         self._retain(self.target, self.keep_last)

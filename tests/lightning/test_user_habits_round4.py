@@ -151,3 +151,21 @@ def test_retention_of_a_generation_beside_foreign_files_removes_only_its_own(tmp
     store.retain(1)
     assert _steps(dirpath) == [8]
     assert sorted(p.name for p in (dirpath / "step-00000004").iterdir()) == ["notes.txt"]
+
+
+# -- point 11: how far the durable tier is behind -----------------------------------------------------------
+def test_with_two_tiers_the_durable_lag_is_a_metric(tmp_path):
+    from lightning.pytorch.loggers import CSVLogger
+
+    cb = AsyncCheckpointCallback(
+        str(tmp_path / "durable"),
+        every_n_train_steps=2,
+        local_dirpath=str(tmp_path / "local"),
+        local_every_n_train_steps=1,
+    )
+    pl.seed_everything(0)
+    logger = CSVLogger(tmp_path / "logs")
+    trainer = pl.Trainer(callbacks=[cb], **trainer_kwargs(max_steps=6, logger=logger, log_every_n_steps=1))
+    trainer.fit(BNDropoutModel(), make_loader())
+    assert int(trainer.logged_metrics["ckpt/durable_lag"]) >= 0
+    assert "ckpt/durable_lag" in (tmp_path / "logs" / "lightning_logs" / "version_0" / "metrics.csv").read_text()

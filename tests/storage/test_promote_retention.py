@@ -44,3 +44,33 @@ def test_a_retention_pass_asked_for_during_another_one_waits_for_it(tmp_path, ca
     assert second_pass and not second_pass[0].is_alive()
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
     assert [g.step for g in CheckpointStore(str(tmp_path / "local")).generations()] == [3]
+
+
+def test_a_durable_tier_lagging_more_than_its_bound_warns_once_and_says_by_how_much(tmp_path, caplog):
+    # Issue 39, point 11: promotions slower than the cadence fall behind with no sign (a newer due generation
+    # replaces a pending one); past LAG_WARN_GENERATIONS it is a WARNING, and `lag` is what metrics show.
+    from lightning_async_ckpt.storage.promote import LAG_WARN_GENERATIONS
+
+    release = threading.Event()
+    stalled = threading.Event()
+    fault = Fault(op="pipe_file", path="manifest", stall=release, callback=lambda _call: stalled.set())
+    target = CheckpointStore(f"faulty://{tmp_path / 'durable'}", {"target_protocol": "file", "faults": [fault]})
+    source = CheckpointStore(str(tmp_path / "local"))
+    events: list[tuple[str, dict]] = []
+    promoter = Promoter(source, target, on_event=lambda name, **fields: events.append((name, fields)))
+    _commit(source, 1)
+    with caplog.at_level(logging.WARNING, logger="lightning_async_ckpt"):
+        promoter.committed(1, promote=True)
+        assert stalled.wait(60)  # step 1's promotion is writing its manifest
+        steps = range(2, LAG_WARN_GENERATIONS + 4)
+        for step in steps:
+            _commit(source, step)
+            promoter.committed(step, promote=True)
+        assert promoter.lag == len(steps) + 1  # every due generation newer than the newest promoted one
+        release.set()
+        assert promoter.drain(60)
+    promoter.close()
+    lagging = [r.getMessage() for r in caplog.records if "behind" in r.getMessage()]
+    assert len(lagging) == 1, lagging
+    assert [name for name, _ in events].count("promotion_lagging") == 1
+    assert promoter.lag == 0 and promoter.promoted_step == steps[-1]
