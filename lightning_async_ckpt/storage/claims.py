@@ -25,6 +25,7 @@ import uuid
 from typing import TYPE_CHECKING, Any
 
 from lightning_async_ckpt.storage.io import atomic_local_write
+from lightning_async_ckpt.storage.manifest import MANIFEST_NAME
 
 if TYPE_CHECKING:
     from lightning_async_ckpt.storage.store import CheckpointStore
@@ -43,10 +44,13 @@ __all__ = [
     "claim_step",
     "clear_leftovers",
     "is_claim_name",
+    "is_takeover_marker",
+    "leftover_writers",
     "new_token",
     "read_claim",
     "take_step_claim",
     "token_liveness",
+    "written_beside",
 ]
 
 _log = logging.getLogger(__name__)
@@ -263,7 +267,7 @@ def clear_leftovers(store: CheckpointStore, folder: str, keep: set[str]) -> list
         return []
     names = [p[len(folder) + 1 :] if p.startswith(folder + "/") else p.rsplit("/", 1)[-1] for p in files]
     others = [rel for rel in names if rel not in keep and not rel.startswith("w-")]
-    if others and not any(is_claim_name(rel) or rel.endswith(".taken") for rel in others):
+    if others and not any(is_claim_name(rel) or is_takeover_marker(rel) for rel in others):
         return others
     removed = False
     for path in files:
@@ -325,3 +329,59 @@ def claim_step(store: CheckpointStore, step: int) -> GenerationWriter:
 def new_token() -> str:
     """A random attempt token."""
     return uuid.uuid4().hex[:12]
+
+
+def is_takeover_marker(name: str) -> bool:
+    """Whether a file name (no folder) is the marker ``.writer-<token>.taken`` of a takeover (:func:`take_step_claim`)."""
+    return name.startswith(".writer-") and name.endswith(".taken")
+
+
+def written_beside(file: str, folder: str, keys: set[str]) -> bool:
+    """Whether ``file`` (in generation ``folder``) is one the library wrote there: an object of the manifest
+    (``keys``), or outside a prefix a claim, a takeover marker or the manifest; other files are left alone."""
+    rel = file[len(folder) + 1 :] if file.startswith(folder + "/") else file.rsplit("/", 1)[-1]
+    if rel in keys:
+        return True
+    if "/" in rel:
+        return False
+    return is_claim_name(rel) or rel == MANIFEST_NAME or is_takeover_marker(rel)
+
+
+def leftover_writers(store: CheckpointStore, step: int, mtime: float | None) -> tuple[tuple[str, ...], float | None]:
+    """The writers whose claims are in uncommitted generation ``step`` (run ids; ``"?"`` unreadable; marked when
+    still live), and seconds since the newest claim (or ``mtime``) was written."""
+    path = store.generation_path(step)
+    try:
+        files = store.fs.find(path)
+    except Exception:  # noqa: BLE001 - an unlistable leftover has an unknown writer
+        return ("?",), None
+    writers, started = [], []
+    for f in files:
+        if not is_claim_name(f.rstrip("/").rsplit("/", 1)[-1]):
+            continue
+        body = read_claim(store.fs, f)
+        try:
+            started.append(float(body["started"]))  # type: ignore[index]
+            writers.append(str(body["run_id"]) + (" (a live process)" if _live(body) else ""))  # type: ignore[index]
+        except Exception:  # noqa: BLE001 - a torn claim names an unknown writer
+            writers.append("?")
+    when = max(started) if started else mtime
+    return tuple(writers), (time.time() - when) if when is not None else None
+
+
+def _live(claim: dict) -> bool:
+    """Whether a claim's writer may still be writing: its lease has not expired; for a claim without a lease
+    (written by an older version), another process of this host that is still running."""
+    state = claim_liveness(claim)
+    if state is not Liveness.UNKNOWN:
+        return state is Liveness.LIVE
+    pid = claim.get("pid")
+    if claim.get("host") != socket.gethostname() or not isinstance(pid, int) or pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True  # exists, owned by someone else
+    return True

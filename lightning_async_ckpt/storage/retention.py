@@ -23,13 +23,10 @@ generation, whether its objects are complete, who claims an uncommitted one) and
 from __future__ import annotations
 
 import logging
-import os
-import socket
-import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from lightning_async_ckpt.storage.claims import Liveness, claim_liveness, is_claim_name, read_claim
+from lightning_async_ckpt.storage.claims import leftover_writers, written_beside
 from lightning_async_ckpt.storage.generation import generation_name
 from lightning_async_ckpt.storage.listing_check import check_listed
 from lightning_async_ckpt.storage.manifest import MANIFEST_NAME, SPREAD_FOLDER, Manifest
@@ -234,7 +231,7 @@ def execute(
                 )
                 kept += not problems
         elif not info.unreadable and not info.newer_format:
-            writers, age = _claims(store, info)
+            writers, age = leftover_writers(store, info.step, info.mtime)
         candidates.append(Candidate(info, problems, writers, age))
     plan = plan_retention(
         candidates,
@@ -310,26 +307,6 @@ def remove_best_k(store: CheckpointStore, steps: list[int], keep: set[int]) -> l
     return removed
 
 
-def _claims(store: CheckpointStore, info: GenerationInfo) -> tuple[tuple[str, ...], float | None]:
-    path = store.generation_path(info.step)
-    try:
-        files = store.fs.find(path)
-    except Exception:  # noqa: BLE001 - an unlistable leftover has an unknown writer
-        return ("?",), None
-    writers, started = [], []
-    for f in files:
-        if not is_claim_name(f.rstrip("/").rsplit("/", 1)[-1]):
-            continue
-        body = read_claim(store.fs, f)
-        try:
-            started.append(float(body["started"]))  # type: ignore[index]
-            writers.append(str(body["run_id"]) + (" (a live process)" if _live(body) else ""))  # type: ignore[index]
-        except Exception:  # noqa: BLE001 - a torn claim names an unknown writer
-            writers.append("?")
-    when = max(started) if started else info.mtime
-    return tuple(writers), (time.time() - when) if when is not None else None
-
-
 def _remove(store: CheckpointStore, info: GenerationInfo) -> None:
     path = store.generation_path(info.step)
     if info.manifest is None:
@@ -348,7 +325,7 @@ def _remove(store: CheckpointStore, info: GenerationInfo) -> None:
         own = {obj.key.split("/", 1)[0] for obj in info.manifest.objects if obj.path}  # this attempt's prefix
         files = store.fs.find(path)
         # Left alone: another writer's prefix ("w-<token>/" not listed here) and files the library never writes.
-        foreign = [f for f in files if _prefix(f, path) not in own and not _written_here(f, path, keys)]
+        foreign = [f for f in files if _prefix(f, path) not in own and not written_beside(f, path, keys)]
         _remove_spread(store, info.manifest)
         if not foreign:
             try:
@@ -400,36 +377,7 @@ def _sweep_spread(store: CheckpointStore, step: int) -> None:
         _remove_files(store, found)
 
 
-def _written_here(file: str, folder: str, keys: set[str]) -> bool:
-    """Whether ``file`` is one the library writes in a generation folder outside a prefix: an object of the
-    manifest (``keys``), a claim, a takeover marker, the manifest."""
-    rel = file[len(folder) + 1 :] if file.startswith(folder + "/") else file.rsplit("/", 1)[-1]
-    if rel in keys:
-        return True
-    if "/" in rel:
-        return False
-    return is_claim_name(rel) or rel == MANIFEST_NAME or (rel.startswith(".writer-") and rel.endswith(".taken"))
-
-
 def _prefix(file: str, folder: str) -> str:
     """The first folder of ``file`` below ``folder`` ("" for a file directly in it)."""
     rel = file[len(folder) + 1 :] if file.startswith(folder + "/") else file.rsplit("/", 1)[-1]
     return rel.split("/", 1)[0] if "/" in rel else ""
-
-
-def _live(claim: dict) -> bool:
-    """Whether a claim's writer may still be writing: its lease has not expired; for a claim without a lease
-    (written by an older version), another process of this host that is still running."""
-    state = claim_liveness(claim)
-    if state is not Liveness.UNKNOWN:
-        return state is Liveness.LIVE
-    pid = claim.get("pid")
-    if claim.get("host") != socket.gethostname() or not isinstance(pid, int) or pid == os.getpid():
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:
-        return True  # exists, owned by someone else
-    return True
