@@ -227,6 +227,6 @@ class ProgressReports:
             if self.log_metrics:
                 ck, logged = self.checkpointer, self._logged
                 self._logged = log_progress(pl_module, ck, self.requested_step, self.skipped, logged)
-                promoter = None if self.tiers is None else self.tiers.promoter
-                if promoter is not None:
-                    log_durable_lag(pl_module.trainer, promoter.lag)
+                lag = None if self.tiers is None else getattr(self.tiers.promoter, "lag", None)
+                if lag is not None:  # the DCP tiers' promoter does not count its lag
+                    log_durable_lag(pl_module.trainer, lag)
