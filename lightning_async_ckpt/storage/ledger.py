@@ -35,7 +35,7 @@ class Ledger:
         self._known: dict[int, GenerationInfo] = {}
         self.reads = 0  # manifests read by passes (for tests and benchmarks)
         self._reported: set[int] = set()
-        self._removing: set[int] = set()
+        self._ours: set[int] = set()
 
     def first_report(self, step: int) -> bool:
         """Whether ``step``'s foreign files are reported for the first time by this store (then once only)."""
@@ -93,17 +93,22 @@ class Ledger:
             self._known[manifest.step] = _slim(info)
 
     def removed(self, step: int) -> None:
-        """Forget a generation retention removes (called before the removal starts; :attr:`removing` keeps it)."""
+        """Forget a generation retention removes (called before the removal starts; :attr:`ours` keeps it)."""
         with self._lock:
             self._known.pop(step, None)
-            self._removing.add(step)
+            self._ours.add(step)
+
+    def wrote(self, step: int) -> None:
+        """This store's writer of ``step`` ended (committed, failed or aborted)."""
+        with self._lock:
+            self._ours.add(step)
 
     @property
-    def removing(self) -> frozenset[int]:
-        """Steps this store began removing: a removal that stopped after the manifest leaves the library's files
-        without a manifest or claim, which the next pass may still collect."""
+    def ours(self) -> frozenset[int]:
+        """Steps this store wrote or began removing: a failed attempt, or a removal that stopped after the
+        manifest, leaves the library's files without a manifest or claim, which the next pass may still collect."""
         with self._lock:
-            return frozenset(self._removing)
+            return frozenset(self._ours)
 
 
 def _slim(info: GenerationInfo) -> GenerationInfo:

@@ -15,8 +15,8 @@ generation, whether its objects are complete, who claims an uncommitted one) and
   the whole folder) any leftover at least ``min_leftover_age_s`` old. Another run's leftover may be a save in
   progress: it is refused, with the reason. A claim whose lease has not expired (:mod:`.claims`) is a live
   writer, whatever its run id: its leftover is refused even for this run. A folder with neither a manifest nor a
-  claim holds files the library never wrote (every writer claims a step before writing data): it is left alone
-  and reported once at WARNING;
+  claim holds files the library never wrote (every writer claims a step before writing data), unless this store
+  wrote or removed that step (a failed attempt releases its claims): it is left alone and reported once at WARNING;
 - removing a committed generation removes its manifest's objects, claims and manifest, never other files there.
 """
 
@@ -120,11 +120,11 @@ def plan_retention(
     all_runs: bool,
     writing: frozenset[int] = frozenset(),
     min_leftover_age_s: float = 0.0,
-    removing: frozenset[int] = frozenset(),
+    ours: frozenset[int] = frozenset(),
 ) -> RetentionPlan:
     """Decide which generations to remove (pure: no I/O). See the module docstring for the rules.
 
-    ``removing``: steps this store began removing earlier (their leftovers are the library's, claim or not).
+    ``ours``: steps this store wrote or began removing (their leftovers are the library's, claims or not).
     """
     gens = sorted(candidates, key=lambda c: c.info.step)
     refused: list[Refusal] = []
@@ -154,7 +154,7 @@ def plan_retention(
                 why = "damaged and older" if c.problems else "older"
                 remove.append(Removal(step, True, f"{why} than the newest {len(keep)} verified generation(s)"))
             continue
-        reason = _leftover_refusal(c, newest, run_id, all_runs, min_leftover_age_s, step in removing)
+        reason = _leftover_refusal(c, newest, run_id, all_runs, min_leftover_age_s, step in ours)
         if reason is None:
             remove.append(Removal(step, False, "uncommitted leftover older than the newest commit"))
         else:
@@ -165,7 +165,7 @@ def plan_retention(
 
 
 def _leftover_refusal(
-    c: Candidate, newest: int | None, run_id: str, all_runs: bool, min_age_s: float, removing: bool
+    c: Candidate, newest: int | None, run_id: str, all_runs: bool, min_age_s: float, ours: bool
 ) -> str | None:
     info = c.info
     if info.newer_format:
@@ -181,8 +181,8 @@ def _leftover_refusal(
         return None
     if not c.writers:
         # Every writer claims a step before writing data: files without a claim or a manifest are not the
-        # library's, unless this store's own removal of that generation stopped half-way.
-        return None if removing else FOREIGN
+        # library's, unless this store wrote that step (a failed attempt) or its removal stopped half-way.
+        return None if ours else FOREIGN
     who = ", ".join(sorted(set(c.writers))) if c.writers else "an unknown writer"
     return f"uncommitted, written by {who}: may be another run's save in progress"
 
@@ -240,7 +240,7 @@ def execute(
         all_runs=all_runs,
         writing=store.writing() | protect,
         min_leftover_age_s=min_leftover_age_s,
-        removing=store.ledger.removing,
+        ours=store.ledger.ours,
     )
     report = RetentionReport(plan=plan, dry_run=dry_run)
     for refusal in plan.refused:

@@ -234,6 +234,7 @@ class CheckpointStore:
         """Release this store's in-process hold on ``step`` (a writer's commit and abort call it)."""
         with self._lock:
             self._writing.discard(step)
+        self.ledger.wrote(step)  # what a failed attempt leaves is this library's, claims or not (retention.py)
 
     _end_write = end_write  # old private name, kept for callers that have not moved yet
 

@@ -62,7 +62,7 @@ def test_leftover_rules():
     assert [r.step for r in plan.remove] == [7]  # 1 is being written by this store
     assert sorted(r.step for r in plan.refused) == [2, 3, 4, 5, 6, 9]
     assert [r.reason for r in plan.refused if r.step == 2] == [FOREIGN]
-    # What this store's own removal left after the manifest (no claim either) is collected.
-    assert [r.step for r in _plan(cands, writing=frozenset({1}), removing=frozenset({2})).remove] == [2, 7]
+    # What this store's own failed attempt or removal left (no claim either) is collected.
+    assert [r.step for r in _plan(cands, writing=frozenset({1}), ours=frozenset({2})).remove] == [2, 7]
     operator = _plan(cands, all_runs=True, min_leftover_age_s=60.0, writing=frozenset({1}))
     assert [r.step for r in operator.remove] == [2, 4, 7]  # 3 is younger than a minute; 4's age is unknown

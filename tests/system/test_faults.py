@@ -233,7 +233,7 @@ def test_manifest_put_acknowledgement_lost_counts_as_committed(backend):
 def _fit(backend: Backend, faults: list[Fault], *, max_steps: int, **kwargs: Any) -> tuple[pl.Trainer, Any]:
     pl.seed_everything(7)
     callback = AsyncCheckpointCallback(
-        dirpath=backend.uri, storage_options=backend.options(*faults), every_n_train_steps=2, **kwargs
+        dirpath=backend.uri, storage_options=backend.options(*faults), every_n_train_steps=2, save_top_k=-1, **kwargs
     )
     trainer = pl.Trainer(max_steps=max_steps, callbacks=[callback], **trainer_kwargs())
     trainer.fit(BNDropoutModel(), make_loader())
