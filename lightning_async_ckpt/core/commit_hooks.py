@@ -1,0 +1,168 @@
+"""After the commit: the record of one committed generation, and the hooks that receive it on the training thread.
+
+Call sequence::
+
+    upload thread (Completion), right after the manifest was written, before ``committed`` resolves
+        -> CommitHooks.committed(manifest, store, tier="durable" | "local")   queues a Committed record
+    promotion thread (storage.promote.Promoter), after the durable manifest
+        -> CommitHooks.committed(manifest, durable_store, tier="durable")
+    training thread, at the next save / wait / poll / drain (the Lightning callback: its next hook)
+        -> CommitHooks.deliver(report)   each record to each callback, oldest first; a callback that raises is
+                                         reported once like a failed save (``report``)
+
+Nothing runs user code on a background thread: a hook may touch the model, log, or start an evaluation.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
+from types import MappingProxyType
+from typing import Any
+
+from lightning_async_ckpt.errors import CheckpointError
+
+__all__ = ["METRICS_KEY", "CommitCallbackError", "CommitHooks", "Committed", "ManifestSummary"]
+
+#: ``Manifest.extra`` key of the metrics at the cut (scalars only), carried into :attr:`Committed.metrics`.
+METRICS_KEY = "metrics"
+
+
+class CommitCallbackError(CheckpointError):
+    """A commit callback raised; the generation it was told about is committed all the same."""
+
+
+@dataclass(frozen=True)
+class ManifestSummary:
+    """What a committed generation's manifest says, in brief.
+
+    Attributes:
+        run_id: The run that wrote it.
+        total_bytes: Sum of its objects' sizes.
+        files: Its objects' names.
+        committed_at: Unix time its manifest was written.
+        format: ``"torch_save"`` (one stream), ``"torch_dcp"`` (sharded) or another writer's format (an export).
+    """
+
+    run_id: str
+    total_bytes: int
+    files: tuple[str, ...]
+    committed_at: float
+    format: str
+
+
+@dataclass(frozen=True)
+class Committed:
+    """One committed generation, as a commit callback receives it (immutable).
+
+    Attributes:
+        step: The cut's global step.
+        uri: The generation's folder (URL with protocol for remote stores).
+        path: What to load: the checkpoint file for a single-file generation, else :attr:`uri`.
+        tier: ``"durable"`` (the store you named; also a promotion's event) or ``"local"`` (a node-local tier's
+            commit, promoted later).
+        manifest: The manifest in brief.
+        is_best: The Lightning callback's ``best_model_path`` names it (``False`` outside Lightning).
+        is_last: It is the newest generation committed on its tier when it was delivered.
+        metrics: Scalar metrics recorded at the cut (Lightning: the monitor candidates; plain loops: what
+            ``extra={"metrics": {...}}`` passed to ``save``).
+    """
+
+    step: int
+    uri: str
+    path: str
+    tier: str
+    manifest: ManifestSummary
+    is_best: bool = False
+    is_last: bool = False
+    metrics: Mapping[str, float] = field(default_factory=lambda: MappingProxyType({}))
+
+
+def summarize(manifest: Any, store: Any, *, tier: str) -> Committed:
+    """The :class:`Committed` record of ``manifest`` committed on ``store``."""
+    uri = store.url(manifest.step)
+    names = tuple(o.name for o in manifest.objects)
+    single = len(names) == 1 and manifest.checkpoint_format == "torch_save"
+    path = store.url(manifest.step, manifest.objects[0].key) if single else uri
+    metrics = manifest.extra.get(METRICS_KEY) if isinstance(manifest.extra, dict) else None
+    clean = {str(k): float(v) for k, v in (metrics or {}).items() if isinstance(v, int | float)}
+    summary = ManifestSummary(
+        run_id=manifest.run_id,
+        total_bytes=manifest.total_bytes,
+        files=names,
+        committed_at=manifest.committed_at,
+        format=str(manifest.extra.get("format") or "torch_save"),
+    )
+    return Committed(manifest.step, uri, path, tier, summary, metrics=MappingProxyType(clean))
+
+
+class CommitHooks:
+    """The commit callbacks of one checkpointer and the records waiting for the training thread.
+
+    :meth:`committed` may be called from any thread; :meth:`deliver` and :meth:`take` from the training thread.
+    Records are queued only while someone listens (a callback was added, or :attr:`manual` is set by an
+    integration that delivers them itself): a checkpointer without hooks keeps nothing.
+    """
+
+    def __init__(self) -> None:
+        self.callbacks: list[Callable[[Committed], Any]] = []
+        self.manual = False  # the Lightning callback takes the records itself, at its own hooks
+        self._queue: deque[Committed] = deque()
+        self._newest: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def add(self, fn: Callable[[Committed], Any]) -> None:
+        """Call ``fn(committed)`` on the training thread once per committed generation (see the module docstring).
+
+        Raises:
+            TypeError: ``fn`` is not callable.
+        """
+        if not callable(fn):
+            raise TypeError(f"a commit callback must be callable (fn(committed) -> None), got {type(fn).__name__}")
+        self.callbacks.append(fn)
+
+    @property
+    def listening(self) -> bool:
+        """Whether commits are queued at all."""
+        return bool(self.callbacks) or self.manual
+
+    def committed(self, manifest: Any, store: Any, *, tier: str = "durable") -> None:
+        """Queue the record of ``manifest``, just committed on ``store`` (any thread; never raises)."""
+        if not self.listening:
+            return
+        record = summarize(manifest, store, tier=tier)
+        with self._lock:
+            if manifest.step >= self._newest.get(tier, -1):
+                self._newest[tier] = manifest.step
+            self._queue.append(record)
+
+    def take(self) -> list[Committed]:
+        """Remove and return the queued records, oldest first, each with :attr:`Committed.is_last` set."""
+        with self._lock:
+            records, newest = list(self._queue), dict(self._newest)
+            self._queue.clear()
+        return [replace(r, is_last=r.step == newest.get(r.tier)) for r in records]
+
+    def deliver(self, report: Callable[[BaseException], None]) -> None:
+        """Call every callback with every queued record (training thread); each failure goes to ``report`` once."""
+        if self.manual or not self._queue:
+            return
+        for record in self.take():
+            for fn in list(self.callbacks):
+                call(fn, record, report)
+
+
+def call(fn: Callable[..., Any], record: Committed, report: Callable[[BaseException], None], *args: Any) -> None:
+    """Call ``fn(*args, record)``; an exception becomes a :class:`CommitCallbackError` passed to ``report``."""
+    try:
+        fn(*args, record)
+    except Exception as exc:  # noqa: BLE001 - reported like a failed save: raised once at the next hook
+        name = getattr(fn, "__qualname__", type(fn).__name__)
+        error = CommitCallbackError(
+            f"commit callback {name} raised {type(exc).__name__}: {exc} (step {record.step}, tier {record.tier!r}, "
+            f"committed at {record.uri}; the checkpoint itself is committed)"
+        )
+        error.__cause__ = exc
+        report(error)
