@@ -6,6 +6,7 @@ import os
 import threading
 import weakref
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 from lightning_async_ckpt.accelerate._collective import collective_for
@@ -29,6 +30,7 @@ from lightning_async_ckpt.accelerate._numbering import automatic_root
 from lightning_async_ckpt.accelerate._prehooks import remove_when_done, run_save_pre_hooks
 from lightning_async_ckpt.core.capture import DeferralProof, Fence
 from lightning_async_ckpt.core.collective import RankFailedError, agree
+from lightning_async_ckpt.core.commit_hooks import Committed
 from lightning_async_ckpt.core.engine import AsyncCheckpointer, CheckpointOptions, SaveHandle
 from lightning_async_ckpt.core.handle import DrainOnExit
 from lightning_async_ckpt.core.telemetry import SaveRecord
@@ -86,6 +88,7 @@ class AccelerateCheckpointer(FolderSaves, DrainOnExit):
         self._final_save = False  # set for the duration of save_state(final=True)
         self._retention_lock = threading.Lock()
         self._warned_total_limit = False
+        self._commit_callbacks: list[Callable[[Committed], Any]] = []
         self.run_id = self._collective(payload=CheckpointStore.new_run_id(), doing="attach")[0]
         self._hooks = [
             accelerator.register_save_state_pre_hook(self._on_save_state),
@@ -189,6 +192,12 @@ class AccelerateCheckpointer(FolderSaves, DrainOnExit):
                     fut.cancel()
             self.handles.append(handle)
         return handle
+
+    def add_commit_callback(self, fn: Callable[[Committed], Any]) -> None:
+        """``fn(committed)`` per generation this process wrote, at its next step fence, save or close (main process)."""
+        for engine in self._engines():
+            engine.add_commit_callback(fn)  # TypeError for a non-callable
+        self._commit_callbacks.append(fn)
 
     def wait(self) -> float:
         """Block until every outstanding save's deferred state is staged (what the step fence does)."""
@@ -333,6 +342,8 @@ class AccelerateCheckpointer(FolderSaves, DrainOnExit):
     def _new_engine(self, store: CheckpointStore, options: CheckpointOptions) -> AsyncCheckpointer:
         engine = AsyncCheckpointer(store, options, serializer=_LayoutSerializer())
         engine.declare_fences({Fence.OPTIMIZER_STEP})
+        for fn in self._commit_callbacks:
+            engine.add_commit_callback(fn)
         # Our exit handler must run before the engine's (newest first): it confirms pending folders first.
         self._exit_hook.unregister()
         self._exit_hook = register_at_exit(self._exit)
