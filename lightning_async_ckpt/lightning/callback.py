@@ -31,7 +31,7 @@ from lightning_async_ckpt.lightning.arguments import (
 )
 from lightning_async_ckpt.lightning.base import CallbackArguments
 from lightning_async_ckpt.lightning.collective import agree_on
-from lightning_async_ckpt.lightning.commits import cut_metrics, deliver, listen
+from lightning_async_ckpt.lightning.commits import cut_metrics, deliver, finish_exports, listen
 from lightning_async_ckpt.lightning.hooks import FINAL_PROOF, is_last_batch, lightning_proof, training_ends_here
 from lightning_async_ckpt.lightning.naming import CHECKPOINT_NAME, checkpoint_key, planned_path
 from lightning_async_ckpt.lightning.on_exception import capture_exception_checkpoint, write_exception_checkpoint
@@ -382,7 +382,8 @@ class AsyncCheckpointCallback(ProgressReports, CallbackArguments):
                 error = exc
             self._sync_progress()
             self._poll(trainer)
-            error = error or self.checkpointer.take_pending_error()  # a commit hook of the last commits
+            finish_exports(self)  # export=: the final export, waited for (commits.py)
+            error = error or self.checkpointer.take_pending_error()  # a commit hook or an export of the last ones
         try:
             progress = (self.committed_step, self.selection.summary())
             self.committed_step, summary = agree_on(trainer, error, "draining checkpoint saves", progress)

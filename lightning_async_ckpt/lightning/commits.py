@@ -10,6 +10,9 @@ Call sequence (training thread, rank 0: the rank whose engine commits; with shar
            trainer callback's on_checkpoint_committed(trainer, pl_module, committed); a hook that raises is
            raised once at the next collective point, like a failed save
 
+``export=`` is one more listener (:class:`~lightning_async_ckpt.core.exporter.Exporter`): it picks the durable
+generations to export and writes them on its own thread; :func:`finish_exports` adds the final one and waits.
+
 With ``local_dirpath`` every local commit is one call (``tier="local"``) and every promotion to ``dirpath`` another
 (``tier="durable"``).
 """
@@ -25,10 +28,11 @@ import lightning.pytorch as pl
 import torch
 
 from lightning_async_ckpt.core.commit_hooks import METRICS_KEY, Committed, call
+from lightning_async_ckpt.core.exporter import Exporter
 from lightning_async_ckpt.errors import ConfigError
 from lightning_async_ckpt.lightning.rerun import comparable_path
 
-__all__ = ["HOOK_NAME", "check_on_commit", "cut_metrics", "deliver", "listen"]
+__all__ = ["HOOK_NAME", "check_on_commit", "cut_metrics", "deliver", "finish_exports", "listen"]
 
 #: The method a Lightning callback defines to be told of each commit.
 HOOK_NAME = "on_checkpoint_committed"
@@ -46,6 +50,8 @@ def check_on_commit(fn: Any) -> Callable[[Committed], Any] | None:
 
 def _listeners(cb: Any, trainer: pl.Trainer) -> list[Callable[[Committed], Any]]:
     found: list[Callable[[Committed], Any]] = [cb.on_commit] if cb.on_commit is not None else []
+    if cb.exporter is not None:
+        found.append(cb.exporter)  # export=: decides on the training thread, writes on its own thread
     module = trainer.lightning_module
     for other in trainer.callbacks:
         method = getattr(other, HOOK_NAME, None)
@@ -55,7 +61,10 @@ def _listeners(cb: Any, trainer: pl.Trainer) -> list[Callable[[Committed], Any]]
 
 
 def listen(cb: Any, trainer: pl.Trainer) -> None:
-    """At train start: have the callback's engine queue commit records when anyone listens."""
+    """At train start: have the callback's engine queue commit records when anyone listens (``export=`` too)."""
+    cb.exporter = None
+    if cb.export is not None and cb.checkpointer is not None and trainer.is_global_zero:
+        cb.exporter = Exporter(cb.export, report=cb.checkpointer.report_error, storage_options=cb.storage_options)
     if cb.checkpointer is not None and _listeners(cb, trainer):
         cb.checkpointer.commit_hooks.manual = True  # delivered here, at the callback's hooks, not by the engine
 
@@ -89,3 +98,13 @@ def deliver(cb: Any, trainer: pl.Trainer) -> None:
         record = replace(record, is_best=record.step in best_steps)
         for fn in listeners:
             call(fn, record, engine.report_error)
+
+
+def finish_exports(cb: Any) -> None:
+    """At the end of fit, after the last commits were delivered: the final export, waited for within
+    ``drain_timeout_s`` (it runs on the export thread); a failure is raised like a failed save."""
+    if cb.exporter is not None:
+        try:
+            cb.exporter.finish(cb.options.drain_timeout_s)
+        finally:
+            cb.exporter = None
