@@ -19,8 +19,9 @@ from typing import Any
 
 from lightning_async_ckpt.core.commit_hooks import Committed
 from lightning_async_ckpt.core.export import EXPORT_FORMAT, export_location, export_safetensors, parse_dtype
-from lightning_async_ckpt.errors import CheckpointError, ConfigError
+from lightning_async_ckpt.errors import CheckpointError, ConfigError, ManifestError
 from lightning_async_ckpt.storage.manifest import Manifest
+from lightning_async_ckpt.storage.store import CheckpointStore
 
 __all__ = ["ExportError", "Exporter", "SafetensorsExport", "check_export"]
 
@@ -132,7 +133,7 @@ class Exporter:
         self._futures[committed.step] = future
         return future
 
-    def _export(self, committed: Committed) -> Manifest:
+    def _export(self, committed: Committed) -> Manifest | None:
         source = committed.uri.rstrip("/").rsplit("/", 1)[0]
         policy = self.policy
         try:
@@ -147,6 +148,13 @@ class Exporter:
                 storage_options=self.storage_options,
             )
         except BaseException as exc:
+            if _retired(source, committed.step, self.storage_options):
+                _log.warning(
+                    "step %d was removed by retention before its safetensors export finished: not exported (keep "
+                    "more generations, keep_last / save_top_k, to export every one asked for)",
+                    committed.step,
+                )
+                return None
             error = ExportError(f"safetensors export of step {committed.step} failed: {type(exc).__name__}: {exc}")
             error.__cause__ = exc
             if self.report is not None:
@@ -181,3 +189,14 @@ class Exporter:
             error, self._errors = self._errors[0], []
             raise error
         return not pending
+
+
+def _retired(uri: str, step: int, storage_options: dict) -> bool:
+    """Whether generation ``step`` is no longer committed in the store at ``uri`` (retention removed it)."""
+    try:
+        CheckpointStore(uri, storage_options, check_writable=False).manifest(step)
+    except ManifestError:
+        return True
+    except Exception:  # noqa: BLE001 - cannot tell: the export's own error is reported
+        return False
+    return False

@@ -170,3 +170,18 @@ def _committed(uri: str, step: int) -> Committed:
 
     store = CheckpointStore(uri, check_writable=False)
     return summarize(store.manifest(step), store, tier="durable")
+
+
+def test_a_generation_retention_removed_before_its_export_is_skipped_with_a_warning(tmp_path, caplog):
+    uri = str(tmp_path / "run")
+    with AsyncCheckpointer(CheckpointStore(uri), keep_last=1) as ckpt:
+        ckpt.save(1, {"model": _model().state_dict()}).committed.result()
+        first = _committed(uri, 1)
+        ckpt.save(2, {"model": _model().state_dict()}).committed.result()
+    assert [g.step for g in CheckpointStore(uri, check_writable=False).generations()] == [2]  # keep_last removed 1
+    exporter = Exporter(SafetensorsExport(final=False))
+    exporter.submit(first)
+    with caplog.at_level("WARNING", logger="lightning_async_ckpt"):
+        assert exporter.finish() is True
+    assert "removed by retention" in caplog.text
+    assert CheckpointStore(export_location(uri), check_writable=False).generations() == []

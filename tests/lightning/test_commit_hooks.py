@@ -85,3 +85,38 @@ def test_with_a_local_tier_the_promotion_is_its_own_event(tmp_path):
     durable_store = CheckpointStore(str(tmp_path / "durable"), check_writable=False)
     assert durable == {g.step for g in durable_store.generations()}
     assert all(c.uri.startswith(durable_store.url(c.step)) for c in seen if c.tier == "durable")
+
+
+def test_export_writes_the_best_and_the_final_generation_as_safetensors_in_the_background(tmp_path):
+    from safetensors.torch import load_file
+
+    from lightning_async_ckpt import SafetensorsExport
+    from lightning_async_ckpt.core.export import SINGLE_NAME, export_location
+
+    ours = AsyncCheckpointCallback(
+        dirpath=str(tmp_path),
+        monitor="val_loss",
+        save_top_k=1,
+        every_n_epochs=1,
+        export=SafetensorsExport(best=True, dtype="bfloat16"),
+    )
+    _, model = fit([ours], max_epochs=3)
+    exports = CheckpointStore(export_location(str(tmp_path)), check_writable=False)
+    exported = [g.step for g in exports.generations()]
+    assert ours.committed_step in exported  # the final one
+    best_step = int(ours.best_model_path.split("step=")[1].split(".")[0])
+    assert best_step in exported  # the best one, when it committed
+    final = exports.manifest(ours.committed_step)
+    assert final.extra["format"] == "safetensors" and exports.verify(ours.committed_step).ok
+    loaded = load_file(f"{exports.generation_path(ours.committed_step)}/{final.object(SINGLE_NAME).key}")
+    assert loaded.keys() == model.state_dict().keys()
+    for key, value in model.state_dict().items():
+        if value.is_floating_point():
+            assert loaded[key].dtype == torch.bfloat16 and torch.equal(loaded[key], value.to(torch.bfloat16))
+    # The checkpoint store itself lists only its own generations (the exports are a store of their own).
+    assert ours.committed_step in [g.step for g in CheckpointStore(str(tmp_path), check_writable=False).generations()]
+
+
+def test_export_must_be_a_known_format(tmp_path):
+    with pytest.raises(ConfigError, match="export"):
+        AsyncCheckpointCallback(dirpath=str(tmp_path), export="onnx")
