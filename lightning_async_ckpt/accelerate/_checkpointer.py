@@ -30,7 +30,7 @@ from lightning_async_ckpt.accelerate._numbering import automatic_root
 from lightning_async_ckpt.accelerate._prehooks import remove_when_done, run_save_pre_hooks
 from lightning_async_ckpt.core.capture import DeferralProof, Fence
 from lightning_async_ckpt.core.collective import RankFailedError, agree
-from lightning_async_ckpt.core.commit_hooks import Committed
+from lightning_async_ckpt.core.commit_hooks import Committed, check_callable
 from lightning_async_ckpt.core.engine import AsyncCheckpointer, CheckpointOptions, SaveHandle
 from lightning_async_ckpt.core.handle import DrainOnExit
 from lightning_async_ckpt.core.telemetry import SaveRecord
@@ -195,9 +195,9 @@ class AccelerateCheckpointer(FolderSaves, DrainOnExit):
 
     def add_commit_callback(self, fn: Callable[[Committed], Any]) -> None:
         """``fn(committed)`` per generation this process wrote, at its next step fence, save or close (main process)."""
+        self._commit_callbacks.append(check_callable(fn))
         for engine in self._engines():
-            engine.add_commit_callback(fn)  # TypeError for a non-callable
-        self._commit_callbacks.append(fn)
+            engine.add_commit_callback(fn)
 
     def wait(self) -> float:
         """Block until every outstanding save's deferred state is staged (what the step fence does)."""
@@ -342,8 +342,7 @@ class AccelerateCheckpointer(FolderSaves, DrainOnExit):
     def _new_engine(self, store: CheckpointStore, options: CheckpointOptions) -> AsyncCheckpointer:
         engine = AsyncCheckpointer(store, options, serializer=_LayoutSerializer())
         engine.declare_fences({Fence.OPTIMIZER_STEP})
-        for fn in self._commit_callbacks:
-            engine.add_commit_callback(fn)
+        engine.commit_hooks.callbacks.extend(self._commit_callbacks)
         # Our exit handler must run before the engine's (newest first): it confirms pending folders first.
         self._exit_hook.unregister()
         self._exit_hook = register_at_exit(self._exit)

@@ -15,6 +15,7 @@ Nothing runs user code on a background thread: a hook may touch the model, log, 
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import deque
 from collections.abc import Callable, Mapping
@@ -24,8 +25,17 @@ from typing import Any
 
 from lightning_async_ckpt.errors import CheckpointError
 
-__all__ = ["METRICS_KEY", "CommitCallbackError", "CommitHooks", "Committed", "ManifestSummary"]
+__all__ = [
+    "METRICS_KEY",
+    "CommitCallbackError",
+    "CommitCallbacks",
+    "CommitHooks",
+    "Committed",
+    "ManifestSummary",
+    "check_callable",
+]
 
+_log = logging.getLogger("lightning_async_ckpt")
 #: ``Manifest.extra`` key of the metrics at the cut (scalars only), carried into :attr:`Committed.metrics`.
 METRICS_KEY = "metrics"
 
@@ -119,9 +129,7 @@ class CommitHooks:
         Raises:
             TypeError: ``fn`` is not callable.
         """
-        if not callable(fn):
-            raise TypeError(f"a commit callback must be callable (fn(committed) -> None), got {type(fn).__name__}")
-        self.callbacks.append(fn)
+        self.callbacks.append(check_callable(fn))
 
     @property
     def listening(self) -> bool:
@@ -152,6 +160,47 @@ class CommitHooks:
         for record in self.take():
             for fn in list(self.callbacks):
                 call(fn, record, report)
+
+
+class CommitCallbacks:
+    """The engine's commit callbacks (a base of :class:`~lightning_async_ckpt.core.engine.AsyncCheckpointer`): it
+    calls :meth:`commit_queued` where a save commits and :meth:`deliver_commits` at its training-thread calls."""
+
+    store: Any
+    progress: Any
+
+    def __init__(self) -> None:
+        self.commit_hooks = CommitHooks()
+        self.commit_tier = "durable"  # "local" when the engine writes a node-local tier (a promotion follows)
+
+    def commit_queued(self, manifest: Any) -> None:
+        """Upload thread, right after ``manifest`` was written: queue its record (never raises)."""
+        if self.store is not None:
+            try:
+                self.commit_hooks.committed(manifest, self.store, tier=self.commit_tier)
+            except Exception:  # noqa: BLE001 - a hook's bookkeeping never fails a committed save
+                _log.warning("commit hooks not told of step %d", manifest.step, exc_info=True)
+
+    def add_commit_callback(self, fn: Callable[[Committed], Any]) -> None:
+        """Call ``fn(committed)`` (a frozen :class:`Committed`) once per committed generation, on the training thread
+        at the next ``save``/``wait``/``poll``/``drain``/``close``; one that raises is raised once like a failed save
+        (``docs/after_commit.md``).
+
+        Raises:
+            TypeError: ``fn`` is not callable.
+        """
+        self.commit_hooks.add(fn)
+
+    def deliver_commits(self) -> None:
+        """Run the commit callbacks for the commits queued so far (training thread)."""
+        self.commit_hooks.deliver(self.progress.report)
+
+
+def check_callable(fn: Any) -> Callable[[Committed], Any]:
+    """``fn``, when it is callable; else a ``TypeError`` saying what a commit callback is."""
+    if not callable(fn):
+        raise TypeError(f"a commit callback must be callable (fn(committed) -> None), got {type(fn).__name__}")
+    return fn
 
 
 def call(fn: Callable[..., Any], record: Committed, report: Callable[[BaseException], None], *args: Any) -> None:

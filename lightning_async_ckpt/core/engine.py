@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -27,7 +27,7 @@ import torch
 from lightning_async_ckpt.core.admission import Admission, AdmissionDecision
 from lightning_async_ckpt.core.capture import DeferralProof, Fence
 from lightning_async_ckpt.core.capturer import PlainCapturer
-from lightning_async_ckpt.core.commit_hooks import CommitHooks, Committed
+from lightning_async_ckpt.core.commit_hooks import CommitCallbacks
 from lightning_async_ckpt.core.completion import Completion, Progress, ProgressView
 from lightning_async_ckpt.core.handle import DrainOnExit, SaveHandle
 from lightning_async_ckpt.core.hooks import FenceHooks
@@ -49,7 +49,7 @@ __all__ = ["AsyncCheckpointer", "CheckpointOptions", "SaveHandle", "Serializer",
 _log = logging.getLogger("lightning_async_ckpt")
 
 
-class AsyncCheckpointer(ProgressView, Lifecycle, DrainOnExit):
+class AsyncCheckpointer(ProgressView, CommitCallbacks, Lifecycle, DrainOnExit):
     """Framework-free asynchronous checkpointing into a :class:`CheckpointStore`.
 
     Thread-safety: ``save``, ``wait``, ``poll``, ``drain`` and ``close`` are called from one training thread; the
@@ -112,8 +112,7 @@ class AsyncCheckpointer(ProgressView, Lifecycle, DrainOnExit):
         self._cut_since_tick = False
         self.progress = Progress(options.on_error)  # committed step, records, refusals, the error queue
         self.requested_step: int | None = None
-        self.commit_hooks = CommitHooks()  # add_commit_callback: records queued at each commit, run at the next call
-        self.commit_tier = "durable"  # "local" when this engine writes a node-local tier (promotion follows)
+        CommitCallbacks.__init__(self)  # add_commit_callback: records queued at each commit, run at the next call
         Lifecycle.__init__(self, upload_nice=options.upload_nice)
         self.capturer: Capturer = capturer or PlainCapturer()
         self.persister: Persister = persister or StreamPersister(
@@ -130,25 +129,8 @@ class AsyncCheckpointer(ProgressView, Lifecycle, DrainOnExit):
             progress=self.progress,
             abandoning=self.abandoning,
             retention=None if options.keep_last is None else lambda: self.store.gc(options.keep_last),
-            on_commit=self._committed,
+            on_commit=self.commit_queued,
         )
-
-    def _committed(self, manifest: Any) -> None:
-        if self.store is not None:
-            try:
-                self.commit_hooks.committed(manifest, self.store, tier=self.commit_tier)
-            except Exception:  # noqa: BLE001 - a hook's bookkeeping never fails a committed save
-                _log.warning("commit hooks not told of step %d", manifest.step, exc_info=True)
-
-    def add_commit_callback(self, fn: Callable[[Committed], Any]) -> None:
-        """Call ``fn(committed)`` (a frozen :class:`~lightning_async_ckpt.core.commit_hooks.Committed`) once per
-        committed generation, on the training thread at the next ``save``/``wait``/``poll``/``drain``/``close``; one
-        that raises is raised once like a failed save (``docs/after_commit.md``)."""
-        self.commit_hooks.add(fn)
-
-    def deliver_commits(self) -> None:
-        """Run the commit callbacks for the commits queued so far (training thread)."""
-        self.commit_hooks.deliver(self.progress.report)
 
     # -- saving ------------------------------------------------------------------------------------------
     def save(

@@ -301,10 +301,8 @@ class AsyncCheckpointCallback(ProgressReports, CallbackArguments):
         if self._last_cut_step == step and not final:
             return
         # ModelCheckpoint's name and top-k decision; a cut that enters no top k (and no save_last) is not taken.
-        candidates = monitor_candidates(trainer)
-        take, entry = self.selection.prepare(
-            trainer, candidates, ranked=not final if ranked is None else ranked, last=last
-        )
+        candidates, rank = monitor_candidates(trainer), not final if ranked is None else ranked
+        take, entry = self.selection.prepare(trainer, candidates, ranked=rank, last=last)
         if not take and not final:
             return
         self._last_cut_step = step

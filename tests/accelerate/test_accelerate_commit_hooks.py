@@ -56,8 +56,8 @@ def test_hook_path_folders_are_reported_and_a_raising_callback_is_raised_once(tm
 def test_a_non_callable_is_refused(tmp_path):
     run = make_run()
     ckpt = attach(run.acc, str(tmp_path / "store"))
-    train(run, 1)
-    save_state(run.acc, str(tmp_path / "store"))  # the engine exists
     with pytest.raises(TypeError, match="callable"):
-        ckpt.add_commit_callback(None)  # type: ignore[arg-type]
-    ckpt.close()
+        ckpt.add_commit_callback(None)  # type: ignore[arg-type]  # refused before any engine exists
+    train(run, 1)
+    save_state(run.acc, str(tmp_path / "store"))
+    ckpt.close()  # nothing was registered: the save commits without a callback error
