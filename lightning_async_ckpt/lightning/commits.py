@@ -88,7 +88,7 @@ def deliver(cb: Any, trainer: pl.Trainer) -> None:
     if engine is None or not engine.commit_hooks.manual:
         return
     records = engine.commit_hooks.take()
-    if not records:
+    if not records or not trainer.is_global_zero:  # each rank's own local tier (sharded): told on rank 0 only
         return
     best = comparable_path(str(cb.best_model_path)) if cb.best_model_path else None
     entries = cb.selection.topk.entries.values()
