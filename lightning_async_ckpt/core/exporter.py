@@ -12,6 +12,7 @@ Call sequence::
 from __future__ import annotations
 
 import logging
+import re
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_all
 from dataclasses import dataclass
@@ -26,6 +27,7 @@ from lightning_async_ckpt.storage.store import CheckpointStore
 __all__ = ["ExportError", "Exporter", "SafetensorsExport", "check_export"]
 
 _log = logging.getLogger("lightning_async_ckpt")
+_GENERATION = re.compile(r"^step-\d{8,}$")
 
 
 class ExportError(CheckpointError):
@@ -134,9 +136,14 @@ class Exporter:
         return future
 
     def _export(self, committed: Committed) -> Manifest | None:
-        source = committed.uri.rstrip("/").rsplit("/", 1)[0]
+        source, _, folder = committed.uri.rstrip("/").rpartition("/")
         policy = self.policy
         try:
+            if not _GENERATION.match(folder):
+                raise ConfigError(
+                    f"{committed.uri} is not a generation of a checkpoint store (an accelerate save_state folder?): "
+                    "export reads <store>/step-N generations; use attach(accelerator, uri) for those"
+                )
             manifest = export_safetensors(
                 source,
                 committed.step,
@@ -148,7 +155,7 @@ class Exporter:
                 storage_options=self.storage_options,
             )
         except BaseException as exc:
-            if _retired(source, committed.step, self.storage_options):
+            if not isinstance(exc, ConfigError) and _retired(source, committed.step, self.storage_options):
                 _log.warning(
                     "step %d was removed by retention before its safetensors export finished: not exported (keep "
                     "more generations, keep_last / save_top_k, to export every one asked for)",

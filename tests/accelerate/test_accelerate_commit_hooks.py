@@ -61,3 +61,36 @@ def test_a_non_callable_is_refused(tmp_path):
     train(run, 1)
     save_state(run.acc, str(tmp_path / "store"))
     ckpt.close()  # nothing was registered: the save commits without a callback error
+
+
+def test_an_exporter_refuses_a_save_state_folder_with_a_clear_error(tmp_path):
+    from lightning_async_ckpt import Exporter, ExportError
+
+    run = make_run()
+    ckpt = attach(run.acc)
+    exporter = Exporter()
+    ckpt.add_commit_callback(exporter)
+    train(run, 2)
+    run.acc.save_state(str(tmp_path / "folder"))
+    ckpt.close()
+    with pytest.raises(ExportError, match="use attach\\(accelerator, uri\\)"):
+        exporter.finish()
+
+
+def test_the_fully_async_path_exports_accelerate_weights(tmp_path):
+    from safetensors.torch import load_file
+
+    from lightning_async_ckpt import Exporter
+
+    uri = str(tmp_path / "store")
+    run = make_run()
+    ckpt = attach(run.acc, uri)
+    exporter = Exporter()
+    ckpt.add_commit_callback(exporter)
+    train(run, 2)
+    save_state(run.acc, uri, final=True)
+    ckpt.close()
+    assert exporter.finish() is True
+    (manifest,) = exporter.exported
+    weights = load_file(f"{uri}/exports/safetensors/step-00000002/{manifest.object('model.safetensors').key}")
+    assert weights.keys() == run.acc.unwrap_model(run.model).state_dict().keys()
