@@ -18,9 +18,8 @@ from __future__ import annotations
 import logging
 import threading
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from types import MappingProxyType
 from typing import Any
 
 from lightning_async_ckpt.errors import CheckpointError
@@ -87,7 +86,7 @@ class Committed:
     manifest: ManifestSummary
     is_best: bool = False
     is_last: bool = False
-    metrics: Mapping[str, float] = field(default_factory=lambda: MappingProxyType({}))
+    metrics: dict[str, float] = field(default_factory=dict, hash=False)  # a copy of the manifest's: picklable
 
 
 def summarize(manifest: Any, store: Any, *, tier: str) -> Committed:
@@ -105,7 +104,7 @@ def summarize(manifest: Any, store: Any, *, tier: str) -> Committed:
         committed_at=manifest.committed_at,
         format=str(manifest.extra.get("format") or "torch_save"),
     )
-    return Committed(manifest.step, uri, path, tier, summary, metrics=MappingProxyType(clean))
+    return Committed(manifest.step, uri, path, tier, summary, metrics=clean)
 
 
 class CommitHooks:

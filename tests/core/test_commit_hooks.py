@@ -114,3 +114,15 @@ def test_two_tiers_tell_the_local_commit_and_the_promotion_apart(tmp_path):
     durable = next(c for c in seen if c.tier == "durable")
     assert durable.uri == CheckpointStore(str(tmp_path / "durable"), check_writable=False).url(2)
     assert torch.load(durable.path)["w"].tolist() == [2.0, 2.0, 2.0]
+
+
+def test_the_record_pickles_and_hashes_so_it_can_go_to_another_process(tmp_path):
+    import pickle
+
+    seen: list[Committed] = []
+    with AsyncCheckpointer(CheckpointStore(str(tmp_path))) as ckpt:
+        ckpt.add_commit_callback(seen.append)
+        ckpt.save(1, {"w": torch.ones(2)}, extra={"metrics": {"loss": 1.5}})
+    (record,) = seen
+    assert pickle.loads(pickle.dumps(record)) == record
+    assert hash(record) == hash(pickle.loads(pickle.dumps(record)))
