@@ -1,0 +1,137 @@
+"""One rank of the Accelerate FSDP2 tests: accelerate prepares FSDP2 (``fully_shard``) on gloo CPU ranks.
+
+Usage: ``python accelerate_fsdp_worker.py <mode> <out>`` under ``tests.helpers.dist.launch_ranks``.
+
+**The forced distributed type.** accelerate 1.16 sets ``DistributedType.FSDP`` only for accelerator devices
+(``MULTI_GPU`` and the like); on CPU ranks it stays ``MULTI_CPU`` (DDP), and ``Accelerator(cpu=True)`` never
+shards. :func:`fsdp2_accelerator` therefore forces the shared state's distributed type to ``FSDP`` and hands the
+state the plugin, before ``Accelerator`` is built: ``accelerator.prepare`` then runs accelerate's own FSDP2 path
+(``fsdp2_prepare_model``: ``fully_shard`` over the gloo group; every parameter a ``DTensor`` shard), and
+``accelerator.save_state`` / ``load_state`` run accelerate's FSDP2 code (``save_fsdp_model``: DCP) unchanged.
+
+Modes:
+    save: 2 ranks. Train 3 steps; ``save_state(acc, uri)`` (asynchronous) and then accelerate's synchronous
+        ``accelerator.save_state(<out>/sync-3)`` at the same cut; train 2 steps (the weights change right after
+        the cut, behind the fence) recording the losses; the same at step 5. Prints each save's plan.
+    resume: 2 ranks, a fresh model (another seed). accelerate's own ``accelerator.load_state`` of the step-5
+        generation folder, then ``accelerator.save_state(<out>/reloaded-5)``; then the library's ``load_state(acc,
+        uri, step=3)``, two training steps (losses recorded) and ``accelerator.save_state(<out>/resumed-5)``.
+    reshard: 1 rank. The library's ``load_state(acc, uri)`` (newest: step 5, written by 2 ranks), then
+        ``accelerator.save_state(<out>/reshard-5)``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import traceback
+
+import torch
+import torch.distributed as dist
+from accelerate import Accelerator
+from accelerate.state import AcceleratorState, GradientState, PartialState
+from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin, set_seed
+
+
+class Counter:
+    """A custom object registered for checkpointing (``custom_checkpoint_0.pkl``)."""
+
+    def __init__(self) -> None:
+        self.n = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"n": self.n}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.n = state["n"]
+
+
+def fsdp2_accelerator() -> Accelerator:
+    """An ``Accelerator`` that prepares FSDP2 on gloo CPU ranks (the distributed type forced: module docstring)."""
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    PartialState(cpu=True)
+    PartialState._shared_state["distributed_type"] = DistributedType.FSDP  # forced: see the module docstring
+    plugin = FullyShardedDataParallelPlugin(
+        fsdp_version=2, state_dict_type="SHARDED_STATE_DICT", cpu_ram_efficient_loading=False
+    )
+    acc = Accelerator(cpu=True, fsdp_plugin=plugin)
+    acc.state.fsdp_plugin = plugin  # set only on the accelerator-device branch of AcceleratorState
+    assert acc.distributed_type == DistributedType.FSDP and acc.is_fsdp2
+    return acc
+
+
+def make(seed: int):
+    set_seed(seed)
+    acc = fsdp2_accelerator()
+    model = torch.nn.Sequential(
+        torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Dropout(0.2), torch.nn.Linear(16, 3)
+    )
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    model, opt, sched = acc.prepare(model, opt, sched)
+    counter = Counter()
+    acc.register_for_checkpointing(counter)
+    return acc, model, opt, sched, counter
+
+
+def train(acc, model, opt, sched, counter, steps: int) -> list[float]:
+    losses = []
+    for _ in range(steps):
+        x, y = torch.randn(8, 6), torch.randint(0, 3, (8,))  # from the RNG that checkpoints restore
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        acc.backward(loss)
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        counter.n += 1
+        losses.append(loss.item())
+    return losses
+
+
+def main() -> None:
+    from lightning_async_ckpt.accelerate import attach, load_state, save_state
+
+    mode, out = sys.argv[1], sys.argv[2]
+    uri = f"{out}/store"
+    result: dict = {"rank": dist.get_rank() if dist.is_initialized() else None}
+    if mode == "save":
+        acc, *run = make(0)
+        ckpt = attach(acc, uri)
+        result["losses"], result["plans"], result["fences"] = [], [], []
+        train(acc, *run, 3)
+        for step in (3, 5):
+            handle = save_state(acc, uri)
+            result["plans"].append(handle.plan.summary())
+            acc.save_state(f"{out}/sync-{step}")  # accelerate's own synchronous save, same cut (the hook steps aside)
+            result["losses"] += train(acc, *run, 2 if step == 3 else 0)
+        ckpt.close()
+        result["committed_step"] = ckpt.committed_step
+    elif mode == "resume":
+        acc, *run = make(123)
+        ckpt = attach(acc, uri)
+        acc.load_state(f"{out}/store/step-00000005")  # accelerate's own loader on the asynchronous generation
+        acc.save_state(f"{out}/reloaded-5")
+        manifest = load_state(acc, uri, step=3)
+        result["loaded_step"] = manifest.step
+        result["losses"] = train(acc, *run, 2)
+        acc.save_state(f"{out}/resumed-5")
+        ckpt.close()
+    elif mode == "reshard":
+        acc, *run = make(7)
+        manifest = load_state(acc, uri)
+        result["loaded_step"] = manifest.step
+        acc.save_state(f"{out}/reshard-5")
+    print("RESULT " + json.dumps(result), flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except Exception:
+        print(traceback.format_exc(), file=sys.stderr, flush=True)
+        sys.exit(1)
