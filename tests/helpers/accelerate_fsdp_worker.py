@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 import sys
-import traceback
 
 import torch
 import torch.distributed as dist
@@ -66,9 +65,7 @@ def fsdp2_accelerator() -> Accelerator:
 def make(seed: int):
     set_seed(seed)
     acc = fsdp2_accelerator()
-    model = torch.nn.Sequential(
-        torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Dropout(0.2), torch.nn.Linear(16, 3)
-    )
+    model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Dropout(0.2), torch.nn.Linear(16, 3))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
     model, opt, sched = acc.prepare(model, opt, sched)
@@ -96,11 +93,11 @@ def main() -> None:
 
     mode, out = sys.argv[1], sys.argv[2]
     uri = f"{out}/store"
-    result: dict = {"rank": dist.get_rank() if dist.is_initialized() else None}
+    result: dict = {}
     if mode == "save":
         acc, *run = make(0)
         ckpt = attach(acc, uri)
-        result["losses"], result["plans"], result["fences"] = [], [], []
+        result["losses"], result["plans"] = [], []
         train(acc, *run, 3)
         for step in (3, 5):
             handle = save_state(acc, uri)
@@ -124,14 +121,11 @@ def main() -> None:
         manifest = load_state(acc, uri)
         result["loaded_step"] = manifest.step
         acc.save_state(f"{out}/reshard-5")
+    result["rank"] = dist.get_rank()
     print("RESULT " + json.dumps(result), flush=True)
     dist.barrier()
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except Exception:
-        print(traceback.format_exc(), file=sys.stderr, flush=True)
-        sys.exit(1)
+    main()
