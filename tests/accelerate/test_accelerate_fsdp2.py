@@ -109,6 +109,11 @@ def test_accelerate_loads_the_generation_and_the_library_resume_continues_identi
         assert resumed["loaded_step"] == 3
         assert resumed["losses"] == original["losses"]  # steps 4 and 5, bit for bit (RNG restored too)
     assert_same_checkpoint(out / "resumed-5", out / "sync-5")
+    # The guard on every rank: a write outside the optimizer before the fence refuses step 10, the retake commits.
+    for resumed in results:
+        assert resumed["torn"] == ["torn", "ShardedSaveError", True, True]
+    steps = [g.step for g in CheckpointStore(str(out / "store"), check_writable=False).generations()]
+    assert steps == [3, 5, 9, 11]
 
 
 def test_a_generation_of_two_ranks_reshards_onto_one(saved):

@@ -15,8 +15,11 @@ Modes:
         the cut, behind the fence) recording the losses; the same at step 5. Prints each save's plan.
     resume: 2 ranks, a fresh model (another seed). accelerate's own ``accelerator.load_state`` of the step-5
         generation folder, then ``accelerator.save_state(<out>/reloaded-5)``; then the library's ``load_state(acc,
-        uri, step=3)``, two training steps (losses recorded) and ``accelerator.save_state(<out>/resumed-5)``.
-    reshard: 1 rank. The library's ``load_state(acc, uri)`` (newest: step 5, written by 2 ranks), then
+        uri, step=3)``, two training steps (losses recorded) and ``accelerator.save_state(<out>/resumed-5)``. Then
+        the guard: step 9 saved; step 10 saved while a write outside the optimizer lands on rank-local shards before
+        the staging copy (the staging thread held by an event): refused on every rank, never committed; step 11
+        (the retake) commits.
+    reshard: 1 rank. The library's ``load_state(acc, uri, step=5)`` (written by 2 ranks), then
         ``accelerator.save_state(<out>/reshard-5)``.
 """
 
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import json
 import sys
+import threading
 
 import torch
 import torch.distributed as dist
@@ -115,10 +119,25 @@ def main() -> None:
         result["loaded_step"] = manifest.step
         result["losses"] = train(acc, *run, 2)
         acc.save_state(f"{out}/resumed-5")
+        save_state(acc, uri, step=9)
+        train(acc, *run, 1)
+        # The guard: hold the staging thread so that a write outside the optimizer lands before step 10's copy.
+        gate = threading.Event()
+        engine = ckpt._sharded
+        engine.stage_worker.submit(lambda: gate.wait(60))
+        torn = save_state(acc, uri, step=10)
+        with torch.no_grad():
+            run[0][0].weight.to_local().add_(1.0)  # this rank's shard, not through the optimizer
+        gate.set()
+        train(acc, *run, 1)  # the fence: waits for step 10's staging, which finds the write
+        assert engine.drain(timeout=60)
+        error = torn.committed.exception()
+        result["torn"] = [torn.outcome, type(error).__name__, bool(getattr(error, "torn", False)), engine.retake_due]
+        save_state(acc, uri, step=11)  # the retake commits
         ckpt.close()
     elif mode == "reshard":
         acc, *run = make(7)
-        manifest = load_state(acc, uri)
+        manifest = load_state(acc, uri, step=5)
         result["loaded_step"] = manifest.step
         acc.save_state(f"{out}/reshard-5")
     result["rank"] = dist.get_rank()
