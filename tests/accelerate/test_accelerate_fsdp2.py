@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import tempfile
 from pathlib import Path
@@ -17,13 +18,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from accelerate import Accelerator
+from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
+from lightning_async_ckpt.accelerate import attach
+from lightning_async_ckpt.errors import ConfigError
 from lightning_async_ckpt.storage.store import CheckpointStore
+from tests.helpers.accelerate_runs import make_run
 from tests.helpers.dist import launch_ranks, rank_results
 
 WORKER = Path(__file__).resolve().parents[1] / "helpers" / "accelerate_fsdp_worker.py"
-pytestmark = pytest.mark.slow
 
 
 def _launch(mode: str, out: Path, world_size: int = 2) -> tuple[list[dict], list[str]]:
@@ -65,6 +70,28 @@ def assert_same_checkpoint(ours: Path, theirs: Path) -> None:
         _same(mine, yours, f"{ours.name}/{name}")
 
 
+def test_deepspeed_refusal_names_what_works_and_what_to_use_instead(monkeypatch):
+    run = make_run()
+    monkeypatch.setattr(Accelerator, "distributed_type", property(lambda self: DistributedType.DEEPSPEED))
+    with pytest.raises(ConfigError, match="What works today") as info:
+        attach(run.acc)
+    assert "FullyShardedDataParallelPlugin(fsdp_version=2)" in str(info.value)
+    assert "accelerator.save_state without attach()" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("version", "state_dict_type", "fix"),
+    [(1, "SHARDED_STATE_DICT", "fsdp_version=2"), (2, "FULL_STATE_DICT", "state_dict_type='SHARDED_STATE_DICT'")],
+)
+def test_fsdp1_and_gathered_state_dicts_are_refused_naming_the_fix(monkeypatch, version, state_dict_type, fix):
+    run = make_run()
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=version, state_dict_type=state_dict_type)
+    monkeypatch.setattr(Accelerator, "distributed_type", property(lambda self: DistributedType.FSDP))
+    monkeypatch.setattr(run.acc.state, "fsdp_plugin", plugin, raising=False)
+    with pytest.raises(ConfigError, match=re.escape(fix)):
+        attach(run.acc, "unused")
+
+
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     out = tmp_path_factory.mktemp("fsdp2")
@@ -72,6 +99,7 @@ def saved(tmp_path_factory):
     return out, results, stderr
 
 
+@pytest.mark.slow
 def test_every_generation_equals_accelerates_synchronous_save_at_the_cut(saved):
     out, results, stderr = saved
     store = CheckpointStore(str(out / "store"), check_writable=False)
@@ -100,6 +128,7 @@ def test_every_generation_equals_accelerates_synchronous_save_at_the_cut(saved):
     assert all(err.count("stays synchronous") == 1 for err in stderr)
 
 
+@pytest.mark.slow
 def test_accelerate_loads_the_generation_and_the_library_resume_continues_identically(saved):
     out, saved_results, _ = saved
     results, _ = _launch("resume", out)
@@ -116,6 +145,7 @@ def test_accelerate_loads_the_generation_and_the_library_resume_continues_identi
     assert steps == [3, 5, 9, 11]
 
 
+@pytest.mark.slow
 def test_a_generation_of_two_ranks_reshards_onto_one(saved):
     out, _, _ = saved
     (result,), _ = _launch("reshard", out, world_size=1)
