@@ -36,13 +36,10 @@ from lightning_async_ckpt.sharded.persister import DCP_VIEWS
 from lightning_async_ckpt.storage.store import CheckpointStore
 
 if TYPE_CHECKING:
-    from lightning_async_ckpt.accelerate._checkpointer import AccelerateCheckpointer
     from lightning_async_ckpt.core.engine import SaveHandle
 
 __all__ = ["FSDP2_HOOK_PATH", "check_fsdp", "is_fsdp", "is_fsdp2", "save_fsdp2"]
 
-#: ``Manifest.extra["layout"]`` of an Accelerate FSDP2 generation.
-FSDP2_LAYOUT = "accelerate_fsdp2"
 #: Logged once when ``accelerator.save_state`` runs under FSDP2 with a checkpointer attached.
 FSDP2_HOOK_PATH = (
     "accelerator.save_state under FSDP2 stays synchronous: accelerate writes the model and optimizer shards with a "
@@ -129,11 +126,20 @@ def small_files(accelerator: Any, rngs: list[dict[str, Any]], hook_files: dict[s
     return out
 
 
-def save_fsdp2(ckpt: AccelerateCheckpointer, step: int, rngs: list[dict[str, Any]], *, final: bool) -> SaveHandle:
+def save_fsdp2(ckpt: Any, step: int, rngs: list[dict[str, Any]], *, final: bool) -> SaveHandle:
     """The library's ``save_state`` under FSDP2 (collective): one DCP generation ``step`` of ``ckpt.uri``.
 
     Every process builds its cut; the processes agree that every one did before any enters the sharded engine
     (whose ``dcp.save`` is collective), so a failure at the cut is raised on every process and nothing is written.
+
+    Args:
+        ckpt: The :class:`~lightning_async_ckpt.accelerate.AccelerateCheckpointer`.
+        step: The generation's step.
+        rngs: Every process's RNG states (gathered at the cut), by process index.
+        final: The checkpoint that ends training: everything copied at the cut.
+
+    Raises:
+        ConfigError: The checkpointer has no ``uri``.
     """
     acc = ckpt.accelerator
     if ckpt.uri is None:
@@ -162,7 +168,7 @@ def save_fsdp2(ckpt: AccelerateCheckpointer, step: int, rngs: list[dict[str, Any
             defer=ckpt.defer,
             final=final,
             cut={"accelerator_step": acc.step, "num_processes": acc.num_processes},
-            extra={DCP_VIEWS: [k for k in state], "layout": FSDP2_LAYOUT},
+            extra={DCP_VIEWS: list(state)},
         )
     finally:
         remove_when_done(hook_folder, handle)
@@ -170,7 +176,7 @@ def save_fsdp2(ckpt: AccelerateCheckpointer, step: int, rngs: list[dict[str, Any
     return handle
 
 
-def sharded_engine(ckpt: AccelerateCheckpointer) -> ShardedCheckpointer:
+def sharded_engine(ckpt: Any) -> ShardedCheckpointer:
     """The checkpointer's sharded engine, created at its first FSDP2 save (a collective: its gloo group)."""
     if ckpt._sharded is None:
         opts = ckpt.options
@@ -183,8 +189,8 @@ def sharded_engine(ckpt: AccelerateCheckpointer) -> ShardedCheckpointer:
             options=opts,
             timeout_s=getattr(ckpt._collective_group, "timeout_s", None) or 300.0,
         )
-        acc = ckpt.accelerator
-        fences = {Fence.OPTIMIZER_STEP} if ckpt.defer else set()
-        engine.declare_fences(fences, modules=acc._models, optimizers=acc._optimizers)
         ckpt._sharded = engine
+    acc = ckpt.accelerator  # models and optimizers prepared since the last save are classified too
+    fences = {Fence.OPTIMIZER_STEP} if ckpt.defer else set()
+    ckpt._sharded.declare_fences(fences, modules=acc._models, optimizers=acc._optimizers)
     return ckpt._sharded

@@ -182,7 +182,7 @@ def _continue_run(checkpointer: Any, run_id: str) -> None:
         return
     _log.info("load_state: continuing run %s (this process attached as %s)", run_id, checkpointer.run_id)
     checkpointer.run_id = run_id
-    engines = (checkpointer._engine, checkpointer._folder_engine)
+    engines = (checkpointer._engine, checkpointer._folder_engine, checkpointer._sharded)
     stores = [e.store for e in engines if e is not None]
     promoter = getattr(checkpointer, "promoter", None)  # two tiers: the durable store the promotions write
     if promoter is not None:
