@@ -146,12 +146,16 @@ def test_accelerate_loads_the_generation_and_the_library_resume_continues_identi
 
 
 @pytest.mark.slow
-def test_a_generation_of_two_ranks_reshards_onto_one(saved):
+@pytest.mark.parametrize("world_size", [1, 4])
+def test_a_generation_of_two_ranks_reshards_onto_one_and_four(saved, world_size):
     out, _, _ = saved
-    (result,), _ = _launch("reshard", out, world_size=1)
-    assert result["loaded_step"] == 5
+    results, _ = _launch("reshard", out, world_size=world_size)
+    assert [r["loaded_step"] for r in results] == [5] * world_size
+    resharded = out / f"reshard-{world_size}"
     for folder in ("pytorch_model_fsdp_0", "optimizer_0"):
-        _same(_dcp(out / "reshard-5" / folder), _dcp(out / "sync-5" / folder), folder)
-    for name in ("scheduler.bin", "custom_checkpoint_0.pkl", "random_states_0.pkl"):
-        _same(*(torch.load(p / name, weights_only=False) for p in (out / "reshard-5", out / "sync-5")), name)
+        _same(_dcp(resharded / folder), _dcp(out / "sync-5" / folder), folder)
+    for name in ("scheduler.bin", "custom_checkpoint_0.pkl", "random_states_0.pkl", "random_states_1.pkl"):
+        if (resharded / name).exists():
+            _same(*(torch.load(p / name, weights_only=False) for p in (resharded, out / "sync-5")), name)
+    assert (resharded / "random_states_0.pkl").exists()
     assert json.loads((out / "store" / "step-00000005" / "manifest.json").read_text())["cut"]["world_size"] == 2

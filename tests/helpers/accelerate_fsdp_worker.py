@@ -19,8 +19,8 @@ Modes:
         the guard: step 9 saved; step 10 saved while a write outside the optimizer lands on rank-local shards before
         the staging copy (the staging thread held by an event): refused on every rank, never committed; step 11
         (the retake) commits.
-    reshard: 1 rank. The library's ``load_state(acc, uri, step=5)`` (written by 2 ranks), then
-        ``accelerator.save_state(<out>/reshard-5)``.
+    reshard: 1 or 4 ranks. The library's ``load_state(acc, uri, step=5)`` (written by 2 ranks), then
+        ``accelerator.save_state(<out>/reshard-<world size>)``.
 """
 
 from __future__ import annotations
@@ -139,7 +139,7 @@ def main() -> None:
         acc, *run = make(7)
         manifest = load_state(acc, uri, step=5)
         result["loaded_step"] = manifest.step
-        acc.save_state(f"{out}/reshard-5")
+        acc.save_state(f"{out}/reshard-{dist.get_world_size()}")
     result["rank"] = dist.get_rank()
     print("RESULT " + json.dumps(result), flush=True)
     dist.barrier()
