@@ -154,7 +154,7 @@ class AccelerateCheckpointer(FolderSaves, DrainOnExit):
         acc = self.accelerator
         rngs = self._settle_collectively(payload=_rng_state(acc))
         if is_fsdp2(acc):
-            return save_fsdp2(self, step, rngs, final=final)
+            return save_fsdp2(self, step, rngs, automatic=auto, final=final)
         handle: SaveHandle | None = None
         error: BaseException | None = None
         index: int | None = None

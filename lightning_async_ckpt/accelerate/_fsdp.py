@@ -114,6 +114,11 @@ def small_files(accelerator: Any, rngs: list[dict[str, Any]], hook_files: dict[s
     for name, (kind, payload) in {**hook_files, **_layout_state(accelerator, rngs, weights=[])}.items():
         if name in skip:
             continue  # written with DCP (optimizer_{i}/)
+        if "/" in name or name.startswith("__") or name == ".metadata":
+            raise ConfigError(
+                f"a save_state pre-hook wrote {name!r}: under FSDP2 the generation's other files are plain file names "
+                "beside DCP's own; write it directly into output_dir under another name"
+            )
         if kind == "torch":
             buf = io.BytesIO()
             torch.save(payload, buf)
@@ -126,7 +131,7 @@ def small_files(accelerator: Any, rngs: list[dict[str, Any]], hook_files: dict[s
     return out
 
 
-def save_fsdp2(ckpt: Any, step: int, rngs: list[dict[str, Any]], *, final: bool) -> SaveHandle:
+def save_fsdp2(ckpt: Any, step: int, rngs: list[dict[str, Any]], *, automatic: bool, final: bool) -> SaveHandle:
     """The library's ``save_state`` under FSDP2 (collective): one DCP generation ``step`` of ``ckpt.uri``.
 
     Every process builds its cut; the processes agree that every one did before any enters the sharded engine
@@ -136,13 +141,14 @@ def save_fsdp2(ckpt: Any, step: int, rngs: list[dict[str, Any]], *, final: bool)
         ckpt: The :class:`~lightning_async_ckpt.accelerate.AccelerateCheckpointer`.
         step: The generation's step.
         rngs: Every process's RNG states (gathered at the cut), by process index.
+        automatic: Asked for accelerate's automatically named folder (not offered with FSDP2).
         final: The checkpoint that ends training: everything copied at the cut.
 
     Raises:
-        ConfigError: The checkpointer has no ``uri``.
+        ConfigError: The checkpointer has no ``uri``, or ``automatic`` naming was asked for.
     """
     acc = ckpt.accelerator
-    if ckpt.uri is None:
+    if ckpt.uri is None or automatic:
         raise ConfigError(
             "save_state under FSDP2 writes a sharded generation of a store: attach(accelerator, uri=...) and save "
             "there (accelerate's automatically named checkpoint_N folders are not written asynchronously with FSDP2)"
