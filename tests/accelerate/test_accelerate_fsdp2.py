@@ -118,7 +118,10 @@ def test_every_generation_equals_accelerates_synchronous_save_at_the_cut(saved):
         )
     for rank in results:
         assert rank["committed_step"] == 5
+        assert rank["local_bytes"] < rank["full_bytes"]
         for plan in rank["plans"]:  # weights and Adam moments staged behind the optimizer-step fence
+            # Host memory: this rank's shards (and 4 step counters), nothing gathered.
+            assert plan["total_bytes"] == rank["local_bytes"] + 4 * 4, plan
             rows = {r["category"]: r for r in plan["rows"]}
             for category in ("parameter", "optimizer_state"):
                 assert rows[category]["capture"] == "staged in background", plan
@@ -158,4 +161,7 @@ def test_a_generation_of_two_ranks_reshards_onto_one_and_four(saved, world_size)
         if (resharded / name).exists():
             _same(*(torch.load(p / name, weights_only=False) for p in (resharded, out / "sync-5")), name)
     assert (resharded / "random_states_0.pkl").exists()
+    if world_size == 1:  # downloaded from memory:// and loaded: the state at the step-6 cut, one rank
+        assert results[0]["from_memory"] == 6
+        assert_same_checkpoint(out / "memory-6", resharded)
     assert json.loads((out / "store" / "step-00000005" / "manifest.json").read_text())["cut"]["world_size"] == 2

@@ -20,7 +20,8 @@ Modes:
         the staging copy (the staging thread held by an event): refused on every rank, never committed; step 11
         (the retake) commits.
     reshard: 1 or 4 ranks. The library's ``load_state(acc, uri, step=5)`` (written by 2 ranks), then
-        ``accelerator.save_state(<out>/reshard-<world size>)``.
+        ``accelerator.save_state(<out>/reshard-<world size>)``. On 1 rank also through ``memory://``: step 6 saved,
+        one step trained, ``load_state`` of the store (a download), ``accelerator.save_state(<out>/memory-6)``.
 """
 
 from __future__ import annotations
@@ -92,8 +93,19 @@ def train(acc, model, opt, sched, counter, steps: int) -> list[float]:
     return losses
 
 
+def _tensors(obj: object) -> list:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, dict):
+        return [t for v in obj.values() for t in _tensors(v)]
+    if isinstance(obj, list | tuple):
+        return [t for v in obj for t in _tensors(v)]
+    return []
+
+
 def main() -> None:
     from lightning_async_ckpt.accelerate import attach, load_state, save_state
+    from lightning_async_ckpt.accelerate._fsdp import fsdp_state
 
     mode, out = sys.argv[1], sys.argv[2]
     uri = f"{out}/store"
@@ -103,6 +115,10 @@ def main() -> None:
         ckpt = attach(acc, uri)
         result["losses"], result["plans"] = [], []
         train(acc, *run, 3)
+        shards = [t for sd in fsdp_state(acc).values() for t in _tensors(sd) if t.dim() > 0]
+        storages = {t.to_local().untyped_storage().data_ptr(): t.to_local().untyped_storage() for t in shards}
+        result["local_bytes"] = sum(st.nbytes() for st in storages.values())  # this rank's shards (FSDP2 pads)
+        result["full_bytes"] = sum(t.numel() * t.element_size() for t in shards)  # the whole model and moments
         for step in (3, 5):
             handle = save_state(acc, uri)
             result["plans"].append(handle.plan.summary())
@@ -140,6 +156,13 @@ def main() -> None:
         manifest = load_state(acc, uri, step=5)
         result["loaded_step"] = manifest.step
         acc.save_state(f"{out}/reshard-{dist.get_world_size()}")
+        if dist.get_world_size() == 1:  # through an fsspec store that is not a local folder (memory://)
+            ckpt = attach(acc, "memory://fsdp2")
+            save_state(acc, "memory://fsdp2", step=6)
+            train(acc, *run, 1)
+            result["from_memory"] = load_state(acc, "memory://fsdp2").step  # waits for step 6, downloads it
+            acc.save_state(f"{out}/memory-6")
+            ckpt.close()
     result["rank"] = dist.get_rank()
     print("RESULT " + json.dumps(result), flush=True)
     dist.barrier()
