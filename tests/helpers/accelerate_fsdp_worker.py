@@ -16,7 +16,7 @@ Modes:
     resume: 2 ranks, a fresh model (another seed). accelerate's own ``accelerator.load_state`` of the step-5
         generation folder, then ``accelerator.save_state(<out>/reloaded-5)``; then the library's ``load_state(acc,
         uri, step=3)``, two training steps (losses recorded) and ``accelerator.save_state(<out>/resumed-5)``. Then
-        the guard: step 9 saved; step 10 saved while a write outside the optimizer lands on rank-local shards before
+        the guard (with ``keep_last=3``): step 9 saved; step 10 saved while a write outside the optimizer lands on rank-local shards before
         the staging copy (the staging thread held by an event): refused on every rank, never committed; step 11
         (the retake) commits.
     reshard: 1 or 4 ranks. The library's ``load_state(acc, uri, step=5)`` (written by 2 ranks), then
@@ -128,7 +128,7 @@ def main() -> None:
         result["committed_step"] = ckpt.committed_step
     elif mode == "resume":
         acc, *run = make(123)
-        ckpt = attach(acc, uri)
+        ckpt = attach(acc, uri, keep_last=3)  # the resumed run continues the saved run's id: its generations count
         acc.load_state(f"{out}/store/step-00000005")  # accelerate's own loader on the asynchronous generation
         acc.save_state(f"{out}/reloaded-5")
         manifest = load_state(acc, uri, step=3)
