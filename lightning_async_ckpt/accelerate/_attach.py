@@ -114,6 +114,11 @@ def attach(
     opts = CheckpointOptions(**options)
     if opts.admission == "coalesce":
         raise ConfigError("admission='coalesce' is not supported with Accelerate; use 'wait', 'skip' or 'abort'")
+    if is_fsdp(accelerator) and (opts.admission != "wait" or opts.max_outstanding != 1):
+        raise ConfigError(
+            f"under FSDP2 every process takes part in every save, one at a time: admission={opts.admission!r} and "
+            f"max_outstanding={opts.max_outstanding} cannot be honoured; leave them at 'wait' and 1"
+        )
     if opts.serializer is not None:
         raise ConfigError("serializer cannot be set: the Accelerate integration writes accelerate's own file layout")
     if uri is not None and (not isinstance(uri, str) or not uri.strip()):

@@ -92,6 +92,16 @@ def test_fsdp1_and_gathered_state_dicts_are_refused_naming_the_fix(monkeypatch, 
         attach(run.acc, "unused")
 
 
+@pytest.mark.parametrize("options", [{"admission": "skip"}, {"max_outstanding": 2}])
+def test_fsdp2_refuses_admission_it_cannot_honour(monkeypatch, options):
+    run = make_run()
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=2)
+    monkeypatch.setattr(Accelerator, "distributed_type", property(lambda self: DistributedType.FSDP))
+    monkeypatch.setattr(run.acc.state, "fsdp_plugin", plugin, raising=False)
+    with pytest.raises(ConfigError, match="every process takes part in every save"):
+        attach(run.acc, "unused", **options)
+
+
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     out = tmp_path_factory.mktemp("fsdp2")
