@@ -6,7 +6,6 @@ import os
 import threading
 import weakref
 from collections import deque
-from collections.abc import Callable
 from typing import Any
 
 from lightning_async_ckpt.accelerate._collective import collective_for
@@ -31,7 +30,7 @@ from lightning_async_ckpt.accelerate._numbering import automatic_root
 from lightning_async_ckpt.accelerate._prehooks import remove_when_done, run_save_pre_hooks
 from lightning_async_ckpt.core.capture import DeferralProof, Fence
 from lightning_async_ckpt.core.collective import RankFailedError, agree
-from lightning_async_ckpt.core.commit_hooks import Committed, check_callable
+from lightning_async_ckpt.core.commit_hooks import CommitFanOut
 from lightning_async_ckpt.core.engine import AsyncCheckpointer, CheckpointOptions, SaveHandle
 from lightning_async_ckpt.core.handle import DrainOnExit
 from lightning_async_ckpt.core.telemetry import SaveRecord
@@ -42,7 +41,7 @@ from lightning_async_ckpt.storage.store import CheckpointStore
 
 
 # -- the checkpointer --------------------------------------------------------------------------------------
-class AccelerateCheckpointer(FolderSaves, DrainOnExit):
+class AccelerateCheckpointer(FolderSaves, CommitFanOut, DrainOnExit):
     """Asynchronous checkpoints for one ``Accelerator``; create it with :func:`attach` on every process.
 
     Thread-safety: every method and hook runs on the training thread. In multi-process runs, ``save_state``,
@@ -90,7 +89,6 @@ class AccelerateCheckpointer(FolderSaves, DrainOnExit):
         self._final_save = False  # set for the duration of save_state(final=True)
         self._retention_lock = threading.Lock()
         self._warned_total_limit = self._warned_fsdp2 = False
-        self._commit_callbacks: list[Callable[[Committed], Any]] = []
         self.run_id = self._collective(payload=CheckpointStore.new_run_id(), doing="attach")[0]
         self._hooks = [
             accelerator.register_save_state_pre_hook(self._on_save_state),
@@ -197,12 +195,6 @@ class AccelerateCheckpointer(FolderSaves, DrainOnExit):
                     fut.cancel()
             self.handles.append(handle)
         return handle
-
-    def add_commit_callback(self, fn: Callable[[Committed], Any]) -> None:
-        """``fn(committed)`` per generation this process wrote, at its next step fence, save or close (main process)."""
-        self._commit_callbacks.append(check_callable(fn))
-        for engine in self._engines():
-            engine.add_commit_callback(fn)
 
     def wait(self) -> float:
         """Block until every outstanding save's deferred state is staged (what the step fence does)."""
@@ -352,7 +344,7 @@ class AccelerateCheckpointer(FolderSaves, DrainOnExit):
     def _new_engine(self, store: CheckpointStore, options: CheckpointOptions) -> AsyncCheckpointer:
         engine = AsyncCheckpointer(store, options, serializer=_LayoutSerializer())
         engine.declare_fences({Fence.OPTIMIZER_STEP})
-        engine.commit_hooks.callbacks.extend(self._commit_callbacks)
+        self.commit_callbacks_to(engine)  # add_commit_callback (core/commit_hooks.py)
         # Our exit handler must run before the engine's (newest first): it confirms pending folders first.
         self._exit_hook.unregister()
         self._exit_hook = register_at_exit(self._exit)

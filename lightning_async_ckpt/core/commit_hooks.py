@@ -195,6 +195,25 @@ class CommitCallbacks:
         self.commit_hooks.deliver(self.progress.report)
 
 
+class CommitFanOut:
+    """``add_commit_callback`` of an integration that creates its engines lazily (Accelerate's checkpointer): every
+    callback goes to each engine it has (``_engines()``) and to each it creates later (:meth:`commit_callbacks_to`)."""
+
+    def _engines(self) -> list[Any]:
+        raise NotImplementedError
+
+    def add_commit_callback(self, fn: Callable[[Committed], Any]) -> None:
+        """``fn(committed)`` once per generation this process committed, on the training thread at the next step
+        fence, save or close (``AsyncCheckpointer.add_commit_callback``; ``docs/after_commit.md``)."""
+        self.__dict__.setdefault("_commit_callbacks", []).append(check_callable(fn))
+        for engine in self._engines():
+            engine.add_commit_callback(fn)
+
+    def commit_callbacks_to(self, engine: Any) -> None:
+        """Give a new engine the callbacks added so far."""
+        engine.commit_hooks.callbacks.extend(self.__dict__.get("_commit_callbacks", ()))
+
+
 def check_callable(fn: Any) -> Callable[[Committed], Any]:
     """``fn``, when it is callable; else a ``TypeError`` saying what a commit callback is."""
     if not callable(fn):
