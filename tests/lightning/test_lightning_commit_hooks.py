@@ -77,6 +77,7 @@ def test_with_a_local_tier_the_promotion_is_its_own_event(tmp_path):
         every_n_train_steps=4,
         local_every_n_train_steps=2,
         on_commit=seen.append,
+        save_top_k=-1,
     )
     fit([ours], max_steps=8)
     local = {c.step for c in seen if c.tier == "local"}

@@ -67,7 +67,12 @@ def test_a_failed_save_is_never_announced_to_the_loggers(tmp_path):
     root = str(tmp_path / "ckpt")
     options = {"target_protocol": "file", "faults": [Fault(op="write", path=".ckpt", at=2, error="oserror")]}
     ours = AsyncCheckpointCallback(
-        dirpath=f"faulty://{root}", storage_options=options, every_n_train_steps=2, on_error="warn", retries=0
+        dirpath=f"faulty://{root}",
+        storage_options=options,
+        every_n_train_steps=2,
+        on_error="warn",
+        retries=0,
+        save_top_k=-1,
     )
     logger = ManifestCheckingLogger(strip="faulty://")
     fit([ours], max_steps=8, logger=logger)
@@ -91,7 +96,7 @@ def test_on_an_s3_dirpath_loggers_are_told_after_the_commit(s3_uri):
 
 
 def test_csv_logger_records_only_committed_steps(tmp_path):
-    ours = AsyncCheckpointCallback(dirpath=str(tmp_path / "ckpt"), every_n_train_steps=3)
+    ours = AsyncCheckpointCallback(dirpath=str(tmp_path / "ckpt"), every_n_train_steps=3, save_top_k=-1)
     fit([ours], max_steps=12, logger=CSVLogger(str(tmp_path / "logs")), log_every_n_steps=1)
     with open(next((tmp_path / "logs").rglob("metrics.csv"))) as f:
         logged = {int(float(row["ckpt/committed_step"])) for row in csv.DictReader(f) if row.get("ckpt/committed_step")}
