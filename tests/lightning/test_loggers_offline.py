@@ -22,6 +22,7 @@ import pytest
 import wandb
 from lightning.pytorch.loggers import MLFlowLogger, TensorBoardLogger, WandbLogger
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from typing_extensions import override
 
 from lightning_async_ckpt import AsyncCheckpointCallback, CheckpointStore
 from lightning_async_ckpt.storage.io import read_verified
@@ -39,6 +40,7 @@ class CheckedAtUpload:
 
     storage_options: dict = {}
 
+    @override
     def after_save_checkpoint(self, checkpoint_callback) -> None:
         named = getattr(self, "named", {})
         paths = {checkpoint_callback.best_model_path, checkpoint_callback.last_model_path} - {""}
@@ -111,7 +113,8 @@ def wandb_artifacts(save_dir: Path) -> list[dict]:
             if parsed.WhichOneof("record_type") == "artifact":
                 art = parsed.artifact
                 files = {e.path: e.digest for e in art.manifest.contents}
-                out.append({"metadata": json.loads(art.metadata), "files": files, "aliases": list(art.aliases)})
+                refs = {e.path: e.ref for e in art.manifest.contents if e.ref}
+                out.append({"metadata": json.loads(art.metadata), "files": files, "refs": refs})
     assert "exit" in kinds, f"{path} ends before the run's exit record"
     return out
 
@@ -207,3 +210,26 @@ def test_from_an_s3_dirpath_wandb_and_mlflow_upload_nothing(s3_uri, tmp_path, ml
     assert mlflow.named and all(p.startswith("s3://") for p in ours.best_k_models)  # named, committed, on S3
     assert mlflow_uploads(tmp_path / "mlruns") == {}
     assert wandb_artifacts(wandb_offline) == []
+
+
+def test_from_an_s3_dirpath_an_on_commit_hook_logs_each_committed_generation(s3_uri, wandb_offline, monkeypatch):
+    # The way docs/after_commit.md gives for S3: the hook logs the committed folder as a W&B reference artifact
+    # (W&B lists the objects with boto3, here from the moto server), manifest.json included.
+    uri, options = s3_uri
+    monkeypatch.setenv("AWS_ENDPOINT_URL", options["endpoint_url"])  # for W&B's boto3 client
+    logger = WandbLogger(save_dir=str(wandb_offline), mode="offline", project="lac")
+
+    commits = []
+
+    def reference(committed) -> None:
+        commits.append(committed)
+        artifact = wandb.Artifact("checkpoint", type="model", metadata={"step": committed.step})
+        artifact.add_reference(f"{committed.uri}/")  # the folder: its objects, manifest.json included
+        logger.experiment.log_artifact(artifact, aliases=["best"] if committed.is_best else [])
+
+    ours = AsyncCheckpointCallback(dirpath=uri, storage_options=options, every_n_epochs=1, on_commit=reference)
+    fit([ours], max_epochs=3, logger=logger)
+    logged = {a["metadata"]["step"]: a["refs"] for a in wandb_artifacts(wandb_offline)}
+    assert sorted(logged) == [c.step for c in commits]
+    for c in commits:  # the checkpoint file and the manifest, both in the committed folder
+        assert sorted(logged[c.step].values()) == sorted([c.path, f"{c.uri}/manifest.json"])
