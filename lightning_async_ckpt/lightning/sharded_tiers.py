@@ -62,8 +62,8 @@ def open_tiered_sharded(callback: Any, store: CheckpointStore, options: Any, ran
         replicas=replicas,
         ranks_per_node=per_node,
     )
-    tiers.local_store, tiers.promoter = checkpointer.store, checkpointer.promoter
-    tiers._delivered, tiers._tracked, tiers._durable = set(), [], {}
+    tiers.local_store = checkpointer.store
+    tiers.hand_over(checkpointer.promoter)
     return checkpointer
 
 

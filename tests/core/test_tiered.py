@@ -136,3 +136,31 @@ def test_an_emergency_save_right_after_a_local_cut_of_the_same_step_promotes_tha
     assert _steps(tmp_path / "durable") == [4]
     durable = CheckpointStore(str(tmp_path / "durable"), check_writable=False)
     assert durable.manifest(4).extra["promoted_from"]["step"] == 4
+
+
+def test_drain_and_emergency_save_wait_for_a_hand_over_in_progress(tmp_path):
+    # The last commit's hand-over (local retention, then its replica) runs on the upload thread. A drain that
+    # returned while it ran said "drained" before the replica was queued, and close() then dropped it.
+    import threading
+
+    entered, release = threading.Event(), threading.Event()
+    handed: list[int] = []
+
+    def replicate(step: int) -> None:  # where a run with replicas hands the commit to its Replicator
+        entered.set()
+        release.wait()
+        handed.append(step)
+
+    ckpt = TieredCheckpointer(str(tmp_path / "local"), str(tmp_path / "durable"), promote_every_n_steps=4)
+    ckpt.relay.also = replicate
+    try:
+        ckpt.save(2, {"step": 2})
+        assert entered.wait(120)  # step 2 committed; its hand-over is in progress
+        assert ckpt.drain(timeout=0.2) is False and handed == []
+        where = ckpt.emergency_save(2, {"step": 2}, grace_s=0.2)
+        assert "not in time" in where and handed == []
+    finally:
+        release.set()
+    assert ckpt.drain() is True and handed == [2]
+    ckpt.close()
+    assert _steps(tmp_path / "durable") == [2]  # the emergency save promoted the step it found cut already
