@@ -164,3 +164,49 @@ def test_drain_and_emergency_save_wait_for_a_hand_over_in_progress(tmp_path):
     assert ckpt.drain() is True and handed == [2]
     ckpt.close()
     assert _steps(tmp_path / "durable") == [2]  # the emergency save promoted the step it found cut already
+
+
+def test_restore_and_latest_checkpoint_agree_when_the_durable_tier_holds_a_torn_newer_step(tmp_path):
+    local, durable = tmp_path / "local", tmp_path / "durable"
+    ckpt = TieredCheckpointer(str(local), str(durable), promote_every_n_steps=4)
+    _loop(ckpt, 10)  # local 2..10, durable 4, 8
+    ckpt.close()
+    # A promotion of step 12 killed on the old node: its objects on the durable tier, no manifest.
+    torn = durable / CheckpointStore(str(durable), check_writable=False).generation_path(12).rsplit("/", 1)[-1]
+    torn.mkdir()
+    (torn / "checkpoint.ckpt").write_bytes(b"half a checkpoint")
+    again = TieredCheckpointer(str(local), str(durable), promote_every_n_steps=4)
+    restored = again.restore()
+    again.close()
+    # Step 12 was never committed: the newest committed generation of either tier is the local step 10.
+    assert (restored.tier, restored.step) == ("local", 10)
+    found = latest_checkpoint(str(durable), local_dirpath=str(local))
+    assert found == restored.store.object_url(10, "checkpoint.ckpt")
+
+
+def test_two_runs_sharing_a_local_tier_never_resume_each_other(tmp_path):
+    import pytest
+
+    from lightning_async_ckpt.errors import ConfigError
+
+    shared = str(tmp_path / "local")
+    a = TieredCheckpointer(shared, str(tmp_path / "durable-a"), promote_every_n_steps=4)
+    _loop(a, 4)  # run A: local 2, 4; durable-a 4
+    a.close()
+    b = TieredCheckpointer(shared, str(tmp_path / "durable-b"), promote_every_n_steps=8)
+    for step in (6, 8):  # run B, another run, in the same local folder
+        b.save(step, {"step": step, "run": "b"})
+    b.close()
+    run_a = CheckpointStore(str(tmp_path / "durable-a"), check_writable=False).manifest(4).run_id
+    again = TieredCheckpointer(shared, str(tmp_path / "durable-a"), promote_every_n_steps=4)
+    restored = again.restore()
+    again.close()
+    # A resumes its own newest generation, never B's newer one, and stays run A.
+    assert (restored.tier, restored.step) == ("local", 4)
+    assert restored.manifest.run_id == run_a and again.local.run_id == run_a
+    # A run whose durable tier tells nothing cannot know which of the two runs it continues: refused, naming the fix.
+    fresh = TieredCheckpointer(shared, str(tmp_path / "durable-c"))
+    with pytest.raises(ConfigError, match="local_dirpath|own local"):
+        fresh.restore()
+    fresh.close()
+    assert _steps(tmp_path / "local") == [2, 4, 6, 8]  # nothing lost
