@@ -18,10 +18,10 @@ from lightning_async_ckpt.core.replica_persist import manifest_of
 from lightning_async_ckpt.lightning import resume
 from lightning_async_ckpt.lightning.arguments import resolve_dirpath
 from lightning_async_ckpt.lightning.last import weights_only
-from lightning_async_ckpt.lightning.naming import CHECKPOINT_NAME, loadable_path
+from lightning_async_ckpt.lightning.naming import CHECKPOINT_NAME, loadable_path, version_uri
 from lightning_async_ckpt.lightning.replicas import agree_on_local
-from lightning_async_ckpt.lightning.rerun import version_uri
-from lightning_async_ckpt.lightning.sharded_tiers import find_last_sharded, writes_sharded
+from lightning_async_ckpt.lightning.sharded_tiers import find_last_sharded
+from lightning_async_ckpt.lightning.sliced import writes_sharded
 from lightning_async_ckpt.storage.finder import durable_step_to_beat, list_steps, newest_committed_above, newest_intact
 from lightning_async_ckpt.storage.store import CheckpointStore
 

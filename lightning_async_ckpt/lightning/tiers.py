@@ -26,8 +26,8 @@ from typing import Any
 from lightning_async_ckpt.core.capture import Fence
 from lightning_async_ckpt.core.engine import AsyncCheckpointer
 from lightning_async_ckpt.core.tiered import CommitRelay
+from lightning_async_ckpt.lightning.naming import run_locations, version_uri
 from lightning_async_ckpt.lightning.replicas import setup_replicas
-from lightning_async_ckpt.lightning.rerun import run_locations, version_uri
 from lightning_async_ckpt.lightning.sharded_tiers import emergency_replicas, place_sharded
 from lightning_async_ckpt.storage.promote import Promoter
 from lightning_async_ckpt.storage.store import CheckpointStore
