@@ -20,7 +20,7 @@ from typing import Any
 
 from lightning_async_ckpt.accelerate._choose import Choice
 from lightning_async_ckpt.core.collective import agree
-from lightning_async_ckpt.storage.finder import durable_step_to_beat, list_steps, newest_intact
+from lightning_async_ckpt.storage.finder import list_steps, newest_intact
 from lightning_async_ckpt.storage.generation import version_folders
 from lightning_async_ckpt.storage.manifest import Manifest
 from lightning_async_ckpt.storage.store import CheckpointStore
@@ -51,8 +51,7 @@ def choose_across_tiers(
     try:
         mine = _holding(local_dirpath, step) if step is not None else _newest(local_dirpath)
         if accelerator.is_main_process:
-            stores = [CheckpointStore(uri, options, check_writable=False)]
-            durable = durable_step_to_beat(stores, None if mine is None else mine[0])
+            durable = max(list_steps(CheckpointStore(uri, options, check_writable=False)).steps, default=None)
     except Exception as exc:  # noqa: BLE001 - raised on every process by agree
         error = exc
     gathered = agree(collective, error, (mine, durable), doing="load_state: finding the local tier's newest step")
