@@ -31,10 +31,22 @@ from lightning_async_ckpt.lightning.arguments import (
 )
 from lightning_async_ckpt.lightning.base import CallbackArguments
 from lightning_async_ckpt.lightning.collective import agree_on
-from lightning_async_ckpt.lightning.hooks import FINAL_PROOF, is_last_batch, lightning_proof, training_ends_here
+from lightning_async_ckpt.lightning.hooks import (
+    FINAL_PROOF,
+    inside_accumulation_window,
+    is_last_batch,
+    lightning_proof,
+    stops_here,
+    training_ends_here,
+)
 from lightning_async_ckpt.lightning.naming import CHECKPOINT_NAME, checkpoint_key, planned_path
 from lightning_async_ckpt.lightning.on_exception import capture_exception_checkpoint, write_exception_checkpoint
-from lightning_async_ckpt.lightning.preemption import preemption_due
+from lightning_async_ckpt.lightning.preemption import (
+    Emergency,
+    EmergencyWindow,
+    restore_after_exception,
+    warn_mid_window,
+)
 from lightning_async_ckpt.lightning.progress import (
     ProgressReports,
     estimate_checkpoint_bytes,
@@ -52,7 +64,7 @@ from lightning_async_ckpt.lightning.selection import (
 from lightning_async_ckpt.lightning.sharded import setup_sharded
 from lightning_async_ckpt.lightning.tier_resume import find_last_across, latest_checkpoint
 from lightning_async_ckpt.lightning.tiers import emergency_drain, open_checkpointer
-from lightning_async_ckpt.lightning.triggers import monitor_candidates
+from lightning_async_ckpt.lightning.triggers import monitor_candidates, stop_may_follow
 from lightning_async_ckpt.storage.store import CheckpointStore
 
 __all__ = ["CHECKPOINT_NAME", "AsyncCheckpointCallback", "latest_checkpoint"]
@@ -129,6 +141,7 @@ class AsyncCheckpointCallback(ProgressReports, CallbackArguments):
         # Like ModelCheckpoint: no cut at the step training starts from (fresh: 0; resumed: the restored step).
         self._last_cut_step = self._fit_start_step = trainer.global_step
         self._preallocated = False
+        self._emergency_window = EmergencyWindow(self.preemption_grace_s)
         self._schedule.start(trainer.global_step)
         self.triggers.start()
         if self.store is not None and trainer.ckpt_path is not None:
@@ -154,7 +167,7 @@ class AsyncCheckpointCallback(ProgressReports, CallbackArguments):
         # teardown is not called on exceptions: drain here so the in-flight save lands, within a bound. With
         # save_on_exception, ModelCheckpoint's exception file is copied first and written last (on_exception.py).
         snapshot = capture_exception_checkpoint(self, trainer)
-        self.preemption.remove()  # teardown does not run after an exception
+        restore_after_exception(self.preemption, trainer)  # teardown does not run after an exception
         if self.checkpointer is not None:
             try:
                 if self.tiers is not None:  # the save in flight lands locally, then its promotion, within the bound
@@ -173,6 +186,8 @@ class AsyncCheckpointCallback(ProgressReports, CallbackArguments):
         if kind is not None:
             final = self.triggers.final_waits
             self._cut(trainer, pl_module, trainer.global_step, final=final, ranked=True, last=kind == "deferred")
+        if not self.triggers.train_epoch_end(trainer):  # else the epoch end's save is the final one
+            self._final_at_stop(trainer, pl_module)
         self._poll(trainer)
 
     @override
@@ -206,8 +221,11 @@ class AsyncCheckpointCallback(ProgressReports, CallbackArguments):
             # Training progress beside the checkpoint events, for `lightning-async-ckpt timeline` (only when an
             # event log is configured: one JSON line per batch).
             self.checkpointer.events.emit("train_step", step=trainer.global_step, batch_idx=batch_idx)
-        if preemption_due(self.preemption, trainer):
-            return self._emergency(trainer, pl_module)
+        self._sync_progress()  # the newest committed step, named when no emergency checkpoint can be taken
+        step_cut = self._last_cut_step == trainer.global_step
+        emergency = self._emergency_window.point(self.preemption, trainer, step_cut, self.committed_step)
+        if emergency is not Emergency.NONE:
+            return self._emergency(trainer, pl_module, emergency)
         if self._skip(trainer):
             return
         step = trainer.global_step
@@ -221,8 +239,9 @@ class AsyncCheckpointCallback(ProgressReports, CallbackArguments):
         # the final checkpoint is taken now, before epoch-end bookkeeping and other callbacks' on_train_end (an EMA
         # callback copies its averaged weights into the model there), so it resumes like an uninterrupted run.
         # When the schedule saves this step at the epoch's end (after validation), the final cut is that save.
-        final = self.save_on_train_end and is_last_batch(trainer, batch_idx)
-        final = final and not self.triggers.final_waits_for_epoch_end(trainer)
+        # So is a stop set before this hook (in training_step, or by an earlier callback), unless mid-window.
+        ends = is_last_batch(trainer, batch_idx) or (stops_here(trainer) and not inside_accumulation_window(trainer))
+        final = self.save_on_train_end and ends and not self.triggers.final_waits_for_epoch_end(trainer)
         if due or retake or final:
             self._cut(trainer, pl_module, step, final=final, ranked=ranked)
         elif (
@@ -241,6 +260,7 @@ class AsyncCheckpointCallback(ProgressReports, CallbackArguments):
         if not self._skip(trainer) and self.triggers.train_epoch_end(trainer):
             final = self.triggers.final_waits
             self._cut(trainer, pl_module, trainer.global_step, final=final, ranked=True, last=False)
+        self._final_at_stop(trainer, pl_module)
         self._poll(trainer)
 
     @override
@@ -250,13 +270,17 @@ class AsyncCheckpointCallback(ProgressReports, CallbackArguments):
         # holds what they changed (see docs/concepts.md, "The final checkpoint"). It is skipped when that very step
         # was admitted already (a skipped or coalesced request does not count); it waits for admission whatever
         # the policy, so training ends recoverable.
-        if (
+        mid_window = inside_accumulation_window(trainer)  # never a step it is not: no final checkpoint, logged
+        if mid_window and self.save_on_train_end and self._schedule.last_admitted_step != trainer.global_step:
+            self._sync_progress()
+            warn_mid_window(trainer, "training stopped", "final", self.committed_step)
+        elif (
             self.save_on_train_end
             and not trainer.fast_dev_run
             and self._schedule.last_admitted_step != trainer.global_step
         ):
             self._cut(trainer, pl_module, trainer.global_step, final=True)
-        if self.save_on_train_end and not trainer.fast_dev_run:
+        if self.save_on_train_end and not trainer.fast_dev_run and not mid_window:
             # A final save is copied at the cut, so the guard cannot refuse it; a refused earlier save of this very
             # step (a deferred scheduled save the final cut skipped as a repeat) is retaken here, at the cut too.
             # Every rank asks (a broadcast in DDP); only the writing rank has a checkpointer to drain.
@@ -266,24 +290,42 @@ class AsyncCheckpointCallback(ProgressReports, CallbackArguments):
                 self._cut(trainer, pl_module, trainer.global_step, final=True)
         self._close(trainer, raise_errors=True)
 
-    def _emergency(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def _emergency(self, trainer: pl.Trainer, pl_module: pl.LightningModule, point: Emergency) -> None:
         # A signal asked for a checkpoint now: copied at the cut, committed (locally first, then promoted) within
-        # preemption_grace_s, then training stops (lightning/preemption.py).
+        # preemption_grace_s, then training stops; inside an accumulation window at the window's end
+        # (lightning/preemption.py).
+        trainer.should_stop = trainer.should_stop or point is not Emergency.WAIT
+        if point is not Emergency.NOW:  # WAIT: for the window's end; EXPIRED: no emergency checkpoint (logged)
+            return self._poll(trainer)
         if not self._skip(trainer):
             self._cut(trainer, pl_module, trainer.global_step, final=True)
         elif self.tiers is not None and self._last_cut_step == trainer.global_step:
             self.tiers.promote(trainer.global_step)  # this step was cut already (a micro-batch since), maybe locally
         if self.checkpointer is not None:
-            emergency_drain(self.checkpointer, self.tiers, self.preemption_grace_s, trainer.global_step)
-        trainer.should_stop = True
+            emergency_drain(self.checkpointer, self.tiers, self._emergency_window.left(), trainer.global_step)
         self._poll(trainer)
 
-    def _skip(self, trainer: pl.Trainer) -> bool:
+    def _final_at_stop(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # A stop decided after the batch end (EarlyStopping in validation or at the epoch's end, a later callback):
+        # the final checkpoint is taken at the first of these hooks that sees it, where ModelCheckpoint's own save
+        # after validation or at the epoch end is; a refused save of this step is retaken here too (docs/concepts.md).
+        if not (self.save_on_train_end and stops_here(trainer)) or self._skip(trainer, cut_too=False):
+            return
+        if inside_accumulation_window(trainer):
+            return  # never a step it is not: on_train_end says so
+        if self._schedule.last_admitted_step != trainer.global_step:
+            return self._cut(trainer, pl_module, trainer.global_step, final=True)
+        if self.checkpointer is not None:
+            self.checkpointer.drain_quietly(self.options.drain_timeout_s)
+        if self._schedule.retake_due(trainer, self.checkpointer):
+            self._cut(trainer, pl_module, trainer.global_step, final=True)
+
+    def _skip(self, trainer: pl.Trainer, *, cut_too: bool = True) -> bool:
         return (
             bool(trainer.fast_dev_run)
             or trainer.state.fn != TrainerFn.FITTING
             or trainer.sanity_checking
-            or self._last_cut_step == trainer.global_step
+            or (cut_too and self._last_cut_step == trainer.global_step)
         )
 
     def _cut(
@@ -310,7 +352,13 @@ class AsyncCheckpointCallback(ProgressReports, CallbackArguments):
         decision, error, handle = "admit", None, None
         # The checkpoint that ends training is copied at the cut: no training follows to overlap with, and
         # validation or epoch-end bookkeeping after it must not reach it (it can never be refused and retaken).
-        defer = self.defer and not final and not training_ends_here(trainer)
+        # So is a cut after which EarlyStopping may stop training (validation or the epoch end follows): a retake
+        # after that stop would not be this step's state.
+        defer = self.defer and not final and not training_ends_here(trainer) and not stop_may_follow(trainer)
+        # A retake of a refused save due on dirpath is due there too (two tiers; schedule.py).
+        durable = self.tiers is not None and (
+            self.tiers.durable_due(step, ranked=ranked, final=final) or self._schedule.retake_durable
+        )
         try:
             # The file is named by the rendered template inside the step's folder (lightning/naming.py).
             key, dcp = checkpoint_key(entry.filename, self.FILE_EXTENSION), self._sharded is not None
@@ -343,7 +391,7 @@ class AsyncCheckpointCallback(ProgressReports, CallbackArguments):
                 )
                 decision = handle.decision.decision
                 if self.tiers is not None:
-                    self.tiers.track(handle, durable=self.tiers.durable_due(step, ranked=ranked, final=final))
+                    self.tiers.track(handle, durable=durable)
                 if self.verbose:
                     handle.committed.add_done_callback(log_commit)
         except Exception as exc:  # noqa: BLE001 - re-raised below, after the other ranks heard of it
@@ -356,7 +404,7 @@ class AsyncCheckpointCallback(ProgressReports, CallbackArguments):
         else:
             self.selection.admitted(entry, handle)
             self._model_checkpoint_step = step if ranked or not final else self._model_checkpoint_step
-        self._schedule.recorded(step, decision, handle, deferred=defer)
+        self._schedule.recorded(step, decision, handle, deferred=defer, durable=durable)
 
     def _raise_collectively(self, trainer: pl.Trainer, local: BaseException | None = None) -> None:
         # A background error from an earlier save is raised here, at a collective point, on every rank.
