@@ -89,7 +89,8 @@ def capture_exception_checkpoint(cb: Any, trainer: Any) -> ExceptionCheckpoint |
     Never raises: a failure is logged and the training exception is the one that propagates.
     """
     # A save of this step that has not committed yet may still be refused: copied too, written only if it is.
-    stands_in = _may_save(cb, trainer) and cb.committed_step != trainer.global_step
+    step = trainer.global_step
+    stands_in = _may_save(cb, trainer) and cb.requested_step == step and cb.committed_step != step
     if not (should_save(cb, trainer) or stands_in) or not trainer.is_global_zero:
         return None
     if model_key_for(trainer.strategy) is not None:
