@@ -31,6 +31,7 @@ from lightning_async_ckpt.lightning.arguments import (
 )
 from lightning_async_ckpt.lightning.base import CallbackArguments
 from lightning_async_ckpt.lightning.collective import agree_on
+from lightning_async_ckpt.lightning.ending import TrainingEnds
 from lightning_async_ckpt.lightning.hooks import (
     FINAL_PROOF,
     inside_accumulation_window,
@@ -41,12 +42,7 @@ from lightning_async_ckpt.lightning.hooks import (
 )
 from lightning_async_ckpt.lightning.naming import CHECKPOINT_NAME, checkpoint_key, planned_path
 from lightning_async_ckpt.lightning.on_exception import capture_exception_checkpoint, write_exception_checkpoint
-from lightning_async_ckpt.lightning.preemption import (
-    Emergency,
-    EmergencyWindow,
-    restore_after_exception,
-    warn_mid_window,
-)
+from lightning_async_ckpt.lightning.preemption import Emergency, EmergencyWindow, restore_after_exception
 from lightning_async_ckpt.lightning.progress import (
     ProgressReports,
     estimate_checkpoint_bytes,
@@ -63,7 +59,7 @@ from lightning_async_ckpt.lightning.selection import (
 )
 from lightning_async_ckpt.lightning.sharded import setup_sharded
 from lightning_async_ckpt.lightning.tier_resume import find_last_across, latest_checkpoint
-from lightning_async_ckpt.lightning.tiers import emergency_drain, open_checkpointer
+from lightning_async_ckpt.lightning.tiers import open_checkpointer
 from lightning_async_ckpt.lightning.triggers import monitor_candidates, stop_may_follow
 from lightning_async_ckpt.storage.store import CheckpointStore
 
@@ -72,7 +68,7 @@ __all__ = ["CHECKPOINT_NAME", "AsyncCheckpointCallback", "latest_checkpoint"]
 _log = logging.getLogger("lightning_async_ckpt")
 
 
-class AsyncCheckpointCallback(ProgressReports, CallbackArguments):
+class AsyncCheckpointCallback(TrainingEnds, ProgressReports, CallbackArguments):
     """Checkpoints that cost the training loop almost nothing and are never reported before they are recoverable.
 
     At each cut (``on_train_batch_end`` every ``every_n_train_steps`` optimizer steps, or the end of every
@@ -265,60 +261,8 @@ class AsyncCheckpointCallback(ProgressReports, CallbackArguments):
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        # The final cut, when the end was not known at a batch end (early stopping, max_time, should_stop set by
-        # user code), is taken here, after epoch-end bookkeeping and after every other callback's on_train_end: it
-        # holds what they changed (see docs/concepts.md, "The final checkpoint"). It is skipped when that very step
-        # was admitted already (a skipped or coalesced request does not count); it waits for admission whatever
-        # the policy, so training ends recoverable.
-        mid_window = inside_accumulation_window(trainer)  # never a step it is not: no final checkpoint, logged
-        if mid_window and self.save_on_train_end and self._schedule.last_admitted_step != trainer.global_step:
-            self._sync_progress()
-            warn_mid_window(trainer, "training stopped", "final", self.committed_step)
-        elif (
-            self.save_on_train_end
-            and not trainer.fast_dev_run
-            and self._schedule.last_admitted_step != trainer.global_step
-        ):
-            self._cut(trainer, pl_module, trainer.global_step, final=True)
-        if self.save_on_train_end and not trainer.fast_dev_run and not mid_window:
-            # A final save is copied at the cut, so the guard cannot refuse it; a refused earlier save of this very
-            # step (a deferred scheduled save the final cut skipped as a repeat) is retaken here, at the cut too.
-            # Every rank asks (a broadcast in DDP); only the writing rank has a checkpointer to drain.
-            if self.checkpointer is not None:
-                self.checkpointer.drain_quietly(self.options.drain_timeout_s)
-            if self._schedule.retake_due(trainer, self.checkpointer):
-                self._cut(trainer, pl_module, trainer.global_step, final=True)
+        self._final_at_train_end(trainer, pl_module)  # unless an earlier hook took it (lightning/ending.py)
         self._close(trainer, raise_errors=True)
-
-    def _emergency(self, trainer: pl.Trainer, pl_module: pl.LightningModule, point: Emergency) -> None:
-        # A signal asked for a checkpoint now: copied at the cut, committed (locally first, then promoted) within
-        # preemption_grace_s, then training stops; inside an accumulation window at the window's end
-        # (lightning/preemption.py).
-        trainer.should_stop = trainer.should_stop or point is not Emergency.WAIT
-        if point is not Emergency.NOW:  # WAIT: for the window's end; EXPIRED: no emergency checkpoint (logged)
-            return self._poll(trainer)
-        if not self._skip(trainer):
-            self._cut(trainer, pl_module, trainer.global_step, final=True)
-        elif self.tiers is not None and self._last_cut_step == trainer.global_step:
-            self.tiers.promote(trainer.global_step)  # this step was cut already (a micro-batch since), maybe locally
-        if self.checkpointer is not None:
-            emergency_drain(self.checkpointer, self.tiers, self._emergency_window.left(), trainer.global_step)
-        self._poll(trainer)
-
-    def _final_at_stop(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        # A stop decided after the batch end (EarlyStopping in validation or at the epoch's end, a later callback):
-        # the final checkpoint is taken at the first of these hooks that sees it, where ModelCheckpoint's own save
-        # after validation or at the epoch end is; a refused save of this step is retaken here too (docs/concepts.md).
-        if not (self.save_on_train_end and stops_here(trainer)) or self._skip(trainer, cut_too=False):
-            return
-        if inside_accumulation_window(trainer):
-            return  # never a step it is not: on_train_end says so
-        if self._schedule.last_admitted_step != trainer.global_step:
-            return self._cut(trainer, pl_module, trainer.global_step, final=True)
-        if self.checkpointer is not None:
-            self.checkpointer.drain_quietly(self.options.drain_timeout_s)
-        if self._schedule.retake_due(trainer, self.checkpointer):
-            self._cut(trainer, pl_module, trainer.global_step, final=True)
 
     def _skip(self, trainer: pl.Trainer, *, cut_too: bool = True) -> bool:
         return (
