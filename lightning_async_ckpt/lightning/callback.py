@@ -217,9 +217,8 @@ class AsyncCheckpointCallback(TrainingEnds, ProgressReports, CallbackArguments):
             # Training progress beside the checkpoint events, for `lightning-async-ckpt timeline` (only when an
             # event log is configured: one JSON line per batch).
             self.checkpointer.events.emit("train_step", step=trainer.global_step, batch_idx=batch_idx)
-        self._sync_progress()  # the newest committed step, named when no emergency checkpoint can be taken
         step_cut = self._last_cut_step == trainer.global_step
-        emergency = self._emergency_window.point(self.preemption, trainer, step_cut, self.committed_step)
+        emergency = self._emergency_window.point(self.preemption, trainer, step_cut=step_cut)
         if emergency is not Emergency.NONE:
             return self._emergency(trainer, pl_module, emergency)
         if self._skip(trainer):

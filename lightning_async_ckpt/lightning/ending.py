@@ -77,7 +77,10 @@ class TrainingEnds:
         # A signal asked for a checkpoint now: copied at the cut, committed (locally first, then promoted) within
         # preemption_grace_s, then training stops; inside an accumulation window at the window's end.
         trainer.should_stop = trainer.should_stop or point is not Emergency.WAIT
-        if point is not Emergency.NOW:  # WAIT: for the window's end; EXPIRED: no emergency checkpoint (logged)
+        if point is Emergency.EXPIRED:  # the grace period ended inside the window: none, and the log says so
+            self._sync_progress()
+            warn_mid_window(trainer, "preemption_grace_s ended", "emergency", self.committed_step)
+        if point is not Emergency.NOW:  # WAIT: for the window's end
             return self._poll(trainer)
         if not self._skip(trainer):
             self._cut(trainer, pl_module, trainer.global_step, final=True)

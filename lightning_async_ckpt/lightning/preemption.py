@@ -79,14 +79,13 @@ class EmergencyWindow:
 
     __hash__ = None  # type: ignore[assignment]
 
-    def point(self, handler: PreemptionHandler, trainer: Any, step_cut: bool, committed: int | None) -> Emergency:
+    def point(self, handler: PreemptionHandler, trainer: Any, *, step_cut: bool) -> Emergency:
         """At a batch end: what to do about the request (a collective per call when a signal is configured).
 
         Args:
             handler: The signal's handler.
             trainer: The trainer.
             step_cut: Whether the current step was cut already (at its own batch end).
-            committed: The newest committed step (named in the log when the grace period ends first).
         """
         requested = preemption_due(handler, trainer)
         if not (requested or self.waiting):
@@ -110,7 +109,6 @@ class EmergencyWindow:
         if not expired:
             return Emergency.WAIT
         self.waiting = False
-        warn_mid_window(trainer, "preemption_grace_s ended", "emergency", committed)
         return Emergency.EXPIRED
 
     def left(self) -> float | None:
