@@ -122,7 +122,7 @@ def test_a_stop_set_in_training_step_is_checkpointed_at_that_batch_end_and_resum
     # should_stop set in training_step at step 5 (mid-epoch, 12 batches per epoch): the batch end knows the end.
     # The final checkpoint used to be taken in on_train_end, after the epoch was counted done: a resume from it
     # skipped the rest of the epoch.
-    ours = AsyncCheckpointCallback(dirpath=str(tmp_path / "async"), every_n_train_steps=3)
+    ours = AsyncCheckpointCallback(dirpath=str(tmp_path / "async"), every_n_train_steps=3, save_top_k=-1)
     sync = ModelCheckpoint(dirpath=tmp_path / "sync", every_n_train_steps=1, save_top_k=-1, filename="{step}")
     trainer, _ = _fit_stopping([sync, ours], stop_at=5, max_steps=20)
     assert trainer.global_step == 5
@@ -147,7 +147,7 @@ def test_a_stop_decided_at_the_epoch_end_is_checkpointed_there_like_model_checkp
     # EarlyStopping on a training metric stops in on_train_epoch_end (step 12, not on the every-5-steps schedule).
     # The final checkpoint is taken right there (ModelCheckpoint's epoch-end save), not after the fit loop counted
     # the epoch done (on_train_end), which used to be committed as step 12 with another epoch and loop state.
-    ours = AsyncCheckpointCallback(dirpath=str(tmp_path / "async"), every_n_train_steps=5)
+    ours = AsyncCheckpointCallback(dirpath=str(tmp_path / "async"), every_n_train_steps=5, save_top_k=-1)
     sync = ModelCheckpoint(dirpath=tmp_path / "sync", every_n_epochs=1, save_top_k=-1, filename="{step}")
     stop = EarlyStopping(monitor="train_loss", stopping_threshold=1e9, check_on_train_epoch_end=True)
     pl.seed_everything(5)
@@ -214,6 +214,7 @@ def test_a_refused_durable_cut_is_retaken_durable_too(tmp_path):
         every_n_train_steps=4,
         local_dirpath=str(tmp_path / "local"),
         local_every_n_train_steps=2,
+        save_top_k=-1,
     )
     sync = ModelCheckpoint(dirpath=tmp_path / "sync", every_n_train_steps=1, save_top_k=-1, filename="{step}")
     hold = HoldStaging(ours, at={4})

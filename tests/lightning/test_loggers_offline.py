@@ -186,7 +186,7 @@ def scalars(log_dir: Path, tag: str) -> list[float]:
 
 
 def test_tensorboard_records_only_committed_steps(tmp_path):
-    ours = AsyncCheckpointCallback(dirpath=str(tmp_path / "ckpt"), every_n_train_steps=3)
+    ours = AsyncCheckpointCallback(dirpath=str(tmp_path / "ckpt"), every_n_train_steps=3, save_top_k=-1)
     logger = CheckedTensorBoard(save_dir=str(tmp_path / "tb"))
     fit([ours], max_steps=12, logger=logger, log_every_n_steps=1)
     logged = {int(v) for v in scalars(tmp_path / "tb", "ckpt/committed_step")}

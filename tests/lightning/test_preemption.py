@@ -161,7 +161,11 @@ def test_a_signal_inside_an_accumulation_window_waits_for_its_end(tmp_path, capl
     # emergency checkpoint used to be cut at its end as step 5, with batch 10's BatchNorm statistics, loop progress
     # one batch ahead, and its accumulated gradient lost. It is cut at the window's end (step 6) instead.
     ours = AsyncCheckpointCallback(
-        dirpath=str(tmp_path / "ckpt"), every_n_train_steps=4, preemption_signal=signal.SIGUSR1, preemption_grace_s=60
+        dirpath=str(tmp_path / "ckpt"),
+        every_n_train_steps=4,
+        preemption_signal=signal.SIGUSR1,
+        preemption_grace_s=60,
+        save_top_k=-1,
     )
     sync = ModelCheckpoint(dirpath=tmp_path / "sync", every_n_train_steps=1, save_top_k=-1, filename="{step}")
     with caplog.at_level("WARNING", logger="lightning_async_ckpt"):
