@@ -36,7 +36,7 @@ class _SigtermAt3(pl.Callback):
 
 def _fit(root: str, name: str, model: pl.LightningModule, callbacks: list) -> None:
     ours = AsyncCheckpointCallback(
-        dirpath=os.path.join(root, name), every_n_train_steps=2, preemption_signal=signal.SIGTERM
+        dirpath=os.path.join(root, name), every_n_train_steps=2, preemption_signal=signal.SIGTERM, save_top_k=-1
     )
     trainer = pl.Trainer(max_steps=6, callbacks=[*callbacks, ours], **trainer_kwargs())
     try:
