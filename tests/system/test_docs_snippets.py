@@ -10,6 +10,9 @@ once (that import took 5-17 s of every page's 15-22 s on the 2-core machine; the
 session's rank zygote, which did most of it); it has run nothing, and every page starts with an empty namespace, so
 a snippet still has to import what it uses.
 
+On the pages named in :data:`SHELL_PAGES` the ``lightning-async-ckpt`` lines of the ``bash`` blocks run too, after
+the page's Python blocks, in the same folder (``python -m lightning_async_ckpt``, the same command line).
+
 A block may opt out only with the first line ``# snippet: skip (needs ...)`` naming a resource this machine lacks
 (GPUs, more processes, a real cloud account); :data:`JUSTIFIED` is the list of accepted reasons. Every fenced block
 must name its language, so that Python cannot hide in an untagged block.
@@ -20,6 +23,8 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
+import subprocess
 import sys
 import textwrap
 from collections.abc import Iterator
@@ -37,6 +42,10 @@ PAGE_BUDGET_S = 240
 SKIP_RE = re.compile(r"^#\s*snippet:\s*skip\s*\((?P<reason>[^)]*)\)\s*$")
 #: Reasons a block may give for not running here.
 JUSTIFIED = re.compile(r"needs (\d+ |a |an )?(GPUs?|CUDA|processes|nodes|real (cloud|AWS|GCS|Azure) account)", re.I)
+#: Pages whose ``lightning-async-ckpt`` shell lines run too, after the page's Python blocks, in the same folder.
+SHELL_PAGES = ("getting-started.md",)
+#: Seconds one command line may take (a fresh interpreter).
+COMMAND_BUDGET_S = 120
 _FENCE_RE = re.compile(r"^(?P<indent>\s*)```(?P<lang>[^`\s]*)\s*$")
 
 
@@ -180,6 +189,26 @@ def test_python_snippets_run(page: Path, zygote: Worker, tmp_path: Path) -> None
     if rc == -14:  # SIGALRM
         pytest.fail(f"{page.name}: snippets ran past {PAGE_BUDGET_S}s\n{stdout}\n{stderr}")
     assert rc == 0, f"{page.name}: a snippet failed\n{stdout[-4000:]}\n{stderr[-8000:]}"
+    if page.name in SHELL_PAGES:
+        for command in _cli_lines(page):
+            argv = [sys.executable, "-m", "lightning_async_ckpt", *shlex.split(command, comments=True)[1:]]
+            done = subprocess.run(
+                argv, cwd=work, env=_page_env(), capture_output=True, text=True, timeout=COMMAND_BUDGET_S
+            )
+            assert done.returncode == 0, (
+                f"{page.name}: `{command}` exited {done.returncode}\n{done.stdout}\n{done.stderr}"
+            )
+
+
+def _cli_lines(page: Path) -> list[str]:
+    """The ``lightning-async-ckpt ...`` lines of a page's bash blocks."""
+    return [
+        line.strip()
+        for _, lang, code in _blocks(page)
+        if lang == "bash"
+        for line in code.split("\n")
+        if line.strip().startswith("lightning-async-ckpt ")
+    ]
 
 
 def test_the_readme_sends_a_newcomer_to_getting_started_first() -> None:
@@ -191,7 +220,9 @@ def test_the_readme_sends_a_newcomer_to_getting_started_first() -> None:
 
 
 #: What development history looks like in a page: the tracker's numbers, work sessions, commit references.
-HISTORY_RE = re.compile(r"\bissue \d+|\bsessions?\b|\bcommit [0-9a-f]{7,40}\b|\b[0-9a-f]{7}\^|\bbefore this (round|change)\b", re.I)
+HISTORY_RE = re.compile(
+    r"\bissue \d+|\bsessions?\b|\bcommit [0-9a-f]{7,40}\b|\b[0-9a-f]{7}\^|\bbefore this (round|change)\b", re.I
+)
 
 
 def test_user_docs_hold_no_development_history() -> None:
