@@ -199,7 +199,7 @@ def _run_mode(mode: str, args: argparse.Namespace, folder: str, model_cls, state
         result.checkpoints = len(blocking)
     setup.finish(result, [os.path.getsize(os.path.join(dp, f)) for dp, _, fs in os.walk(target) for f in fs])
     result.fit_s = fit_s
-    result.note = f"fit {fit_s:.1f}s"
+    result.note = f"fit {fit_s:.1f}s" + (f"; per checkpoint {[round(b, 3) for b in blocking]} s" if blocking else "")
     del trainer, model
     gc.collect()
     return result

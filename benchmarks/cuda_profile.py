@@ -48,6 +48,7 @@ class _Clock(pl.Callback):
         self.profile_steps = profile_steps
         self.out = out
         self.prof = None
+        self.d2h: dict = {}
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         self.host.append(time.perf_counter())
@@ -73,6 +74,10 @@ class _Clock(pl.Callback):
                 print(prof.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=60))
             except Exception as exc:  # noqa: BLE001 - key names differ across torch versions
                 print(f"(no table by {key}: {exc})")
+        copies = [e for e in prof.key_averages() if "Memcpy DtoH" in e.key]
+        device_us = sum(getattr(e, "device_time_total", 0) or getattr(e, "cuda_time_total", 0) for e in copies)
+        self.d2h = {"copies": sum(e.count for e in copies), "device_ms": device_us / 1e3}
+        print(f"== device-to-host copies in the profiled window: {self.d2h}", flush=True)
         try:
             prof.export_chrome_trace(os.path.join(self.out, "trace.json"))
         except Exception as exc:  # noqa: BLE001
@@ -146,10 +151,14 @@ def run(mode: str, args: argparse.Namespace, layers: int, state0: dict, profile:
                 "fence_wait_s": dict(r.fence_wait_s),
                 "upload_s": r.upload_s,
                 "bytes": r.bytes,
+                "staging_s": r.staging_s,
                 "cut_to_committed_s": r.cut_to_committed_s,
             }
             for r in recs
         ]
+        if clock.d2h and recs and clock.d2h["device_ms"] > 0:
+            staged = recs[0].sync_bytes + recs[0].deferred_bytes
+            out["first_cut_d2h"] = dict(clock.d2h, bytes=staged, gbps=staged / clock.d2h["device_ms"] / 1e6)
         out["pool_allocations_at_cut"] = ours.checkpointer.pool.allocations_at_cut
         out["pool_bytes_allocated_at_cut"] = ours.checkpointer.pool.bytes_allocated_at_cut
     print(json.dumps(out, default=str), flush=True)

@@ -84,3 +84,48 @@ def test_fence_does_not_block_the_host_on_cuda(tmp_path):
         assert handle.wait(Fence.OPTIMIZER_STEP) == 0.0  # the compute stream waits on the event, not the host
         _step(model, opt)
         handle.result(timeout=60)
+
+
+def test_a_data_write_between_the_cut_and_the_copy_is_refused_on_cuda():
+    # A `.data` write bypasses the version counter: only the exact guard's device-side fingerprint (enqueued on the
+    # compute stream at the cut) can see it. To order the write before the deferred copy without a race, the copy's
+    # side stream is first made busy (a device-side sleep), so the write enqueued after the cut on the compute stream
+    # lands before the side stream copies; the staged copy is then checked to hold the written value (the ordering
+    # took effect) and the checkpoint must be refused.
+    from lightning_async_ckpt.core.capture import CapturePlan, Category, DeferralProof
+    from lightning_async_ckpt.core.staging import BufferPool, StagingJob
+    from lightning_async_ckpt.errors import TornSnapshotError
+
+    proof = DeferralProof(fences={Category.PARAMETER: Fence.OPTIMIZER_STEP}, rules=("test",))
+    for repeat in range(3):
+        model = torch.nn.Linear(1024, 1024).cuda()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        plan = CapturePlan.build({"weight": model.weight.detach()}, modules=[model], optimizers=[opt], proof=proof)
+        assert plan.slots[0].fence == Fence.OPTIMIZER_STEP
+        job = StagingJob(plan.slots, BufferPool(None).acquire(plan.slots), guard=True)
+        side = torch.cuda.Stream()
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(1_000_000_000)  # ~0.5 s of device time before the side stream may copy
+        job.copy_at_cut({model.weight.device: side})
+        model.weight.data[7, :] = 3.0 + repeat  # a `.data` write: no version-counter bump of the saved tensor
+        job.run()
+        staged = job.buffers[0].view(torch.float32).view(1024, 1024)
+        assert torch.all(staged[7] == 3.0 + repeat), "the write did not land before the copy"
+        assert isinstance(job.error, TornSnapshotError) and "changed between the cut" in str(job.error), job.error
+
+
+def test_a_cuda_cut_with_no_write_is_not_refused():
+    from lightning_async_ckpt.core.capture import CapturePlan, Category, DeferralProof
+    from lightning_async_ckpt.core.staging import BufferPool, StagingJob
+
+    proof = DeferralProof(fences={Category.PARAMETER: Fence.OPTIMIZER_STEP}, rules=("test",))
+    model = torch.nn.Linear(1024, 1024).cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    plan = CapturePlan.build({"weight": model.weight.detach()}, modules=[model], optimizers=[opt], proof=proof)
+    job = StagingJob(plan.slots, BufferPool(None).acquire(plan.slots), guard=True)
+    expected = model.weight.detach().cpu().clone()
+    job.copy_at_cut()
+    job.run()
+    assert job.error is None
+    job.confirm()
+    assert torch.equal(job.buffers[0].view(torch.float32).view(1024, 1024), expected)

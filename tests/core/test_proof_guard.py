@@ -216,12 +216,15 @@ def test_code_that_runs_inside_optimizer_step_before_the_closure_is_named():
     assert any("gradient hook" in f for f in _proof_failures(model, opt))
 
 
-def test_the_device_side_partials_combine_to_the_host_checksum():
+def test_the_device_side_partials_combine_to_the_host_checksum(monkeypatch):
     # The device path (run here on CPU tensors: the same torch ops) must agree with the numpy checksum the staging
-    # thread computes on the staged copy, for sizes with and without tail bytes and across chunk boundaries.
+    # thread computes on the staged copy, for sizes with and without tail bytes, across chunk boundaries and across
+    # the boundaries of the groups of chunks reduced together (two chunks a group here).
+    from lightning_async_ckpt.core import fingerprint
     from lightning_async_ckpt.core.guard import _CHUNK_WORDS, combine_partials, device_partials
 
+    monkeypatch.setattr(fingerprint, "_GROUP_CHUNKS", 2)
     g = torch.Generator().manual_seed(0)
-    for n in (0, 7, 8, 1000 * 8 + 5, 8 * _CHUNK_WORDS + 3, 8 * 2 * _CHUNK_WORDS + 8):
+    for n in (0, 7, 8, 1000 * 8 + 5, 8 * _CHUNK_WORDS + 3, 8 * 2 * _CHUNK_WORDS + 8, 8 * 5 * _CHUNK_WORDS + 13):
         data = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g)
         assert combine_partials(device_partials(data).tolist()) == checksum(data), n

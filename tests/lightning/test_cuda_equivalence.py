@@ -45,7 +45,7 @@ def test_every_committed_generation_on_cuda_equals_model_checkpoint(tmp_path, de
     # Wide enough (about 40 MB of parameters and Adam state) that the background copy overlaps the next step.
     model = _WideModel()
     ours = AsyncCheckpointCallback(
-        dirpath=str(tmp_path / "async"), every_n_train_steps=2, save_on_train_end=False, defer=defer
+        dirpath=str(tmp_path / "async"), every_n_train_steps=2, save_top_k=-1, save_on_train_end=False, defer=defer
     )
     sync = ModelCheckpoint(dirpath=tmp_path / "sync", every_n_train_steps=2, save_top_k=-1, filename="{step}")
     trainer = pl.Trainer(
