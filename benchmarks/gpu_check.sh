@@ -7,7 +7,8 @@
 #      window of the first fenced cut with its device-to-host copy rate (benchmarks/cuda_profile.py);
 #   4. the side-by-side bench on CUDA (2.4 GB per checkpoint, a cut every 30 steps), JSON + markdown table;
 #   5. restart after a kill from the local tier (disk, /dev/shm) vs the durable tier (benchmarks/gpu_restart.py).
-# Files under OUTDIR (at most 8, for the device tool): log.txt, profile.json, bench.{json,md,log}, restart.{json,log}.
+# Files under OUTDIR (at most 8, for the device tool): log.txt, tests.log (every failure's whole traceback),
+# profile.json, bench.{json,md,log}, restart.{json,log}.
 # Runs from a plain checkout: the GPU machine has torch, lightning and accelerate but no package registry, so
 # this package's other wheels (crc32c, ...) travel in .whl/ (see /work/.library/device/README.md) and the
 # checkout is put on PYTHONPATH instead of being installed.
@@ -46,7 +47,7 @@ if want tests; then
   echo "== CUDA tests" | tee -a "$log"
   timeout 200 python3 -m pytest -q -p no:cacheprovider -o addopts="" -x --timeout 150 \
     tests/core/test_cuda_staging.py tests/lightning/test_cuda_equivalence.py tests/lightning/test_cuda_fsdp.py \
-    ${GPU_CHECK_EXTRA_TESTS:-} 2>&1 | tail -40 | tee -a "$log" || rc=1
+    ${GPU_CHECK_EXTRA_TESTS:-} -p no:warnings -rfE --tb=long 2>&1 | tee "$out/tests.log" | tail -25 | tee -a "$log" || rc=1
   stamp tests
 fi
 
@@ -81,7 +82,7 @@ fi
 
 if want restart; then
   echo "== restart after a kill: local tier (disk, /dev/shm) vs durable only" | tee -a "$log"
-  timeout 200 python3 benchmarks/gpu_restart.py --repeats 2 --json "$out/restart.json" 2>&1 \
+  timeout 240 python3 benchmarks/gpu_restart.py --repeats 2 --json "$out/restart.json" 2>&1 \
     | tee "$out/restart.log" | tail -12 | tee -a "$log" || rc=1
   stamp restart
 fi
