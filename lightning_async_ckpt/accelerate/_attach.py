@@ -6,6 +6,7 @@ from typing import Any
 
 from lightning_async_ckpt.accelerate._bounded import bounded_collective
 from lightning_async_ckpt.accelerate._checkpointer import AccelerateCheckpointer
+from lightning_async_ckpt.accelerate._fsdp import check_fsdp, is_fsdp
 from lightning_async_ckpt.accelerate._layout import _ATTR, _check_supported
 from lightning_async_ckpt.accelerate._replicas import agree_local_location, open_accelerate_replicas, replica_layout
 from lightning_async_ckpt.accelerate._tiers import TieredAccelerateCheckpointer, check_tier_options
@@ -38,7 +39,8 @@ def attach(
     the next save). Calling it again with no arguments (or the same ``uri``) returns the attached checkpointer.
 
     Args:
-        accelerator: An ``accelerate.Accelerator`` (single device or DDP; not FSDP, DeepSpeed, Megatron-LM, XLA).
+        accelerator: An ``accelerate.Accelerator`` (single device, DDP or FSDP2 with sharded state dicts; not FSDP1,
+            DeepSpeed, Megatron-LM, XLA).
         uri: Store of the fully asynchronous path (local folder or fsspec URL such as ``s3://bucket/run``);
             ``None`` for the hook path only.
         storage_options: fsspec options for ``uri``.
@@ -94,6 +96,13 @@ def attach(
     if not callable(getattr(accelerator, "register_save_state_pre_hook", None)):
         raise ConfigError(f"attach needs an accelerate.Accelerator, got {type(accelerator).__name__}")
     _check_supported(accelerator)
+    if is_fsdp(accelerator):
+        check_fsdp(accelerator)
+        if local_dirpath is not None:
+            raise ConfigError(
+                "local_dirpath (two tiers, replicas, emergency save) is not offered with FSDP2 under Accelerate yet: "
+                "attach(accelerator, uri) writes every process's shards to uri"
+            )
     if not isinstance(defer, bool):
         raise ConfigError(f"defer must be True or False, got {defer!r}")
     if collective_timeout_s is not None and (
@@ -105,6 +114,11 @@ def attach(
     opts = CheckpointOptions(**options)
     if opts.admission == "coalesce":
         raise ConfigError("admission='coalesce' is not supported with Accelerate; use 'wait', 'skip' or 'abort'")
+    if is_fsdp(accelerator) and (opts.admission != "wait" or opts.max_outstanding != 1):
+        raise ConfigError(
+            f"under FSDP2 every process takes part in every save, one at a time: admission={opts.admission!r} and "
+            f"max_outstanding={opts.max_outstanding} cannot be honoured; leave them at 'wait' and 1"
+        )
     if opts.serializer is not None:
         raise ConfigError("serializer cannot be set: the Accelerate integration writes accelerate's own file layout")
     if uri is not None and (not isinstance(uri, str) or not uri.strip()):

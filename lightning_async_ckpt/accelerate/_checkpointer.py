@@ -12,6 +12,7 @@ from lightning_async_ckpt.accelerate._collective import collective_for
 from lightning_async_ckpt.accelerate._fences import deferral_proof, install_fences
 from lightning_async_ckpt.accelerate._folder import _FolderSave, _FolderStore, _release_unsettled
 from lightning_async_ckpt.accelerate._folder_saves import FolderSaves
+from lightning_async_ckpt.accelerate._fsdp import FSDP2_HOOK_PATH, is_fsdp2, save_fsdp2
 from lightning_async_ckpt.accelerate._layout import (
     _ATTR,
     INCOMPLETE_MARKER,
@@ -75,6 +76,7 @@ class AccelerateCheckpointer(FolderSaves, DrainOnExit):
         self._folder_writer = accelerator.is_local_main_process if on_each_node else self._main
         self._engine: AsyncCheckpointer | None = None
         self._folder_engine: AsyncCheckpointer | None = None
+        self._sharded: AsyncCheckpointer | None = None  # FSDP2 (_fsdp.py)
         self._folder_store: _FolderStore | None = None
         self._unsettled: list[_FolderSave] = []
         self._pending_settle = False
@@ -85,7 +87,7 @@ class AccelerateCheckpointer(FolderSaves, DrainOnExit):
         self._closed = False
         self._final_save = False  # set for the duration of save_state(final=True)
         self._retention_lock = threading.Lock()
-        self._warned_total_limit = False
+        self._warned_total_limit = self._warned_fsdp2 = False
         self.run_id = self._collective(payload=CheckpointStore.new_run_id(), doing="attach")[0]
         self._hooks = [
             accelerator.register_save_state_pre_hook(self._on_save_state),
@@ -105,7 +107,8 @@ class AccelerateCheckpointer(FolderSaves, DrainOnExit):
     @property
     def committed_step(self) -> int | None:
         """Newest step committed by the fully asynchronous path on this process (main process only)."""
-        return self._engine.committed_step if self._engine is not None else None
+        engine = self._engine or self._sharded
+        return engine.committed_step if engine is not None else None
 
     def save_state(self, step: int | None = None, *, automatic: bool | None = None, final: bool = False) -> SaveHandle:
         """Capture everything ``accelerator.save_state`` would save and write it as one generation, asynchronously.
@@ -150,6 +153,8 @@ class AccelerateCheckpointer(FolderSaves, DrainOnExit):
         self._install_fences()
         acc = self.accelerator
         rngs = self._settle_collectively(payload=_rng_state(acc))
+        if is_fsdp2(acc):
+            return save_fsdp2(self, step, rngs, automatic=auto, final=final)
         handle: SaveHandle | None = None
         error: BaseException | None = None
         index: int | None = None
@@ -232,6 +237,11 @@ class AccelerateCheckpointer(FolderSaves, DrainOnExit):
 
     # -- hooks (training thread) ----------------------------------------------------------------------------
     def _on_save_state(self, models: list, weights: list, output_dir: str) -> None:
+        if is_fsdp2(self.accelerator):  # accelerate already wrote the shards, synchronously (see _fsdp.py)
+            if not self._warned_fsdp2:
+                self._warned_fsdp2 = True
+                _log.warning(FSDP2_HOOK_PATH)
+            return
         if len(weights) < len(models):
             raise ConfigError(
                 f"accelerate passed {len(weights)} state dicts for {len(models)} models to the save_state pre-hook "
@@ -339,7 +349,7 @@ class AccelerateCheckpointer(FolderSaves, DrainOnExit):
         return engine
 
     def _engines(self) -> list[AsyncCheckpointer]:
-        return [e for e in (self._folder_engine, self._engine) if e is not None]
+        return [e for e in (self._folder_engine, self._engine, self._sharded) if e is not None]
 
     def _check_open(self) -> None:
         if self._closed:

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from lightning_async_ckpt.core.capture import DeferralProof, prove_deferral
+from lightning_async_ckpt.core.proof import OWN_HOOK_MARK
 
 __all__ = ["deferral_proof", "install_fences"]
 
@@ -58,9 +59,19 @@ def install_fences(
         inner = getattr(opt, "optimizer", opt)
         first = inner if i == 0 else first
         if id(inner) not in installed:
-            installed[id(inner)] = inner.register_step_pre_hook(on_step)
+            installed[id(inner)] = inner.register_step_pre_hook(_marked(on_step))
     for model in accelerator._models:
         inner = accelerator.unwrap_model(model)  # a wrapper's load_state_dict reaches it before any weight
         if id(inner) not in installed:
-            installed[id(inner)] = inner.register_load_state_dict_pre_hook(on_load_weights)
+            installed[id(inner)] = inner.register_load_state_dict_pre_hook(_marked(on_load_weights))
     return first
+
+
+def _marked(fence: Callable[..., None]) -> Callable[..., None]:
+    """``fence`` as a hook every deferral proof knows as the library's own (it only waits)."""
+
+    def hook(*args: Any) -> None:
+        fence(*args)
+
+    setattr(hook, OWN_HOOK_MARK, True)
+    return hook

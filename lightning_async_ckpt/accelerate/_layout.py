@@ -25,7 +25,7 @@ from lightning_async_ckpt.storage.store import GenerationWriter
 _log = logging.getLogger("lightning_async_ckpt")
 _ATTR = "_lightning_async_ckpt"
 INCOMPLETE_MARKER = ".lightning_async_ckpt-incomplete"
-_UNSUPPORTED = ("FSDP", "DEEPSPEED", "MEGATRON_LM", "XLA")
+_UNSUPPORTED = ("MEGATRON_LM", "XLA")
 # accelerate's synchronous files are torch.save zip archives: a truncated one has no central directory.
 _ARCHIVE_RE = re.compile(
     r"^((optimizer|scheduler|sampler|dl_state_dict)(_\d+)?\.bin|random_states_\d+\.pkl|custom_checkpoint_\d+\.pkl|scaler\.pt)$"
@@ -193,10 +193,21 @@ def _expected_sync_files(acc: Any) -> set[str]:
 
 
 def _check_supported(acc: Any) -> None:
+    """Refuse distributed types whose models accelerate saves itself (FSDP is checked in ``_fsdp.py``)."""
     kind = getattr(acc.distributed_type, "name", str(acc.distributed_type))
+    if kind == "DEEPSPEED":
+        raise ConfigError(
+            "lightning_async_ckpt cannot make DeepSpeed checkpoints asynchronous: DeepSpeed's engine saves the model "
+            "and optimizer itself (save_checkpoint) before any save_state pre-hook runs. What works today: single "
+            "device and DDP (attach + accelerator.save_state, or lightning_async_ckpt.accelerate.save_state), and "
+            "FSDP2 with sharded state dicts (FullyShardedDataParallelPlugin(fsdp_version=2), then "
+            "lightning_async_ckpt.accelerate.save_state(accelerator, uri): every process stages and writes its own "
+            "shards). Use FSDP2 for sharded training with asynchronous checkpoints, or keep DeepSpeed and call "
+            "accelerator.save_state without attach() (synchronous)"
+        )
     if kind in _UNSUPPORTED:
         raise ConfigError(
-            f"lightning_async_ckpt's Accelerate integration supports single-device and DDP runs, not "
-            f"distributed_type={kind}: FSDP, DeepSpeed and Megatron-LM models are saved by accelerate itself before "
-            "the save_state pre-hook runs (it receives no weights). Use accelerator.save_state without attach() there."
+            f"lightning_async_ckpt's Accelerate integration supports single-device, DDP and FSDP2 runs, not "
+            f"distributed_type={kind}: accelerate saves those models itself before the save_state pre-hook runs "
+            "(it receives no weights). Use accelerator.save_state without attach() there."
         )

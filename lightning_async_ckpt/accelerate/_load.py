@@ -182,7 +182,7 @@ def _continue_run(checkpointer: Any, run_id: str) -> None:
         return
     _log.info("load_state: continuing run %s (this process attached as %s)", run_id, checkpointer.run_id)
     checkpointer.run_id = run_id
-    engines = (checkpointer._engine, checkpointer._folder_engine)
+    engines = (checkpointer._engine, checkpointer._folder_engine, checkpointer._sharded)
     stores = [e.store for e in engines if e is not None]
     promoter = getattr(checkpointer, "promoter", None)  # two tiers: the durable store the promotions write
     if promoter is not None:
@@ -217,15 +217,18 @@ def _prepare(choice: Choice, options: dict[str, Any], rank: int, trusted: bool) 
                 data = read_verified(fs, f"{folder}/{obj.key}", obj)
                 safe[obj.name] = _reserialize_safely(data, f"{choice.url}/{obj.name}")
     local = isinstance(fs, LocalFileSystem)
-    if local and not safe and all(o.key == o.name for o in manifest.objects):
-        return _Prepared(folder=folder, manifest=manifest, tmp=None, rng_name=rng)
+    # A DCP generation (FSDP2, _fsdp.py): DCP's .metadata files name the data files where they are (token and all).
+    dcp = manifest.checkpoint_format == "torch_dcp"
+    inside = f"/{manifest.dcp_folder}" if dcp and manifest.dcp_folder else ""
+    if local and not safe and (dcp or all(o.key == o.name for o in manifest.objects)):
+        return _Prepared(folder=folder + inside, manifest=manifest, tmp=None, rng_name=rng)
     tmp = tempfile.mkdtemp(prefix="lightning_async_ckpt-load-")  # private (0700): nobody else can swap files here
     try:
         for obj in manifest.objects:
             match = _RNG_FILE_RE.match(obj.name)
             if match and int(match.group(1)) != rank:
                 continue  # another process's RNG state
-            path = os.path.join(tmp, *obj.name.split("/"))
+            path = os.path.join(tmp, *(obj.key if dcp else obj.name).split("/"))
             os.makedirs(os.path.dirname(path), exist_ok=True)
             if obj.name in safe:
                 with open(path, "wb") as out:
@@ -240,7 +243,7 @@ def _prepare(choice: Choice, options: dict[str, Any], rank: int, trusted: bool) 
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return _Prepared(folder=tmp, manifest=manifest, tmp=tmp, rng_name=rng)
+    return _Prepared(folder=tmp + inside, manifest=manifest, tmp=tmp, rng_name=rng)
 
 
 def _reserialize_safely(data: bytes, where: str) -> bytes:

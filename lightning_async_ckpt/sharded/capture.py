@@ -57,11 +57,24 @@ def sharded_proof(
     )
 
 
+def _live_local(p: torch.Tensor) -> torch.Tensor:
+    """A parameter's local shard as the plan sees a parameter: its storage, and its DTensor's ``requires_grad``.
+
+    Shards that FSDP2 built from a meta-device module (accelerate's ``fsdp2_prepare_model``) have local tensors that
+    do not require grad although their ``DTensor`` parameter does; the plan would take them for frozen parameters
+    and copy them at the cut. An alias of the same storage carries the parameter's flag (storage identity decides).
+    """
+    t = local_tensor(p)
+    if p is not t and p.requires_grad and not t.requires_grad:
+        t = t.detach().requires_grad_(True)
+    return t
+
+
 class _ModuleView:
     """What the plan's classification reads of a module (``parameters``, ``buffers``), with local tensors."""
 
     def __init__(self, module: torch.nn.Module, local: dict[int, torch.Tensor]) -> None:
-        self._params = [local.setdefault(id(p), local_tensor(p)) for p in module.parameters()]
+        self._params = [local.setdefault(id(p), _live_local(p)) for p in module.parameters()]
         self._buffers = [local_tensor(b) for b in module.buffers()]
 
     def parameters(self) -> list[torch.Tensor]:
@@ -76,10 +89,10 @@ class _OptimizerView:
 
     def __init__(self, optimizer: Any, local: dict[int, torch.Tensor]) -> None:
         self.param_groups = [
-            {"params": [local.setdefault(id(p), local_tensor(p)) for p in g["params"]]} for g in optimizer.param_groups
+            {"params": [local.setdefault(id(p), _live_local(p)) for p in g["params"]]} for g in optimizer.param_groups
         ]
         self.state = {
-            local.setdefault(id(p), local_tensor(p)): (
+            local.setdefault(id(p), _live_local(p)): (
                 {k: local_tensor(v) if isinstance(v, torch.Tensor) else v for k, v in s.items()}
                 if isinstance(s, dict)
                 else s

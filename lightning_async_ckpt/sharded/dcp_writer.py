@@ -41,6 +41,7 @@ from torch.futures import Future
 
 from lightning_async_ckpt.errors import StorageError
 from lightning_async_ckpt.sharded.dcp_files import StoreFileSystem
+from lightning_async_ckpt.sharded.dcp_views import metadata_view
 from lightning_async_ckpt.sharded.write_retry import WriteRetries
 from lightning_async_ckpt.storage.claims import Lease, attempt_claim_name
 from lightning_async_ckpt.storage.manifest import ObjectEntry, validate_object_name
@@ -123,6 +124,9 @@ class StoreStorageWriter(FileSystemWriter):
         retry: Retries of a throttled write (503 SlowDown, 429, a reset connection): this rank's DCP data files
             are written again from the start, each extra object alone (default
             :data:`~lightning_async_ckpt.sharded.write_retry.DEFAULT_WRITE_RETRY`).
+        views: Top-level keys of the state that also get a DCP checkpoint folder of their own, ``<key>/.metadata``
+            over the same data files (:mod:`.dcp_views`; e.g. accelerate's ``pytorch_model_fsdp_0``), written by
+            the coordinator after ``.metadata`` and listed in the manifest (``extra["dcp_views"]``).
 
     Raises:
         StorageError: An extra object name is DCP's own or not a valid object name.
@@ -140,6 +144,7 @@ class StoreStorageWriter(FileSystemWriter):
         on_plan: Callable[[], None] | None = None,
         before_report: Callable[[], None] | None = None,
         retry: RetryPolicy | None = None,
+        views: tuple[str, ...] = (),
     ) -> None:
         for name in objects or {}:
             if name.startswith("__") or name == METADATA_NAME or "/" in validate_object_name(name):
@@ -159,6 +164,7 @@ class StoreStorageWriter(FileSystemWriter):
         self._on_plan = on_plan
         self._before_report = before_report
         self._retries = WriteRetries(retry)
+        self._views = tuple(views)
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         """Start a save (DCP step 0); the location is fixed by the store and step."""
@@ -276,14 +282,26 @@ class StoreStorageWriter(FileSystemWriter):
             self._retried(lambda: super(StoreStorageWriter, self).finish(metadata, plain), -1, METADATA_NAME)
         finally:
             self.path = path
-        entry = self.fs.objects[METADATA_NAME]
-        reports.append(RankObjects(rank=-1, objects=(entry,)))
+        entries = [self.fs.objects.pop(METADATA_NAME)]
+        for key in self._views:
+            view, moved = metadata_view(metadata, plain, key)
+            self.path = self.fs.concat_path(path, f"{prefix}{key}")
+            try:
+                self._retried(lambda v=view, m=moved: super(StoreStorageWriter, self).finish(v, m), -1, METADATA_NAME)
+            finally:
+                self.path = path
+            entry = self.fs.objects.pop(METADATA_NAME)
+            name = f"{key}/{METADATA_NAME}"
+            entries.append(dataclasses.replace(entry, name=name, path=entry.path if entry.path != name else None))
+        self.fs.objects.update((e.name, e) for e in entries)
+        reports.append(RankObjects(rank=-1, objects=tuple(entries)))
         if self.claim is None:
             raise StorageError("finish() ran on a rank that did not claim the step (not the coordinator)")
         if self._on_commit is None:
             from lightning_async_ckpt.sharded.commit import commit_generation
 
-            self.commit_result = commit_generation(self.claim, reports)
+            extra = {"dcp_views": list(self._views)} if self._views else None
+            self.commit_result = commit_generation(self.claim, reports, extra=extra)
         else:
             self.commit_result = self._on_commit(self.claim, reports)
         self.committed = True

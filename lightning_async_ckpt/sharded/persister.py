@@ -28,7 +28,11 @@ from lightning_async_ckpt.sharded.plan_cache import caching_planner
 from lightning_async_ckpt.storage.manifest import Manifest
 from lightning_async_ckpt.storage.store import CheckpointStore
 
-__all__ = ["DcpPersister"]
+__all__ = ["DCP_VIEWS", "DcpPersister"]
+
+#: ``save(..., extra={DCP_VIEWS: [key, ...]})``: top-level keys that also get a DCP folder of their own
+#: (:mod:`~lightning_async_ckpt.sharded.dcp_views`).
+DCP_VIEWS = "dcp_views"
 
 _log = logging.getLogger(__name__)
 
@@ -95,6 +99,7 @@ class DcpPersister:
             before_report=job.confirm,  # the guard's last word on this rank, before the coordinator may commit
             objects=dict(work.objects) or None,
             retry=self.write_retry,
+            views=tuple(work.extra.get(DCP_VIEWS, ())),
         )
         try:
             dcp.save(
