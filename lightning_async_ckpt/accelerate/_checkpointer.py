@@ -30,6 +30,7 @@ from lightning_async_ckpt.accelerate._numbering import automatic_root
 from lightning_async_ckpt.accelerate._prehooks import remove_when_done, run_save_pre_hooks
 from lightning_async_ckpt.core.capture import DeferralProof, Fence
 from lightning_async_ckpt.core.collective import RankFailedError, agree
+from lightning_async_ckpt.core.commit_hooks import CommitFanOut
 from lightning_async_ckpt.core.engine import AsyncCheckpointer, CheckpointOptions, SaveHandle
 from lightning_async_ckpt.core.handle import DrainOnExit
 from lightning_async_ckpt.core.telemetry import SaveRecord
@@ -40,7 +41,7 @@ from lightning_async_ckpt.storage.store import CheckpointStore
 
 
 # -- the checkpointer --------------------------------------------------------------------------------------
-class AccelerateCheckpointer(FolderSaves, DrainOnExit):
+class AccelerateCheckpointer(FolderSaves, CommitFanOut, DrainOnExit):
     """Asynchronous checkpoints for one ``Accelerator``; create it with :func:`attach` on every process.
 
     Thread-safety: every method and hook runs on the training thread. In multi-process runs, ``save_state``,
@@ -343,6 +344,7 @@ class AccelerateCheckpointer(FolderSaves, DrainOnExit):
     def _new_engine(self, store: CheckpointStore, options: CheckpointOptions) -> AsyncCheckpointer:
         engine = AsyncCheckpointer(store, options, serializer=_LayoutSerializer())
         engine.declare_fences({Fence.OPTIMIZER_STEP})
+        self.commit_callbacks_to(engine)  # add_commit_callback (core/commit_hooks.py)
         # Our exit handler must run before the engine's (newest first): it confirms pending folders first.
         self._exit_hook.unregister()
         self._exit_hook = register_at_exit(self._exit)

@@ -290,6 +290,11 @@ class _FolderStore(CheckpointStore):
         save = self.saves.get(step)
         return save.folder if save is not None and save.settled.is_set() and not save.abandoned else None
 
+    def url(self, step: int, name: str | None = None) -> str:
+        """The folder of save ``step`` (or ``name`` inside it)."""
+        folder = self.saves[step].folder
+        return folder if name is None else os.path.join(folder, *name.split("/"))
+
     def end_write(self, step: int) -> None:
         """The writer of ``step`` committed or aborted."""
         with self._folder_lock:

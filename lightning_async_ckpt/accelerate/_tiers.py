@@ -227,7 +227,8 @@ class TieredAccelerateCheckpointer(AccelerateCheckpointer):
             local = CheckpointStore(where, run_id=self.run_id)
             durable = CheckpointStore(self.uri, self.storage_options, run_id=self.run_id)
             # Retention of the local tier is the promoter's: it keeps the generation due on uri until promoted.
-            self._engine = self._new_engine(local, replace(self.options, keep_last=None))
+            self._engine = engine = self._new_engine(local, replace(self.options, keep_last=None))
+            engine.commit_tier = "local"  # each promotion is its own commit event, tier="durable"
             self.promoter = Promoter(
                 local,
                 durable,
@@ -235,6 +236,7 @@ class TieredAccelerateCheckpointer(AccelerateCheckpointer):
                 source_keep_last=self.local_keep_last,
                 on_error=self._engine.report_error,
                 on_event=self._engine.events.emit,
+                on_commit=lambda manifest: engine.commit_hooks.committed(manifest, durable, tier="durable"),
             )
             replicator = None if self.replicas is None else self.replicas.replicator
             if replicator is not None:

@@ -129,6 +129,8 @@ class Completion:
         progress: Where outcomes, records and errors go.
         abandoning: Set when the engine abandons its saves.
         retention: Called after each commit when this process runs retention (``keep_last``), else ``None``.
+        on_commit: Told of each manifest this process committed, on the upload thread, before ``committed``
+            resolves (the engine's :class:`~lightning_async_ckpt.core.commit_hooks.CommitHooks`).
     """
 
     def __init__(
@@ -140,6 +142,7 @@ class Completion:
         progress: Progress,
         abandoning: threading.Event,
         retention: Callable[[], list[int]] | None,
+        on_commit: Callable[[Any], None] | None = None,
     ) -> None:
         self.persister = persister
         self.pool = pool
@@ -147,6 +150,7 @@ class Completion:
         self.progress = progress
         self.abandoning = abandoning
         self.retention = retention if persister.coordinator else None
+        self.on_commit = on_commit if persister.coordinator else None
 
     def run(
         self,
@@ -207,6 +211,8 @@ class Completion:
         try:
             self.events.emit("committed", step=handle.step, committed_step=progress.committed_step)
             self.finish_record(record)
+            if self.on_commit is not None:  # queued before the future resolves: a drain then finds it
+                self.on_commit(manifest)
         finally:
             # Whatever telemetry does, the committed future resolves: drain and close() must never hang on it.
             handle.committed.set_result(manifest)

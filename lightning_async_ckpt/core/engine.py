@@ -27,6 +27,7 @@ import torch
 from lightning_async_ckpt.core.admission import Admission, AdmissionDecision
 from lightning_async_ckpt.core.capture import DeferralProof, Fence
 from lightning_async_ckpt.core.capturer import PlainCapturer
+from lightning_async_ckpt.core.commit_hooks import CommitCallbacks
 from lightning_async_ckpt.core.completion import Completion, Progress, ProgressView
 from lightning_async_ckpt.core.handle import DrainOnExit, SaveHandle
 from lightning_async_ckpt.core.hooks import FenceHooks
@@ -48,7 +49,7 @@ __all__ = ["AsyncCheckpointer", "CheckpointOptions", "SaveHandle", "Serializer",
 _log = logging.getLogger("lightning_async_ckpt")
 
 
-class AsyncCheckpointer(ProgressView, Lifecycle, DrainOnExit):
+class AsyncCheckpointer(ProgressView, CommitCallbacks, Lifecycle, DrainOnExit):
     """Framework-free asynchronous checkpointing into a :class:`CheckpointStore`.
 
     Thread-safety: ``save``, ``wait``, ``poll``, ``drain`` and ``close`` are called from one training thread; the
@@ -111,6 +112,7 @@ class AsyncCheckpointer(ProgressView, Lifecycle, DrainOnExit):
         self._cut_since_tick = False
         self.progress = Progress(options.on_error)  # committed step, records, refusals, the error queue
         self.requested_step: int | None = None
+        CommitCallbacks.__init__(self)  # add_commit_callback: records queued at each commit, run at the next call
         Lifecycle.__init__(self, upload_nice=options.upload_nice)
         self.capturer: Capturer = capturer or PlainCapturer()
         self.persister: Persister = persister or StreamPersister(
@@ -127,6 +129,7 @@ class AsyncCheckpointer(ProgressView, Lifecycle, DrainOnExit):
             progress=self.progress,
             abandoning=self.abandoning,
             retention=None if options.keep_last is None else lambda: self.store.gc(options.keep_last),
+            on_commit=self.commit_queued,
         )
 
     # -- saving ------------------------------------------------------------------------------------------
@@ -184,6 +187,7 @@ class AsyncCheckpointer(ProgressView, Lifecycle, DrainOnExit):
         self.in_flight.observe_staged()
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ConfigError(f"step must be a non-negative int, got {step!r}")
+        self.deliver_commits()
         self.raise_pending()
         if final:
             defer, proof, admission = False, FINAL_PROOF, admission or "wait"
@@ -304,6 +308,7 @@ class AsyncCheckpointer(ProgressView, Lifecycle, DrainOnExit):
             self._reserve_seen = (reserving, begun)
             self.step_clock.tick(time.perf_counter(), running, started=self._cut_since_tick, background=background)
             self._cut_since_tick = False
+        self.deliver_commits()
         if raise_errors:
             self.raise_pending()
         if not self.in_flight:
@@ -317,6 +322,7 @@ class AsyncCheckpointer(ProgressView, Lifecycle, DrainOnExit):
         """Raise a pending background error, if any."""
         self.in_flight.observe_staged()
         self.in_flight.reap()
+        self.deliver_commits()
         self.raise_pending()
 
     def drain(self, timeout: float | None = None) -> bool:
@@ -327,6 +333,7 @@ class AsyncCheckpointer(ProgressView, Lifecycle, DrainOnExit):
         """
         self.in_flight.observe_staged()
         finished = self.drain_quietly(timeout)
+        self.deliver_commits()
         self.raise_pending()
         return finished
 

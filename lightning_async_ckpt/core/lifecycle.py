@@ -103,6 +103,7 @@ class Lifecycle:
         if not finished:
             self._abandon_outstanding(f"close: not drained within {timeout}s")
         self._stop_workers(None if finished and not self.abandoning.is_set() else remaining())
+        self.deliver_commits()  # type: ignore[attr-defined]  # the last commits' callbacks, on this thread
         self.events.close()
         self.persister.close()
         self.pool.clear()

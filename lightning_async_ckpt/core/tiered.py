@@ -195,6 +195,7 @@ class TieredCheckpointer:
         elif overrides:
             options = replace(options, **overrides)
         self.engine = AsyncCheckpointer(self.local, replace(options, keep_last=None))
+        self.engine.commit_tier = "local"  # a promotion is its own event, tier="durable"
         self.promoter = Promoter(
             self.local,
             self.durable,
@@ -202,6 +203,7 @@ class TieredCheckpointer:
             source_keep_last=local_keep_last,
             on_error=self.engine.report_error,
             on_event=self.engine.events.emit,
+            on_commit=lambda manifest: self.engine.commit_hooks.committed(manifest, self.durable, tier="durable"),
         )
         self.promote_every_n_steps = promote_every_n_steps
         self.local_dirpath = local if isinstance(local, str) else self.local.root
@@ -272,6 +274,11 @@ class TieredCheckpointer:
             self.local.run_id = self.durable.run_id = restored.manifest.run_id
         return restored
 
+    def add_commit_callback(self, fn: Callable[[Any], Any]) -> None:
+        """:meth:`AsyncCheckpointer.add_commit_callback`: each local commit (``tier="local"``) and each promotion
+        (``tier="durable"``) is its own call."""
+        self.engine.add_commit_callback(fn)
+
     def wait(self, fence: Any, *, raise_errors: bool = True) -> float:
         """:meth:`AsyncCheckpointer.wait`."""
         return self.engine.wait(fence, raise_errors=raise_errors)
@@ -287,6 +294,7 @@ class TieredCheckpointer:
         self._flush()
         promoted = self.promoter.drain(None if deadline is None else max(0.0, deadline - time.monotonic()))
         replicated = self.replicator is None or self.replicator.drain(_left(deadline))
+        self.engine.deliver_commits()
         self.engine.raise_pending()
         return saved and promoted and replicated
 

@@ -7,6 +7,7 @@ set the attributes ``ModelCheckpoint`` has, so what Lightning and the loggers re
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal
@@ -16,8 +17,10 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from typing_extensions import override
 
 from lightning_async_ckpt.core.engine import CheckpointOptions
+from lightning_async_ckpt.core.exporter import check_export
 from lightning_async_ckpt.core.interfaces import TrainingCheckpointer
 from lightning_async_ckpt.lightning.arguments import check_arguments, check_selection, check_tiers, normalize_dirpath
+from lightning_async_ckpt.lightning.commits import check_on_commit
 from lightning_async_ckpt.lightning.preemption import PreemptionHandler, check_preemption
 from lightning_async_ckpt.lightning.rerun import seed_committed_step
 from lightning_async_ckpt.lightning.resume import name_loaded_checkpoint
@@ -86,6 +89,13 @@ class CallbackArguments(ModelCheckpoint):
         preemption_signal: A signal (``signal.SIGUSR1``, ``signal.SIGTERM``) that asks for an emergency checkpoint
             at the next batch end; training stops after it (``None``: off).
         preemption_grace_s: Bound on waiting for the emergency checkpoint's commit and promotion (``None``: none).
+        on_commit: ``fn(committed)``, called once per committed generation on the training thread of rank 0 at the
+            first hook after the commit, with a frozen :class:`~lightning_async_ckpt.core.commit_hooks.Committed`
+            (any callback's ``on_checkpoint_committed(trainer, pl_module, committed)`` is called there too);
+            one that raises is raised once like a failed save (``docs/after_commit.md``).
+        export: Export chosen generations' model weights to safetensors in the background, each as a committed
+            generation of ``<dirpath>/exports/safetensors``: ``"safetensors"`` (the final one) or a
+            :class:`~lightning_async_ckpt.core.exporter.SafetensorsExport` (final, best, every N, dtype, shards).
         filename, monitor, mode, save_top_k, save_last, save_weights_only, auto_insert_metric_name,
             train_time_interval, save_on_train_epoch_end, enable_version_counter, save_on_exception:
             ``ModelCheckpoint``'s arguments with its semantics on the committed generations: see
@@ -135,6 +145,8 @@ class CallbackArguments(ModelCheckpoint):
         replicas: int | None = None,
         preemption_signal: int | None = None,
         preemption_grace_s: float | None = None,
+        on_commit: Callable[[Any], Any] | None = None,
+        export: Any = None,
     ) -> None:
         args = check_selection(
             filename=filename,
@@ -217,6 +229,9 @@ class CallbackArguments(ModelCheckpoint):
         )
         signum, self.preemption_grace_s = check_preemption(preemption_signal, preemption_grace_s)
         self.preemption = PreemptionHandler(signum)  # the emergency save's signal, or none (lightning/preemption.py)
+        self.on_commit = check_on_commit(on_commit)  # told of each commit on the training thread (commits.py)
+        self.export = check_export(export)  # safetensors exports of chosen generations (core/exporter.py)
+        self.exporter: Any = None  # its background writer, on rank 0 during fit
         self.store: CheckpointStore | None = None
         self.checkpointer: TrainingCheckpointer | None = None
         self.run_id: str | None = None

@@ -31,6 +31,7 @@ from lightning_async_ckpt.lightning.arguments import (
 )
 from lightning_async_ckpt.lightning.base import CallbackArguments
 from lightning_async_ckpt.lightning.collective import agree_on
+from lightning_async_ckpt.lightning.commits import cut_metrics, deliver, finish_exports, listen
 from lightning_async_ckpt.lightning.hooks import FINAL_PROOF, is_last_batch, lightning_proof, training_ends_here
 from lightning_async_ckpt.lightning.naming import CHECKPOINT_NAME, checkpoint_key, planned_path
 from lightning_async_ckpt.lightning.on_exception import capture_exception_checkpoint, write_exception_checkpoint
@@ -141,6 +142,7 @@ class AsyncCheckpointCallback(ProgressReports, CallbackArguments):
             except Exception as exc:  # noqa: BLE001 - raised below on every rank
                 error = exc
         agree_on(trainer, error, "checking the host-memory budget")
+        listen(self, trainer)  # commit records for on_commit / on_checkpoint_committed, when any (commits.py)
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -299,9 +301,8 @@ class AsyncCheckpointCallback(ProgressReports, CallbackArguments):
         if self._last_cut_step == step and not final:
             return
         # ModelCheckpoint's name and top-k decision; a cut that enters no top k (and no save_last) is not taken.
-        take, entry = self.selection.prepare(
-            trainer, monitor_candidates(trainer), ranked=not final if ranked is None else ranked, last=last
-        )
+        candidates, rank = monitor_candidates(trainer), not final if ranked is None else ranked
+        take, entry = self.selection.prepare(trainer, candidates, ranked=rank, last=last)
         if not take and not final:
             return
         self._last_cut_step = step
@@ -338,7 +339,7 @@ class AsyncCheckpointCallback(ProgressReports, CallbackArguments):
                     objects=objects,
                     cut={"epoch": trainer.current_epoch, "global_step": step, "world_size": trainer.world_size},
                     admission="wait" if final else None,
-                    extra=self.selection.extra(entry),
+                    extra={**self.selection.extra(entry), **cut_metrics(self, candidates)},
                     object_keys={CHECKPOINT_NAME: key} if key and not dcp else None,
                 )
                 decision = handle.decision.decision
@@ -379,6 +380,8 @@ class AsyncCheckpointCallback(ProgressReports, CallbackArguments):
                 error = exc
             self._sync_progress()
             self._poll(trainer)
+            finish_exports(self)  # export=: the final export, waited for (commits.py)
+            error = error or self.checkpointer.take_pending_error()  # a commit hook or an export of the last ones
         try:
             progress = (self.committed_step, self.selection.summary())
             self.committed_step, summary = agree_on(trainer, error, "draining checkpoint saves", progress)
@@ -393,3 +396,4 @@ class AsyncCheckpointCallback(ProgressReports, CallbackArguments):
         # Commits are taken in on the training thread: best-k, best_model_path, loggers' after_save_checkpoint.
         if self.checkpointer is not None:
             self.selection.poll(trainer, self.store, self._path_of)
+            deliver(self, trainer)  # on_commit and on_checkpoint_committed, after best-k is known (commits.py)

@@ -97,6 +97,7 @@ class Tiers:
         # Retention of the local tier is the promoter's: it keeps the generation being promoted.
         engine = AsyncCheckpointer(self.local_store, replace(options, keep_last=None))
         engine.declare_fences({Fence.BATCH_START, Fence.OPTIMIZER_STEP})
+        engine.commit_tier = "local"  # each promotion is its own commit event, tier="durable"
         self.promoter = Promoter(
             self.local_store,
             store,
@@ -104,6 +105,7 @@ class Tiers:
             source_keep_last=self.local_keep_last,
             on_error=engine.report_error,
             on_event=engine.events.emit,  # promoted / promotion_failed / promotion_skipped in the event log
+            on_commit=lambda manifest: engine.commit_hooks.committed(manifest, store, tier="durable"),
         )
         self._delivered, self._tracked, self._durable = set(), [], {}
         if self.replicator is not None:

@@ -124,6 +124,7 @@ class TieredShardedCheckpointer(ShardedCheckpointer):
             durable = CheckpointStore(durable, storage_options, run_id=self.store.run_id)
         self.durable = durable
         self.promote_every_n_steps = promote_every_n_steps
+        self.commit_tier = "local"  # each rank's local commit; a promotion is its own event, tier="durable"
         self.promoter = DcpPromoter(
             self.store,
             durable,
@@ -131,7 +132,7 @@ class TieredShardedCheckpointer(ShardedCheckpointer):
             local_keep_last=local_keep_last,
             timeout_s=timeout_s,
             on_error=self.report_error,
-            on_event=self.events.emit,
+            on_event=self._promotion_event,
         )
         self.replicas = (
             None
@@ -150,6 +151,12 @@ class TieredShardedCheckpointer(ShardedCheckpointer):
         self._delivered: set[int] = set()
         self.preemption = PreemptionHandler(signum)
         self.preemption.install()
+
+    def _promotion_event(self, name: str, **fields: Any) -> None:
+        # The promotion thread, right after the durable manifest (every rank hears "promoted"; rank 0 tells the hooks).
+        self.events.emit(name, **fields)
+        if name == "promoted" and self.promoter.rank == 0 and self.commit_hooks.listening:
+            self.commit_hooks.committed(self.durable.manifest(fields["step"]), self.durable, tier="durable")
 
     def _open_store(self, uri: str, storage_options: dict[str, Any] | None, run_id: str | None) -> CheckpointStore:
         return rank_store(uri, self.rank, run_id=run_id)

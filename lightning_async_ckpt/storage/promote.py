@@ -158,6 +158,8 @@ class Promoter:
             thread later.
         on_event: Called with an event name and fields (an ``EventLog.emit``): ``promoted`` (``step``,
             ``promote_s``, ``target``), ``promotion_failed`` (``step``, ``error``), ``promotion_skipped`` (``step``).
+        on_commit: Told of each promotion's target manifest, on the promotion thread, right after it was written
+            (commit hooks: ``tier="durable"``).
     """
 
     def __init__(
@@ -169,8 +171,10 @@ class Promoter:
         source_keep_last: int | None = None,
         on_error: Callable[[BaseException], None] | None = None,
         on_event: Callable[..., None] | None = None,
+        on_commit: Callable[[Manifest], None] | None = None,
     ) -> None:
         self.source = source
+        self.on_commit = on_commit
         self.target = target
         self.keep_last = keep_last
         self.source_keep_last = source_keep_last
@@ -300,6 +304,11 @@ class Promoter:
             if self.promoted_step is None or manifest.step > self.promoted_step:
                 self.promoted_step = manifest.step
         _log.info("step %d promoted from %s to %s", step, self.source.uri, self.target.uri)
+        if self.on_commit is not None:
+            try:
+                self.on_commit(manifest)
+            except Exception:  # noqa: BLE001 - a hook's bookkeeping never fails a promotion
+                _log.warning("commit hooks not told of promoted step %d", step, exc_info=True)
         self._event("promoted", step=step, promote_s=time.monotonic() - started, target=self.target.uri)
         self._retain(self.target, self.keep_last)
         self._retain(self.source, self.source_keep_last, protect=self.protected())

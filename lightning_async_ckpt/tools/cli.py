@@ -1,4 +1,4 @@
-"""The ``lightning-async-ckpt`` command line: list, verify and garbage-collect a store, plan, plot, bench.
+"""The ``lightning-async-ckpt`` command line: list, verify, garbage-collect and export a store, plan, plot, bench.
 
 Every command exits 0 on success, 1 when ``verify`` finds a damaged generation, and 2 on bad input (unknown URI
 scheme, a store path that does not exist, missing generation, malformed event log, negative rates), with a
@@ -11,6 +11,7 @@ Examples::
     lightning-async-ckpt ls runs/demo
     lightning-async-ckpt verify s3://bucket/run --storage-option endpoint_url=http://127.0.0.1:9000
     lightning-async-ckpt gc runs/demo --keep-last 3 --dry-run
+    lightning-async-ckpt export runs/demo latest --format safetensors --dtype bfloat16
     lightning-async-ckpt plan --bytes 10GiB --interval 300 --bandwidth 200MB/s
     lightning-async-ckpt timeline runs/demo/events.jsonl -o timeline.png
 """
@@ -26,6 +27,7 @@ from collections.abc import Sequence
 from typing import NoReturn
 
 from lightning_async_ckpt.errors import CheckpointError, ConfigError
+from lightning_async_ckpt.tools.export_command import add_export_parser
 from lightning_async_ckpt.tools.fmt import one_line
 from lightning_async_ckpt.tools.plan_commands import (
     cmd_plan,
@@ -198,6 +200,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     who.add_argument("--run-id", metavar="ID", help="only remove committed generations written by this run")
     p.set_defaults(func=cmd_gc)
+
+    add_export_parser(sub)  # export STORE STEP --format safetensors (export_command.py)
 
     p = sub.add_parser(
         "plan",

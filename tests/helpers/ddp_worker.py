@@ -1,6 +1,6 @@
 """One rank of a two-process DDP run on CPU (gloo), launched by tests/lightning/test_lightning_ddp.py.
 
-Usage: python _ddp_worker.py DIRPATH MODE   (MODE: ok | fail | final)
+Usage: python _ddp_worker.py DIRPATH MODE   (MODE: ok | fail | final | hooks | hookfail)
 Prints one line ``RESULT {json}`` on success.
 """
 
@@ -38,7 +38,15 @@ def main() -> None:
     dirpath, mode = sys.argv[1], sys.argv[2]
     pl.seed_everything(3)
     model = PoisonOnRankZero() if mode == "fail" else BNDropoutModel()
-    callback = AsyncCheckpointCallback(dirpath=dirpath, every_n_train_steps=2, retries=0)
+    told: list[int] = []
+
+    def on_commit(committed) -> None:  # issue 43: rank 0 only; "hookfail" raises there
+        told.append(committed.step)
+        if mode == "hookfail":
+            raise RuntimeError("the hook refused")
+
+    hook = on_commit if mode in ("hooks", "hookfail") else None
+    callback = AsyncCheckpointCallback(dirpath=dirpath, every_n_train_steps=2, retries=0, on_commit=hook)
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=2,
@@ -61,6 +69,7 @@ def main() -> None:
                 "requested": callback.requested_step,
                 "committed": callback.committed_step,
                 "skipped": callback.skipped,
+                "told": told,
             }
         ),
         flush=True,

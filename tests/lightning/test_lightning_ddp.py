@@ -65,3 +65,16 @@ def test_the_final_checkpoint_between_intervals_is_taken_by_every_rank_at_the_sa
     store = CheckpointStore(str(tmp_path), check_writable=False)
     assert [g.step for g in store.generations()] == [2, 4, 6, 7]
     assert store.manifest(7).cut["world_size"] == 2
+
+
+def test_commit_hooks_run_on_rank_zero_once_per_commit_and_a_raising_one_fails_every_rank(tmp_path):
+    # Issue 43: on_commit runs on the writing rank's training thread only; its error is raised on every rank.
+    procs = _launch(str(tmp_path / "hooks"), "hooks")
+    for proc in procs:
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    r0, r1 = (_result(p) for p in procs)
+    assert r0["told"] == [2, 4, 6, 8] and r1["told"] == []
+    procs = _launch(str(tmp_path / "hookfail"), "hookfail")
+    assert all(p.returncode != 0 for p in procs), [p.returncode for p in procs]
+    assert "the hook refused" in procs[0].stderr and "failed on another rank" in procs[1].stderr
+    assert 2 in [g.step for g in CheckpointStore(str(tmp_path / "hookfail"), check_writable=False).generations()]

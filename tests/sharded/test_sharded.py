@@ -297,6 +297,14 @@ def test_fsdp2_two_ranks_equal_sync_dcp_save_reshard_to_one_process_and_verify(t
         dcp.load(target, checkpoint_id=str(gen), planner=DefaultLoadPlanner(allow_partial_load=True))
         _assert_same(target["model"], ours["model"])
     assert store.latest().step == 3
+    # Issue 43: the run's final generation, written by 2 ranks, exported to safetensors and loaded with it alone.
+    from safetensors.torch import load_file
+
+    from lightning_async_ckpt.core.export import SINGLE_NAME, export_safetensors
+
+    exported = export_safetensors(store, 3, str(tmp_path / "export"))
+    weights = load_file(str(tmp_path / "export" / "step-00000003" / exported.object(SINGLE_NAME).key))
+    _assert_same(weights, ours["model"], "export")
 
 
 @pytest.mark.slow

@@ -160,3 +160,18 @@ def test_a_stalled_promoter_that_wakes_after_another_committed_the_step_never_to
     TierChoice(2, "durable", durable).load(state)
     assert torch.equal(state["w"], torch.ones(4))
     assert zombie.promoted_step is None
+
+
+def test_commit_callbacks_hear_each_local_commit_and_each_promotion(tmp_path):
+    # Issue 43: the promotion of a sharded generation is its own commit event (tier="durable").
+    seen = []
+    local, durable = str(tmp_path / "local"), str(tmp_path / "durable")
+    with TieredShardedCheckpointer(local, durable, promote_every_n_steps=2) as ckpt:
+        ckpt.add_commit_callback(seen.append)
+        for step in (1, 2):
+            ckpt.save(step, {"model": torch.nn.Linear(4, 4).state_dict()})
+        ckpt.drain()
+    assert sorted((c.step, c.tier) for c in seen) == [(1, "local"), (2, "durable"), (2, "local")]
+    promoted = next(c for c in seen if c.tier == "durable")
+    assert promoted.uri == CheckpointStore(durable, check_writable=False).url(2)
+    assert promoted.manifest.format == "torch_dcp" and promoted.path == promoted.uri

@@ -172,6 +172,9 @@ CALLBACK_CASES = [
     ("replicas", 0),
     ("preemption_signal", "USR1"),
     ("preemption_grace_s", -1.0),
+    # After the commit (docs/after_commit.md)
+    ("on_commit", "print"),
+    ("export", "onnx"),
 ]
 
 
