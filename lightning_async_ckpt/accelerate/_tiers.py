@@ -205,7 +205,7 @@ class TieredAccelerateCheckpointer(AccelerateCheckpointer):
             return True, "nothing saved"
         deadline = None if timeout is None else time.monotonic() + timeout
         saved = engine.drain_quietly(timeout)
-        relay.flush()
+        saved = relay.flush(_left(deadline)) and saved
         promoted = promoter.drain(_left(deadline))
         replicator = None if self.replicas is None else self.replicas.replicator
         replicated = replicator is None or replicator.drain(_left(deadline))

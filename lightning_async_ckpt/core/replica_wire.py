@@ -14,6 +14,7 @@ from __future__ import annotations
 import enum
 import json
 import logging
+import os
 import queue
 import threading
 from dataclasses import replace
@@ -30,7 +31,16 @@ from lightning_async_ckpt.storage.manifest import Manifest
 from lightning_async_ckpt.storage.promote import copy_objects
 from lightning_async_ckpt.storage.store import CheckpointStore
 
-__all__ = ["REPLICA_OF_KEY", "Kind", "ReplicaError", "Wire", "receive_generation", "send_generation", "version_uri"]
+__all__ = [
+    "REPLICA_OF_KEY",
+    "Kind",
+    "ReplicaError",
+    "Wire",
+    "receive_generation",
+    "send_generation",
+    "tier_folder",
+    "version_uri",
+]
 
 _log = logging.getLogger("lightning_async_ckpt")
 
@@ -172,7 +182,35 @@ class _WriteBehind:
 
 
 def version_uri(root: str, where: str) -> str:
+    """The folder ``where`` (``""``: the tier itself, ``"v1"``, ...) of the local tier ``root``."""
     return f"{root.rstrip('/')}/{where}" if where else root
+
+
+def tier_folder(root: str, where: Any) -> str:
+    """Folder ``where`` of this rank's local tier ``root``, checked: a peer's message names it, and it must be a
+    relative folder that stays inside ``root`` (no ``..``, not absolute, no URL, not through a link outside).
+
+    Raises:
+        ReplicaError: ``where`` leaves the tier (the sender is told; nothing is written).
+    """
+    parts = where.replace("\\", "/").split("/") if isinstance(where, str) else None
+    outside = (
+        parts is None
+        or where.startswith(("/", "\\"))
+        or "://" in where
+        or ":" in parts[0]  # a drive letter
+        or (where != "" and any(part in ("", ".", "..") for part in parts))
+    )
+    uri = version_uri(root, where) if not outside else ""
+    if not outside and "://" not in root:
+        base = os.path.realpath(root)
+        outside = os.path.commonpath([base, os.path.realpath(uri)]) != base
+    if outside:
+        raise ReplicaError(
+            f"replica target folder {where!r} is not inside this rank's local tier {root!r}: a peer may only name a "
+            'relative folder of it ("" or a version folder such as "v1")'
+        )
+    return uri
 
 
 def send_generation(wire: Wire, store: CheckpointStore, step: int, where: str, dst: int) -> bool:
@@ -216,11 +254,16 @@ def receive_generation(
     ``background``: once every byte is received and checked against the source manifest (in the page cache), answer
     and return; the objects' ``fsync`` and the commit run on a thread (:mod:`~lightning_async_ckpt.core.replica_persist`,
     whose ``manifest_of`` answers the returned manifest meanwhile). For a restart, which loads the files at once."""
-    manifest = Manifest.from_json(header["manifest"], where=f"replica from rank {src}")
-    relative = header["where"] if where is None else where
-    store = _receiving_store(version_uri(root, relative), manifest.run_id, background)
-    step = manifest.step
-    held, why = held_copy(store, manifest)  # an intact copy: every byte re-read, not only the manifest compared
+    try:  # a peer's message: anything wrong with it is answered, never left to kill the receiving thread
+        manifest = Manifest.from_json(header["manifest"], where=f"replica from rank {src}")
+        relative = header["where"] if where is None else where
+        store = _receiving_store(tier_folder(root, relative), manifest.run_id, background)
+        step = manifest.step
+        held, why = held_copy(store, manifest)  # an intact copy: every byte re-read, not only the manifest compared
+    except Exception as exc:  # noqa: BLE001 - told to the sender, which raises it
+        _log.warning("replica message from rank %d refused: %s: %s", src, type(exc).__name__, exc)
+        wire.send(src, Kind.FAIL, f"{type(exc).__name__}: {exc}".encode())
+        return None
     if held is Held.OTHER:
         wire.send(src, Kind.FAIL, why.encode())
         return None

@@ -39,7 +39,7 @@ from lightning_async_ckpt.core.replica_wire import (
     Wire,
     receive_generation,
     send_generation,
-    version_uri,
+    tier_folder,
 )
 from lightning_async_ckpt.storage.store import CheckpointStore
 
@@ -167,11 +167,13 @@ class Replicator:
     def replicate(self, store: CheckpointStore, step: int) -> None:
         """Send committed generation ``step`` of ``store`` (this rank's local tier) to every target, in the
         background."""
+        with self._cond:
+            if self._closing:
+                _log.warning("replica of step %d not sent: the replicator is closed (replicate() after close())", step)
+                return
         if not self.targets:
             return
         with self._cond:
-            if self._closing:
-                return
             if self._pending is not None and self._pending[1] < step:
                 _log.info("replica of step %d skipped: step %d is newer", self._pending[1], step)
             if self._pending is None or self._pending[1] < step:
@@ -273,10 +275,18 @@ class Replicator:
             if kind != Kind.GEN:
                 _log.warning("replica link from rank %d out of step (message %d): closing it", src, kind)
                 return
-            committed = receive_generation(wire, src, json.loads(payload), self.local_dirpath)
+            try:
+                header = json.loads(payload)
+                if not isinstance(header, dict):
+                    raise ValueError("the header is not a JSON object")
+            except ValueError as exc:  # answered, and the link lives on
+                _log.warning("replica message from rank %d refused: %s", src, exc)
+                wire.send(src, Kind.FAIL, f"{type(exc).__name__}: {exc}".encode())
+                continue
+            committed = receive_generation(wire, src, header, self.local_dirpath)
             if committed is not None:
                 self.received.append(committed.step)
-                self._retain(CheckpointStore(version_uri(self.local_dirpath, json.loads(payload)["where"])))
+                self._retain(CheckpointStore(tier_folder(self.local_dirpath, header["where"])))
 
     def _retain(self, store: CheckpointStore) -> None:
         if self.keep_last is None:

@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 from functools import partial
-from typing import Any
+from typing import Any, Protocol
 
 from lightning_async_ckpt.core.engine import AsyncCheckpointer
 from lightning_async_ckpt.core.handle import SaveHandle
@@ -34,7 +34,7 @@ from lightning_async_ckpt.storage.generation import version_folders
 from lightning_async_ckpt.storage.promote import Promoter
 from lightning_async_ckpt.storage.store import CheckpointStore
 
-__all__ = ["CommitRelay", "TieredCheckpointer", "local_location"]
+__all__ = ["CommitRelay", "Copier", "TieredCheckpointer", "local_location"]
 
 _log = logging.getLogger("lightning_async_ckpt")
 
@@ -57,28 +57,40 @@ def local_location(local_dirpath: str, start_step: int) -> str:
     return uri(max(versions) + 1)
 
 
+class Copier(Protocol):
+    """The role that takes a tier's commits onward: told of every local commit, it applies local retention and
+    copies the due ones to the durable tier (:class:`~lightning_async_ckpt.storage.promote.Promoter`, the DCP
+    promoter)."""
+
+    def committed(self, step: int, *, promote: bool) -> None:
+        """Generation ``step`` committed locally; ``promote`` asks for its copy to the durable tier."""
+
+
 class CommitRelay:
-    """Hands each local commit to the promoter (promoted when it was due) and to ``also`` (peer replicas), once.
+    """Hands each local commit to the copier (promoted when it was due) and to ``also`` (peer replicas), once.
 
     Thread-safety: :meth:`track` on the training thread; the hand-over runs on the thread that resolves the commit
     future (the engine's upload thread) or in :meth:`flush` (a waiter may wake before a future's callbacks ran).
+    :meth:`flush` returns only once every hand-over started so far has ended, so a drain that follows it sees the
+    promotion and the replica of the newest commit queued.
 
     Args:
-        promoter: Told of every local commit (:meth:`Promoter.committed`).
+        promoter: Told of every local commit (:meth:`Copier.committed`).
         also: Called with each committed step after the promoter (e.g. :meth:`Replicator.replicate`).
     """
 
-    def __init__(self, promoter: Promoter, also: Callable[[int], None] | None = None) -> None:
+    def __init__(self, promoter: Copier, also: Callable[[int], None] | None = None) -> None:
         self.promoter = promoter
         self.also = also
-        self._lock = threading.Lock()
+        self._cond = threading.Condition()
         self._due: dict[int, tuple[SaveHandle, bool]] = {}  # id(handle) -> (handle, due), until handed over
         self._delivered: set[int] = set()
+        self._handing = 0  # hand-overs running now (on the upload thread, or in flush)
         self._newest: SaveHandle | None = None
 
     def track(self, handle: SaveHandle, due: bool) -> None:
         """Once ``handle`` commits locally: promote it when ``due``, apply local retention, call ``also``."""
-        with self._lock:
+        with self._cond:
             # Handed over ones are dropped, so a long loop keeps only the saves still in flight.
             self._due = {k: v for k, v in self._due.items() if k not in self._delivered}
             self._delivered &= set(self._due)
@@ -89,7 +101,7 @@ class CommitRelay:
     def promote(self, step: int) -> SaveHandle | None:
         """Make the newest save, when it is of ``step``, due on the durable tier too (an emergency save right after
         a local cut of the same step); its handle, or ``None`` when the newest save is of another step."""
-        with self._lock:
+        with self._cond:
             handle = self._newest
             if handle is None or handle.step != step or handle.committed.cancelled():
                 return None
@@ -106,22 +118,31 @@ class CommitRelay:
         future = handle.committed
         if future.cancelled() or future.exception() is not None:
             return
-        with self._lock:
+        with self._cond:
             if id(handle) in self._delivered or id(handle) not in self._due:
                 return
             self._delivered.add(id(handle))
+            self._handing += 1
             due = self._due[id(handle)][1]
-        self.promoter.committed(handle.step, promote=due)
-        if self.also is not None:
-            self.also(handle.step)
+        try:
+            self.promoter.committed(handle.step, promote=due)
+            if self.also is not None:
+                self.also(handle.step)
+        finally:
+            with self._cond:
+                self._handing -= 1
+                self._cond.notify_all()
 
-    def flush(self) -> None:
-        """Hand over every commit seen so far."""
-        with self._lock:
+    def flush(self, timeout: float | None = None) -> bool:
+        """Hand over every commit seen so far and wait for the hand-overs in progress; whether they all ended
+        within ``timeout``."""
+        with self._cond:
             handles = [h for h, _ in self._due.values()]
         for handle in handles:
             if handle.committed.done():
                 self._deliver(handle)
+        with self._cond:
+            return self._cond.wait_for(lambda: self._handing == 0, timeout)
 
 
 class TieredCheckpointer:
@@ -256,9 +277,6 @@ class TieredCheckpointer:
         self.relay.track(handle, due)
         return handle
 
-    def _flush(self) -> None:
-        self.relay.flush()
-
     def restore(self) -> Restored | None:
         """The generation to resume from: the newest intact local one unless ``durable`` lists a newer step, then
         ``durable``'s newest verified one; ``None`` on a first run. Its run continues (the stores' run id).
@@ -291,12 +309,12 @@ class TieredCheckpointer:
         """Wait for the saves, then their promotions; re-raise a background error. Whether both ended in time."""
         deadline = None if timeout is None else time.monotonic() + timeout
         saved = self.engine.drain_quietly(timeout)
-        self._flush()
-        promoted = self.promoter.drain(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        handed = self.relay.flush(_left(deadline))
+        promoted = self.promoter.drain(_left(deadline))
         replicated = self.replicator is None or self.replicator.drain(_left(deadline))
         self.engine.deliver_commits()
         self.engine.raise_pending()
-        return saved and promoted and replicated
+        return saved and handed and promoted and replicated
 
     def emergency_save(self, step: int, state: Any, *, grace_s: float | None = None, **kwargs: Any) -> str:
         """Save ``state`` copied at the cut, commit it locally, promote it within ``grace_s``; say where it landed.
@@ -309,9 +327,8 @@ class TieredCheckpointer:
         if self.relay.promote(step) is None:  # not just cut at this step: cut it now
             self.save(step, state, promote=True, final=True, **kwargs)
         saved = self.engine.drain_quietly(grace_s)
-        self._flush()
-        left = None if deadline is None else max(0.0, deadline - time.monotonic())
-        promoted = self.promoter.drain(left)
+        saved = self.relay.flush(_left(deadline)) and saved
+        promoted = self.promoter.drain(_left(deadline))
         where = f"committed step {self.committed_step} to {self.local.uri}" + ("" if saved else " (not in time)")
         where += f"; promoted step {self.promoted_step} to {self.durable.uri}" + ("" if promoted else " (not in time)")
         if self.replicator is not None:
@@ -330,7 +347,7 @@ class TieredCheckpointer:
         deadline = None if timeout is None else time.monotonic() + timeout
         try:
             self.engine.drain_quietly(timeout)
-            self._flush()
+            self.relay.flush(_left(deadline))  # the newest commit's promotion and replica are queued before closing
             self.promoter.close(_left(deadline))
             if self.replicator is not None:
                 self.replicator.close(_left(deadline))  # rank 0 tells its targets to stop; they wait for that

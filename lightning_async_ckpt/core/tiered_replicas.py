@@ -16,17 +16,27 @@ from __future__ import annotations
 import logging
 import os
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from lightning_async_ckpt.core.replica_persist import manifest_of
 from lightning_async_ckpt.core.replicas import Replicator, replica_plan, restore_from_peers
 from lightning_async_ckpt.errors import ConfigError, ManifestError
-from lightning_async_ckpt.storage.finder import list_steps, newest_intact
+from lightning_async_ckpt.storage.finder import list_steps, newest_committed_above, newest_intact
 from lightning_async_ckpt.storage.manifest import Manifest
+from lightning_async_ckpt.storage.promote import PROMOTED_FROM_KEY
 from lightning_async_ckpt.storage.store import CheckpointStore
 
-__all__ = ["WRITERS", "Restored", "open_replicas", "require_process_group", "restore_across_ranks", "restore_single"]
+__all__ = [
+    "WRITERS",
+    "Restored",
+    "open_replicas",
+    "require_process_group",
+    "restore_across_ranks",
+    "restore_single",
+    "this_lineage",
+]
 
 _log = logging.getLogger("lightning_async_ckpt")
 
@@ -126,14 +136,15 @@ def restore_across_ranks(group: Any, local_dirpath: str, durable: CheckpointStor
     """
     import torch.distributed as dist
 
-    found = newest_intact(local_dirpath, None, accept=lambda _: True, on_skip=_skip)
+    found = newest_intact(local_dirpath, None, accept=this_lineage(local_dirpath, durable), on_skip=_skip)
     newest_local = None if found is None else (found.version, found.info.step)
-    listed = max(list_steps(durable).steps, default=None)
+    # A rank holding no local generation has nothing to compare: the ranks holding one say whether durable is newer.
+    newer = None if found is None else newest_committed_above([durable], found.info.step)
     agreed = restore_from_peers(
         group,
         local_dirpath,
         newest_local=newest_local,
-        durable_step=listed,
+        durable_step=newer,
         newest_store=lambda version: _version_store(local_dirpath, version),
         background=True,  # read at once (Restored.open); a received copy is committed in the background
     )
@@ -153,15 +164,54 @@ def restore_across_ranks(group: Any, local_dirpath: str, durable: CheckpointStor
 
 
 def restore_single(local_dirpath: str, durable: CheckpointStore) -> Restored | None:
-    """One process (no replicas): the newest intact local generation unless ``durable`` lists a newer step (names
-    only), else ``durable``'s newest verified one; ``None`` when neither holds one."""
-    found = newest_intact(local_dirpath, None, accept=lambda _: True, on_skip=_skip)
-    if found is not None and not any(s > found.info.step for s in list_steps(durable).steps):
+    """One process (no replicas): the newest committed generation of this run across both tiers (the local one
+    when intact and no newer step is committed on ``durable``, else ``durable``'s newest verified one, unless that
+    is older); ``None`` when neither holds one.
+
+    Raises:
+        ConfigError: ``local_dirpath`` holds generations of several runs and ``durable`` says none is this one's.
+    """
+    found = newest_intact(local_dirpath, None, accept=this_lineage(local_dirpath, durable), on_skip=_skip)
+    if found is not None and newest_committed_above([durable], found.info.step) is None:
         return Restored(found.store, found.info.step, "local", found.manifest)
     info = durable.latest()
-    if info is None:
-        return None
+    if info is None or (found is not None and info.step <= found.info.step):  # the newer one was damaged
+        return None if found is None else Restored(found.store, found.info.step, "local", found.manifest)
     return Restored(durable, info.step, "durable", durable.manifest(info.step))
+
+
+def this_lineage(local_dirpath: str, durable: CheckpointStore) -> Callable[[Manifest], bool]:
+    """Which committed local generations belong to the run that resumes: all of them while the local tier holds one
+    run's generations; when it holds several runs' (a shared ``local_dirpath``), the run of ``durable``'s newest
+    generation (the run it was promoted from), so one run never resumes another's generation.
+
+    Raises:
+        ConfigError: Several runs' generations and ``durable`` names none of them: this run cannot tell its own.
+    """
+    runs = {
+        g.manifest.run_id
+        for store in _version_stores(local_dirpath)
+        for g in store.scan(include_uncommitted=False).generations
+        if g.committed and g.manifest is not None
+    }
+    if len(runs) <= 1:
+        return lambda _: True
+    info = durable.latest(verify=False)
+    ours = set() if info is None or info.manifest is None else {info.manifest.run_id}
+    if info is not None and info.manifest is not None:
+        ours.add(str(info.manifest.extra.get(PROMOTED_FROM_KEY, {}).get("run_id", "")))
+    if not ours & runs:
+        raise ConfigError(
+            f"local_dirpath {local_dirpath!r} holds generations of {len(runs)} runs ({', '.join(sorted(runs))}) and "
+            f"the durable tier {durable.uri!r} names none of them, so this run cannot tell its own: give each run its "
+            "own local_dirpath (e.g. one folder per run name), or remove the other runs' generations"
+        )
+    return lambda manifest: manifest.run_id in ours
+
+
+def _version_stores(local_dirpath: str) -> list[CheckpointStore]:
+    root = CheckpointStore(local_dirpath, check_writable=False)
+    return [root, *(_version_store(local_dirpath, v) for v in list_steps(root).versions)]
 
 
 def _version_store(local_dirpath: str, version: int) -> CheckpointStore:

@@ -10,6 +10,7 @@ from typing import Any
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 
 from lightning_async_ckpt.errors import ConfigError, GenerationExistsError
+from lightning_async_ckpt.lightning.naming import comparable_path, model_key_for
 
 __all__ = [
     "ModelCheckpointConfigError",
@@ -96,8 +97,6 @@ def check_strategy(strategy: Any) -> None:
     Sharded strategies are supported when they save DCP folders (every rank writes its shards):
     ``ModelParallelStrategy(save_distributed_checkpoint=True)`` and ``FSDPStrategy(state_dict_type="sharded")``.
     """
-    from lightning_async_ckpt.lightning.sharded import model_key_for
-
     name = type(strategy).__name__
     if "DeepSpeed" in name:
         raise ConfigError(
@@ -207,7 +206,6 @@ def check_shared_dirpath(callback: Any, trainer: Any) -> None:
     ``ModelCheckpoint`` instances can share a folder because their file names differ; here a generation is the
     step's folder, so two callbacks would collide at the first step both save (possibly the last one of the fit).
     """
-    from lightning_async_ckpt.lightning.rerun import comparable_path
 
     def place(cb: Any) -> str:
         return comparable_path(resolve_dirpath(cb.dirpath, trainer.default_root_dir))

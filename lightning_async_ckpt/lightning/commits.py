@@ -30,7 +30,7 @@ import torch
 from lightning_async_ckpt.core.commit_hooks import METRICS_KEY, Committed, call
 from lightning_async_ckpt.core.exporter import Exporter
 from lightning_async_ckpt.errors import ConfigError
-from lightning_async_ckpt.lightning.rerun import comparable_path
+from lightning_async_ckpt.lightning.naming import comparable_path
 
 __all__ = ["HOOK_NAME", "check_on_commit", "cut_metrics", "deliver", "finish_exports", "listen"]
 

@@ -14,7 +14,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-from lightning_async_ckpt.lightning.rerun import comparable_path, run_locations
+from lightning_async_ckpt.lightning.naming import comparable_path, run_locations
 
 __all__ = ["LAST_FILE", "stand_in_for_last", "warn_if_weights_only", "weights_only"]
 

@@ -1,4 +1,9 @@
-"""Where the callback's checkpoint file of a generation lives: its object key, and its loadable path.
+"""The ground floor of ``lightning/``: what a generation is and where it lives; it imports no sibling module.
+
+What a generation is: one ``torch.save`` stream, or a DCP folder Lightning's sharded strategies load
+(:func:`is_lightning_dcp_generation`; :func:`model_key_for` says which strategies write one). Where it lives:
+``dirpath`` and its version folders (:func:`run_locations`, :func:`version_uri`), and the callback's checkpoint file
+inside the step's folder.
 
 The file is named like ``ModelCheckpoint``'s (``epoch=2-step=24.ckpt``) inside the step's folder, so tools that key
 on file names (MLflow's model upload) tell generations apart; the manifest lists it as object
@@ -7,16 +12,33 @@ on file names (MLflow's model upload) tell generations apart; the manifest lists
 
 from __future__ import annotations
 
+import os
+from dataclasses import dataclass
 from typing import Any
 
 from lightning_async_ckpt.errors import ManifestError
-from lightning_async_ckpt.lightning.sharded import is_lightning_dcp_generation
-from lightning_async_ckpt.storage.manifest import validate_object_name
+from lightning_async_ckpt.sharded.commit import DCP_FORMAT
+from lightning_async_ckpt.storage.generation import version_folders
+from lightning_async_ckpt.storage.manifest import Manifest, validate_object_name
 from lightning_async_ckpt.storage.store import CheckpointStore
 
-__all__ = ["CHECKPOINT_NAME", "checkpoint_key", "loadable_path", "planned_path"]
+__all__ = [
+    "CHECKPOINT_NAME",
+    "LIGHTNING_META_NAME",
+    "Location",
+    "checkpoint_key",
+    "comparable_path",
+    "is_lightning_dcp_generation",
+    "loadable_path",
+    "model_key_for",
+    "planned_path",
+    "run_locations",
+    "version_uri",
+]
 
 CHECKPOINT_NAME = "checkpoint.ckpt"
+#: Lightning's metadata file beside DCP's files (``lightning.fabric.utilities.load._METADATA_FILENAME``).
+LIGHTNING_META_NAME = "meta.pt"
 
 
 def checkpoint_key(filename: str, extension: str) -> str | None:
@@ -46,3 +68,62 @@ def planned_path(store: CheckpointStore | None, step: int, key: str | None, *, s
     if store is None:
         return ""
     return store.url(step) if sharded else store.url(step, key or CHECKPOINT_NAME)
+
+
+def model_key_for(strategy: Any) -> str | None:
+    """The key under which ``strategy`` saves the model in a DCP checkpoint, or ``None`` if it writes no DCP folder.
+
+    ``ModelParallelStrategy`` with ``save_distributed_checkpoint=True`` saves ``state_dict``;
+    ``FSDPStrategy`` with ``state_dict_type="sharded"`` saves ``model``. Detected by class name and the
+    strategy's own setting, so a subclass behaves like its base.
+    """
+    names = {cls.__name__ for cls in type(strategy).__mro__}
+    if "ModelParallelStrategy" in names and getattr(strategy, "_save_distributed_checkpoint", False):
+        return "state_dict"
+    if "FSDPStrategy" in names and getattr(strategy, "_state_dict_type", None) == "sharded":
+        return "model"
+    return None
+
+
+def is_lightning_dcp_generation(manifest: Manifest | None) -> bool:
+    """Whether a committed generation is a DCP folder Lightning's sharded strategies load (it has ``meta.pt``)."""
+    return (
+        manifest is not None
+        and manifest.extra.get("format") == DCP_FORMAT
+        and LIGHTNING_META_NAME in {o.name for o in manifest.objects}
+    )
+
+
+@dataclass(frozen=True)
+class Location:
+    """``dirpath`` (version 0) or one of its version folders, as a read-only store."""
+
+    version: int
+    store: CheckpointStore
+
+
+def version_uri(dirpath: str, version: int) -> str:
+    """The URL of ``dirpath``'s version ``version`` (0 is ``dirpath`` itself)."""
+    return dirpath if version == 0 else f"{dirpath.rstrip('/')}/v{version}"
+
+
+def run_locations(dirpath: str, storage_options: dict[str, Any] | None = None) -> list[Location]:
+    """``dirpath`` and its version folders, in version order.
+
+    Raises:
+        StoreUnavailableError: ``dirpath`` cannot be listed (a local folder that does not exist is empty).
+    """
+    root = CheckpointStore(dirpath, storage_options, check_writable=False)
+    root.scan(include_uncommitted=False)  # raises when the location cannot be listed
+    locations = [Location(0, root)]
+    for version in version_folders(root.fs, root.root):
+        store = CheckpointStore(version_uri(dirpath, version), storage_options, check_writable=False)
+        locations.append(Location(version, store))
+    return locations
+
+
+def comparable_path(path: str) -> str:
+    """``path`` in a form two spellings of one place share: a URL without its trailing ``/``, a local path resolved
+    (absolute, symlinks followed)."""
+    path = path.rstrip("/")
+    return path if "://" in path else os.path.realpath(path)

@@ -34,7 +34,7 @@ import torch
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
-from lightning_async_ckpt.lightning.sharded import model_key_for
+from lightning_async_ckpt.lightning.naming import model_key_for
 from lightning_async_ckpt.lightning.triggers import monitor_candidates
 from lightning_async_ckpt.storage.backend import open_filesystem
 from lightning_async_ckpt.storage.io import atomic_local_write

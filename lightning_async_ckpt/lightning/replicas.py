@@ -25,6 +25,7 @@ from typing import Any
 
 from lightning_async_ckpt.core.replicas import Replicator, replica_plan, restore_from_peers
 from lightning_async_ckpt.errors import ConfigError
+from lightning_async_ckpt.lightning.sliced import writes_sharded
 from lightning_async_ckpt.storage.store import CheckpointStore
 
 __all__ = ["WRITERS", "agree_on_local", "ensure_group", "setup_replicas"]
@@ -83,8 +84,6 @@ def setup_replicas(tiers: Any, trainer: Any) -> None:
 
 def _writes_dcp(tiers: Any, trainer: Any) -> bool:
     """Whether this fit writes DCP generations (every rank its own local generation)."""
-    from lightning_async_ckpt.lightning.sharded_tiers import writes_sharded
-
     callback = next((cb for cb in trainer.callbacks if getattr(cb, "tiers", None) is tiers), None)
     return callback is not None and writes_sharded(callback, trainer)
 

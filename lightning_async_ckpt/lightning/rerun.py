@@ -26,12 +26,13 @@ clocks), as ``ModelCheckpoint``'s newest ``last*.ckpt`` is the one of its latest
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from lightning_async_ckpt.errors import GenerationExistsError
-from lightning_async_ckpt.storage.generation import VERSION_RE, version_folders
+from lightning_async_ckpt.lightning.naming import Location, comparable_path, run_locations, version_uri
+from lightning_async_ckpt.lightning.resume import resumed_from
+from lightning_async_ckpt.storage.generation import VERSION_RE
 from lightning_async_ckpt.storage.store import CheckpointStore
 
 if TYPE_CHECKING:
@@ -39,43 +40,11 @@ if TYPE_CHECKING:
 
 __all__ = [
     "VERSION_RE",
-    "Location",
     "Placement",
     "Resumed",
-    "comparable_path",
     "place_run",
     "resumed_generation",
-    "run_locations",
-    "version_uri",
 ]
-
-
-@dataclass(frozen=True)
-class Location:
-    """``dirpath`` (version 0) or one of its version folders, as a read-only store."""
-
-    version: int
-    store: CheckpointStore
-
-
-def version_uri(dirpath: str, version: int) -> str:
-    """The URL of ``dirpath``'s version ``version`` (0 is ``dirpath`` itself)."""
-    return dirpath if version == 0 else f"{dirpath.rstrip('/')}/v{version}"
-
-
-def run_locations(dirpath: str, storage_options: dict[str, Any] | None = None) -> list[Location]:
-    """``dirpath`` and its version folders, in version order.
-
-    Raises:
-        StoreUnavailableError: ``dirpath`` cannot be listed (a local folder that does not exist is empty).
-    """
-    root = CheckpointStore(dirpath, storage_options, check_writable=False)
-    root.scan(include_uncommitted=False)  # raises when the location cannot be listed
-    locations = [Location(0, root)]
-    for version in version_folders(root.fs, root.root):
-        store = CheckpointStore(version_uri(dirpath, version), storage_options, check_writable=False)
-        locations.append(Location(version, store))
-    return locations
 
 
 def choose_version(
@@ -138,7 +107,6 @@ def place_run(callback: Any, trainer: pl.Trainer) -> Placement:
     from lightning_async_ckpt.core.capture import Fence
     from lightning_async_ckpt.core.engine import AsyncCheckpointer
     from lightning_async_ckpt.lightning.collective import agree_on
-    from lightning_async_ckpt.lightning.resume import resumed_from
 
     error: BaseException | None = None
     store, placement = callback.store, Placement(run_id=callback.run_id)
@@ -252,10 +220,3 @@ def _occupied(store: CheckpointStore) -> list[Any]:
     that step replaces it (``CheckpointStore.begin_write``), so the run continues in place.
     """
     return [g for g in store.scan(include_uncommitted=True).generations if g.holds_step]
-
-
-def comparable_path(path: str) -> str:
-    """``path`` in a form two spellings of one place share: a URL without its trailing ``/``, a local path resolved
-    (absolute, symlinks followed)."""
-    path = path.rstrip("/")
-    return path if "://" in path else os.path.realpath(path)

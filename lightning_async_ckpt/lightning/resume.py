@@ -28,8 +28,7 @@ from typing import Any
 
 from lightning_async_ckpt.lightning.arguments import resolve_dirpath
 from lightning_async_ckpt.lightning.last import warn_if_weights_only, weights_only
-from lightning_async_ckpt.lightning.naming import CHECKPOINT_NAME, loadable_path
-from lightning_async_ckpt.lightning.sharded import is_lightning_dcp_generation
+from lightning_async_ckpt.lightning.naming import CHECKPOINT_NAME, is_lightning_dcp_generation, loadable_path
 from lightning_async_ckpt.lightning.store_reader import StoreReader
 from lightning_async_ckpt.sharded.once import job_broadcast, lightning_broadcast, once
 from lightning_async_ckpt.storage import inflight

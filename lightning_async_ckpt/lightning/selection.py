@@ -26,7 +26,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_async_ckpt.lightning.arguments import ModelCheckpointConfigError
 from lightning_async_ckpt.lightning.arguments import Selection as Args
-from lightning_async_ckpt.lightning.rerun import comparable_path
+from lightning_async_ckpt.lightning.naming import comparable_path
 from lightning_async_ckpt.lightning.topk import Entry, TopK, kth_best, model_checkpoint_score
 from lightning_async_ckpt.storage.retention import remove_best_k
 

@@ -45,6 +45,9 @@ from lightning_async_ckpt.core.capture import Fence
 from lightning_async_ckpt.errors import ConfigError
 from lightning_async_ckpt.lightning.collective import agree_on
 from lightning_async_ckpt.lightning.hooks import override_failures
+from lightning_async_ckpt.lightning.naming import LIGHTNING_META_NAME, is_lightning_dcp_generation, model_key_for
+from lightning_async_ckpt.lightning.resume import committed_steps_once
+from lightning_async_ckpt.lightning.sharded_tiers import open_tiered_sharded
 from lightning_async_ckpt.lightning.sliced import (
     DDP_LAYOUTS,
     guard_strategy_dcp_loads,
@@ -52,8 +55,7 @@ from lightning_async_ckpt.lightning.sliced import (
     is_ddp,
     replicated_only,
 )
-from lightning_async_ckpt.sharded import DCP_FORMAT, ShardedCheckpointer
-from lightning_async_ckpt.storage.manifest import Manifest
+from lightning_async_ckpt.sharded import ShardedCheckpointer
 from lightning_async_ckpt.storage.store import CheckpointStore
 
 __all__ = [
@@ -67,24 +69,6 @@ __all__ = [
 ]
 
 _log = logging.getLogger("lightning_async_ckpt")
-
-#: Lightning's metadata file beside DCP's files (``lightning.fabric.utilities.load._METADATA_FILENAME``).
-LIGHTNING_META_NAME = "meta.pt"
-
-
-def model_key_for(strategy: Any) -> str | None:
-    """The key under which ``strategy`` saves the model in a DCP checkpoint, or ``None`` if it writes no DCP folder.
-
-    ``ModelParallelStrategy`` with ``save_distributed_checkpoint=True`` saves ``state_dict``;
-    ``FSDPStrategy`` with ``state_dict_type="sharded"`` saves ``model``. Detected by class name and the
-    strategy's own setting, so a subclass behaves like its base.
-    """
-    names = {cls.__name__ for cls in type(strategy).__mro__}
-    if "ModelParallelStrategy" in names and getattr(strategy, "_save_distributed_checkpoint", False):
-        return "state_dict"
-    if "FSDPStrategy" in names and getattr(strategy, "_state_dict_type", None) == "sharded":
-        return "model"
-    return None
 
 
 def to_strategy_layout(checkpoint: dict[str, Any], model_key: str) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -100,15 +84,6 @@ def to_strategy_layout(checkpoint: dict[str, Any], model_key: str) -> tuple[dict
     state = {model_key: checkpoint.pop("state_dict")}
     state.update({f"optimizer_{i}": osd for i, osd in enumerate(checkpoint.pop("optimizer_states", []))})
     return state, checkpoint
-
-
-def is_lightning_dcp_generation(manifest: Manifest | None) -> bool:
-    """Whether a committed generation is a DCP folder Lightning's sharded strategies load (it has ``meta.pt``)."""
-    return (
-        manifest is not None
-        and manifest.extra.get("format") == DCP_FORMAT
-        and LIGHTNING_META_NAME in {o.name for o in manifest.objects}
-    )
 
 
 @dataclass
@@ -225,8 +200,6 @@ def setup_sharded(callback: Any, trainer: pl.Trainer, current: ShardedSetup | No
         error = exc
     agree_on(trainer, error, "setting up sharded checkpointing")
     assert store is not None
-    from lightning_async_ckpt.lightning.resume import committed_steps_once  # resume imports this module
-
     committed = committed_steps_once(store, trainer)  # listed on rank 0 only, broadcast (raises on every rank)
 
     def deferral_blocked(pl_module: Any) -> list[str]:
@@ -236,8 +209,6 @@ def setup_sharded(callback: Any, trainer: pl.Trainer, current: ShardedSetup | No
     rank = trainer.global_rank
     tiered = getattr(callback, "tiers", None) is not None
     if tiered:  # local_dirpath: every rank's own local generation, the due ones promoted to store
-        from lightning_async_ckpt.lightning.sharded_tiers import open_tiered_sharded
-
         checkpointer = open_tiered_sharded(callback, store, options, rank)
     else:
         checkpointer = ShardedCheckpointer(

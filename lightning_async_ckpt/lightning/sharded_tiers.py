@@ -25,22 +25,11 @@ from typing import Any
 
 from lightning_async_ckpt.storage.store import CheckpointStore
 
-__all__ = ["emergency_replicas", "find_last_sharded", "open_tiered_sharded", "place_sharded", "writes_sharded"]
+__all__ = ["emergency_replicas", "find_last_sharded", "open_tiered_sharded", "place_sharded"]
 
 _log = logging.getLogger("lightning_async_ckpt")
 # The strategy attribute holding this rank's agreed local folder until the strategy loads it.
 _LOCAL_PATH = "_lightning_async_ckpt_local_path"
-
-
-def writes_sharded(callback: Any, trainer: Any) -> bool:
-    """Whether this fit writes DCP generations (a sharded strategy, or DDP with ``ddp_layout="sliced"``)."""
-    from lightning_async_ckpt.lightning.sharded import model_key_for
-    from lightning_async_ckpt.lightning.sliced import is_ddp
-
-    if model_key_for(trainer.strategy) is not None:
-        return True
-    sliced = getattr(callback, "ddp_layout", "single") == "sliced"
-    return sliced and is_ddp(trainer.strategy) and trainer.world_size > 1
 
 
 def open_tiered_sharded(callback: Any, store: CheckpointStore, options: Any, rank: int) -> Any:
@@ -62,8 +51,8 @@ def open_tiered_sharded(callback: Any, store: CheckpointStore, options: Any, ran
         replicas=replicas,
         ranks_per_node=per_node,
     )
-    tiers.local_store, tiers.promoter = checkpointer.store, checkpointer.promoter
-    tiers._delivered, tiers._tracked, tiers._durable = set(), [], {}
+    tiers.local_store = checkpointer.store
+    tiers.hand_over(checkpointer.promoter)
     return checkpointer
 
 

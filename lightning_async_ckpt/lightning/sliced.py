@@ -33,17 +33,19 @@ from typing import Any
 import torch
 
 from lightning_async_ckpt.errors import ConfigError
+from lightning_async_ckpt.lightning.naming import model_key_for
 from lightning_async_ckpt.storage.dcp_metadata import check_dcp_folder, load_dcp_folder
 
 __all__ = [
     "DDP_LAYOUTS",
     "check_ddp_layout",
     "guard_strategy_dcp_loads",
-    "replicated_only",
     "install_dcp_loader",
-    "is_ddp",
     "is_dcp_folder",
+    "is_ddp",
     "load_lightning_dcp",
+    "replicated_only",
+    "writes_sharded",
 ]
 
 _log = logging.getLogger("lightning_async_ckpt")
@@ -186,3 +188,11 @@ def install_dcp_loader(strategy: Any) -> None:
 
     checkpoint_io.load_checkpoint = load_checkpoint
     setattr(checkpoint_io, _INSTALLED, True)
+
+
+def writes_sharded(callback: Any, trainer: Any) -> bool:
+    """Whether this fit writes DCP generations (a sharded strategy, or DDP with ``ddp_layout="sliced"``)."""
+    if model_key_for(trainer.strategy) is not None:
+        return True
+    sliced = getattr(callback, "ddp_layout", "single") == "sliced"
+    return sliced and is_ddp(trainer.strategy) and trainer.world_size > 1

@@ -17,7 +17,7 @@ from typing import Any
 
 from lightning_async_ckpt.errors import CheckpointError, ManifestError
 from lightning_async_ckpt.lightning.last import stand_in_for_last
-from lightning_async_ckpt.lightning.rerun import version_uri
+from lightning_async_ckpt.lightning.naming import version_uri
 from lightning_async_ckpt.storage.finder import RELISTS
 from lightning_async_ckpt.storage.generation import parse_generation_name
 from lightning_async_ckpt.storage.store import CheckpointStore

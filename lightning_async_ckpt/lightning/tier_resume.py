@@ -18,11 +18,11 @@ from lightning_async_ckpt.core.replica_persist import manifest_of
 from lightning_async_ckpt.lightning import resume
 from lightning_async_ckpt.lightning.arguments import resolve_dirpath
 from lightning_async_ckpt.lightning.last import weights_only
-from lightning_async_ckpt.lightning.naming import CHECKPOINT_NAME, loadable_path
+from lightning_async_ckpt.lightning.naming import CHECKPOINT_NAME, loadable_path, version_uri
 from lightning_async_ckpt.lightning.replicas import agree_on_local
-from lightning_async_ckpt.lightning.rerun import version_uri
-from lightning_async_ckpt.lightning.sharded_tiers import find_last_sharded, writes_sharded
-from lightning_async_ckpt.storage.finder import list_steps, newest_intact
+from lightning_async_ckpt.lightning.sharded_tiers import find_last_sharded
+from lightning_async_ckpt.lightning.sliced import writes_sharded
+from lightning_async_ckpt.storage.finder import durable_step_to_beat, list_steps, newest_committed_above, newest_intact
 from lightning_async_ckpt.storage.store import CheckpointStore
 
 __all__ = ["find_last_across", "latest_checkpoint"]
@@ -92,12 +92,12 @@ def find_last_across(callback: Any, trainer: Any) -> set[str]:
 
 def _find_last_replicated(callback: Any, trainer: Any, dirpath: str) -> set[str]:
     local = _newest_local(callback.local_dirpath, resumable=True)
-    listed = _durable_steps(dirpath, callback.storage_options)
+    durable = durable_step_to_beat(_durable_stores(dirpath, callback.storage_options), local and local.step)
     agreed = agree_on_local(
         callback.tiers,
         trainer,
         newest_local=None if local is None else (local.version, local.step),
-        durable_step=max(listed, default=None),
+        durable_step=durable,
         store_of=lambda version: CheckpointStore(version_uri(callback.local_dirpath, version), check_writable=False),
     )
     if agreed is None:
@@ -135,18 +135,16 @@ def _step_of(path: str) -> int | None:
 
 
 def _durable_newer(dirpath: str, storage_options: dict[str, Any] | None, step: int) -> bool:
-    """Whether ``dirpath`` or a version of it has a generation folder newer than ``step`` (a listing, no reads)."""
-    return any(s > step for s in _durable_steps(dirpath, storage_options))
+    """Whether ``dirpath`` or a version of it holds a committed generation newer than ``step`` (a listing; only
+    manifests of steps listed above ``step`` are read)."""
+    return newest_committed_above(_durable_stores(dirpath, storage_options), step) is not None
 
 
-def _durable_steps(dirpath: str, storage_options: dict[str, Any] | None) -> list[int]:
-    """The steps of the generation folders of ``dirpath`` and its versions (a listing, no reads)."""
+def _durable_stores(dirpath: str, storage_options: dict[str, Any] | None) -> list[CheckpointStore]:
+    """``dirpath`` and its version folders."""
     root = CheckpointStore(dirpath, storage_options, check_writable=False)
-    listing = list_steps(root)
-    steps = list(listing.steps)
-    for version in listing.versions:
-        steps += list_steps(CheckpointStore(version_uri(dirpath, version), storage_options, check_writable=False)).steps
-    return steps
+    versions = list_steps(root).versions
+    return [root, *(CheckpointStore(version_uri(dirpath, v), storage_options, check_writable=False) for v in versions)]
 
 
 def _newest_local(local_dirpath: str, *, resumable: bool) -> _Local | None:

@@ -19,15 +19,15 @@ every rank, restoring a lost local tier from a peer (:mod:`~lightning_async_ckpt
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from dataclasses import replace
 from typing import Any
 
 from lightning_async_ckpt.core.capture import Fence
 from lightning_async_ckpt.core.engine import AsyncCheckpointer
+from lightning_async_ckpt.core.tiered import CommitRelay
+from lightning_async_ckpt.lightning.naming import run_locations, version_uri
 from lightning_async_ckpt.lightning.replicas import setup_replicas
-from lightning_async_ckpt.lightning.rerun import run_locations, version_uri
 from lightning_async_ckpt.lightning.sharded_tiers import emergency_replicas, place_sharded
 from lightning_async_ckpt.storage.promote import Promoter
 from lightning_async_ckpt.storage.store import CheckpointStore
@@ -40,7 +40,8 @@ _log = logging.getLogger("lightning_async_ckpt")
 class Tiers:
     """The callback's local tier and its promotion to ``dirpath`` (the writing rank's view).
 
-    Thread-safety: called on the training thread, except :meth:`track`'s commit callback (the upload thread).
+    Thread-safety: called on the training thread, except :meth:`track`'s hand-over (:class:`CommitRelay`, on the
+    upload thread).
 
     Args:
         local_dirpath: The node-local folder (NVMe, ``/dev/shm``) every cut is committed to.
@@ -69,21 +70,22 @@ class Tiers:
         self.every_n_train_steps = every_n_train_steps or None
         self.local_store: CheckpointStore | None = None
         self.promoter: Promoter | None = None
-        self._lock = threading.Lock()
-        self._delivered: set[int] = set()
-        self._tracked: list[Any] = []
-        self._durable: dict[int, bool] = {}
+        self.relay: CommitRelay | None = None  # hands each local commit to the promoter, then to the replicas
 
     def __getstate__(self) -> dict[str, Any]:
         # A pickled callback (LightningCLI, deepcopy) carries the configuration, not the stores and threads.
         state = dict(self.__dict__)
-        state.update(local_store=None, promoter=None, _lock=None, _delivered=set(), _tracked=[], _durable={})
-        state.update(group=None, replicator=None)
+        state.update(local_store=None, promoter=None, relay=None, group=None, replicator=None)
         return state
 
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._lock = threading.Lock()
+    def hand_over(self, promoter: Any) -> None:
+        """Hand this fit's local commits to ``promoter`` (then to the replicas): a new relay."""
+        self.promoter = promoter
+        self.relay = CommitRelay(promoter, self._replicate)
+
+    def _replicate(self, step: int) -> None:
+        if self.replicator is not None and self.local_store is not None:
+            self.replicator.replicate(self.local_store, step)  # to the peers, on its own thread
 
     # -- setup -------------------------------------------------------------------------------------------
     def setup(self, trainer: Any) -> None:
@@ -98,7 +100,7 @@ class Tiers:
         engine = AsyncCheckpointer(self.local_store, replace(options, keep_last=None))
         engine.declare_fences({Fence.BATCH_START, Fence.OPTIMIZER_STEP})
         engine.commit_tier = "local"  # each promotion is its own commit event, tier="durable"
-        self.promoter = Promoter(
+        promoter = Promoter(
             self.local_store,
             store,
             keep_last=options.keep_last,
@@ -107,7 +109,7 @@ class Tiers:
             on_event=engine.events.emit,  # promoted / promotion_failed / promotion_skipped in the event log
             on_commit=lambda manifest: engine.commit_hooks.committed(manifest, store, tier="durable"),
         )
-        self._delivered, self._tracked, self._durable = set(), [], {}
+        self.hand_over(promoter)
         if self.replicator is not None:
             self.replicator.on_error = engine.report_error  # a failed replica is raised like a failed promotion
             self.replicator.on_event = engine.events.emit  # replicated / replica_failed in the event log
@@ -165,55 +167,22 @@ class Tiers:
 
     def track(self, handle: Any, *, durable: bool) -> None:
         """Once the save of ``handle`` commits locally: promote it when ``durable``, and apply local retention."""
-        if handle is None:
-            return
-        with self._lock:
-            # Handed over ones are dropped, so a long run keeps only the saves still in flight.
-            self._tracked = [h for h in self._tracked if h.step not in self._delivered]
-            self._delivered &= {h.step for h in self._tracked}
-            self._durable = {h.step: self._durable.get(h.step, False) for h in self._tracked}
-            self._tracked.append(handle)
-            self._durable[handle.step] = durable
-        handle.committed.add_done_callback(lambda _: self._deliver(handle))
+        if handle is not None and self.relay is not None:
+            self.relay.track(handle, durable)
 
     def promote(self, step: int) -> None:
-        """Make the save of ``step`` (already requested) due on ``dirpath`` too (the emergency save of a step the
-        local cadence had just cut)."""
-        with self._lock:
-            handed_over = step in self._delivered and not self._durable.get(step, False)
-            self._durable[step] = True
-        if handed_over and self.promoter is not None:
-            self.promoter.committed(step, promote=True)
-
-    def _deliver(self, handle: Any) -> None:
-        future = handle.committed
-        if future.cancelled() or future.exception() is not None or self.promoter is None:
-            return
-        with self._lock:
-            if handle.step in self._delivered:
-                return
-            self._delivered.add(handle.step)
-            durable = self._durable.get(handle.step, False)
-        self.promoter.committed(handle.step, promote=durable)
-        if self.replicator is not None and self.local_store is not None:
-            self.replicator.replicate(self.local_store, handle.step)  # to the peers, on its own thread
-
-    def flush(self) -> None:
-        """Hand every local commit seen so far to the promoter (a waiter may wake before a future's callbacks)."""
-        with self._lock:
-            tracked = list(self._tracked)
-        for handle in tracked:
-            if handle.committed.done():
-                self._deliver(handle)
+        """Make the save of ``step`` (the newest, already requested) due on ``dirpath`` too (the emergency save of a
+        step the local cadence had just cut)."""
+        if self.relay is not None:
+            self.relay.promote(step)
 
     def drain(self, timeout: float | None) -> bool:
         """Hand over the local commits, then wait for the promotions and replicas asked for; whether they ended in
         time."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        self.flush()
-        promoted = self.promoter is None or self.promoter.drain(timeout)
-        left = None if deadline is None else max(0.0, deadline - time.monotonic())
-        return (self.replicator is None or self.replicator.drain(left)) and promoted
+        handed = self.relay is None or self.relay.flush(timeout)
+        promoted = self.promoter is None or self.promoter.drain(_left(deadline))
+        return (self.replicator is None or self.replicator.drain(_left(deadline))) and promoted and handed
 
     def finish(self, engine: Any, timeout: float | None = None) -> bool:
         """At the end of training (or at an exception, bounded by ``timeout``): the local commits, then their
@@ -225,10 +194,9 @@ class Tiers:
     def close(self, timeout: float | None) -> bool:
         """Finish the promotions and replicas (within ``timeout``) and stop their threads (the peers stop receiving)."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        self.flush()
-        promoted = self.promoter is None or self.promoter.close(timeout)
-        left = None if deadline is None else max(0.0, deadline - time.monotonic())
-        return (self.replicator is None or self.replicator.close(left)) and promoted
+        handed = self.relay is None or self.relay.flush(timeout)  # the newest commit's replica is queued first
+        promoted = self.promoter is None or self.promoter.close(_left(deadline))
+        return (self.replicator is None or self.replicator.close(_left(deadline))) and promoted and handed
 
     @property
     def promoted_step(self) -> int | None:
@@ -264,3 +232,7 @@ def emergency_drain(engine: Any, tiers: Tiers | None, grace_s: float | None, ste
             where += " (a promotion was still running after the grace period)"
     where += emergency_replicas(engine, step, left())  # DCP layouts: every rank's own replicas
     _log.warning("emergency checkpoint at step %d: %s; training stops", step, where)
+
+
+def _left(deadline: float | None) -> float | None:
+    return None if deadline is None else max(0.0, deadline - time.monotonic())

@@ -15,19 +15,34 @@ throttled writes it retried) says how hard the store pushed back.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from lightning_async_ckpt.errors import StorageError
-from lightning_async_ckpt.storage.manifest import Manifest
+from lightning_async_ckpt.storage.manifest import Manifest, ObjectEntry
 
 if TYPE_CHECKING:
-    from lightning_async_ckpt.sharded.dcp_writer import RankObjects
     from lightning_async_ckpt.storage.writer import GenerationWriter
 
-__all__ = ["DCP_FORMAT", "commit_generation"]
+__all__ = ["DCP_FORMAT", "RankObjects", "commit_generation"]
 
 #: ``Manifest.extra["format"]`` of a generation in torch DCP's format.
 DCP_FORMAT = "torch_dcp"
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankObjects:
+    """What one rank wrote into a generation: sent to the coordinator inside DCP's gather of write results.
+
+    Attributes:
+        rank: The rank in the checkpoint's process group.
+        objects: The rank's data objects with sizes and checksums.
+        retries: Writes this rank retried because the store throttled it (:mod:`.write_retry`).
+    """
+
+    rank: int
+    objects: tuple[ObjectEntry, ...]
+    retries: int = 0
 
 
 def commit_generation(

@@ -40,11 +40,12 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from lightning_async_ckpt.errors import StorageError
+from lightning_async_ckpt.sharded.commit import RankObjects, commit_generation
 from lightning_async_ckpt.sharded.dcp_files import StoreFileSystem
 from lightning_async_ckpt.sharded.dcp_views import metadata_view
 from lightning_async_ckpt.sharded.write_retry import WriteRetries
 from lightning_async_ckpt.storage.claims import Lease, attempt_claim_name
-from lightning_async_ckpt.storage.manifest import ObjectEntry, validate_object_name
+from lightning_async_ckpt.storage.manifest import validate_object_name
 
 if TYPE_CHECKING:
     from lightning_async_ckpt.core.persist import RetryPolicy
@@ -65,21 +66,6 @@ class _AttemptPrefix:
 
     prefix: str
     token: str
-
-
-@dataclass(frozen=True, kw_only=True)
-class RankObjects:
-    """What one rank wrote into a generation: sent to the coordinator inside DCP's gather of write results.
-
-    Attributes:
-        rank: The rank in the checkpoint's process group.
-        objects: The rank's data objects with sizes and checksums.
-        retries: Writes this rank retried because the store throttled it (:mod:`.write_retry`).
-    """
-
-    rank: int
-    objects: tuple[ObjectEntry, ...]
-    retries: int = 0
 
 
 def _below(prefix: str, result: WriteResult) -> str:
@@ -298,8 +284,6 @@ class StoreStorageWriter(FileSystemWriter):
         if self.claim is None:
             raise StorageError("finish() ran on a rank that did not claim the step (not the coordinator)")
         if self._on_commit is None:
-            from lightning_async_ckpt.sharded.commit import commit_generation
-
             extra = {"dcp_views": list(self._views)} if self._views else None
             self.commit_result = commit_generation(self.claim, reports, extra=extra)
         else:

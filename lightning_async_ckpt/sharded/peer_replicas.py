@@ -33,7 +33,7 @@ from lightning_async_ckpt.errors import ConfigError, StoreUnavailableError
 from lightning_async_ckpt.sharded.local_tier import LOCAL_TIER_KEY, rank_store
 from lightning_async_ckpt.sharded.once import latest_once
 from lightning_async_ckpt.sharded.tier_resume import TierChoice, local_roots, local_state, version_root
-from lightning_async_ckpt.storage.finder import list_steps
+from lightning_async_ckpt.storage.finder import durable_step_to_beat
 from lightning_async_ckpt.storage.store import CheckpointStore
 
 __all__ = [
@@ -226,7 +226,7 @@ class _PeerResume:
         listed: Any = None
         if rank == 0:
             try:
-                listed = max(list_steps(durable).steps, default=None)
+                listed = durable_step_to_beat([durable], max(own, default=None))
             except Exception as exc:  # noqa: BLE001 - raised on every rank below
                 listed = f"{type(exc).__name__}: {exc}"
         everyone = self._gather({"own": own, "held": held_replicas(local, self.world_size), "durable": listed})

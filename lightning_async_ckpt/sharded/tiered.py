@@ -14,7 +14,6 @@ agrees on one step of either tier: :mod:`.tier_resume`). Names follow
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from typing import Any
 
@@ -25,6 +24,7 @@ from lightning_async_ckpt.core.handle import SaveHandle
 from lightning_async_ckpt.core.options import CheckpointOptions
 from lightning_async_ckpt.core.persist import RetryPolicy
 from lightning_async_ckpt.core.preemption import PreemptionHandler, check_preemption
+from lightning_async_ckpt.core.tiered import CommitRelay
 from lightning_async_ckpt.errors import ConfigError
 from lightning_async_ckpt.sharded.checkpointer import ShardedCheckpointer
 from lightning_async_ckpt.sharded.local_tier import LocalTierPersister, rank_store
@@ -146,9 +146,7 @@ class TieredShardedCheckpointer(ShardedCheckpointer):
                 on_event=self.events.emit,
             )
         )
-        self._lock = threading.Lock()
-        self._handles: list[tuple[SaveHandle, bool]] = []
-        self._delivered: set[int] = set()
+        self.relay = CommitRelay(self.promoter, self._replicate)  # each local commit: promoted when due, replicated
         self.preemption = PreemptionHandler(signum)
         self.preemption.install()
 
@@ -243,7 +241,7 @@ class TieredShardedCheckpointer(ShardedCheckpointer):
         deadline = None if grace_s is None else time.monotonic() + grace_s
         self.save(step, state, promote=True, final=True, **kwargs)
         saved = self.drain_quietly(grace_s)
-        self._flush()
+        saved = self.relay.flush(_left(deadline)) and saved
         promoted = self.promoter.drain(_left(deadline))
         where = f"committed step {self.committed_step} to {self.store.uri}" + ("" if saved else " (not in time)")
         where += f"; promoted step {self.promoted_step} to {self.durable.uri}" + ("" if promoted else " (not in time)")
@@ -256,9 +254,9 @@ class TieredShardedCheckpointer(ShardedCheckpointer):
         (``""`` without ``replicas``). The emergency save's last wait, within the grace period left."""
         if self.replicas is None:
             return ""
-        self._flush()  # a commit whose callback has not run yet is handed to the replicator now
+        in_time = self.relay.flush(timeout)  # the newest commit is handed to the replicator first
         replicator = self.replicas.replicator
-        in_time = replicator.drain(timeout)
+        in_time = replicator.drain(timeout) and in_time
         done = sorted(set(replicator.replicated.get(step, [])))
         missing = [t for t in replicator.targets if t not in done]
         where = f"; replicated rank {self.rank}'s step {step} to ranks {done}"
@@ -272,38 +270,19 @@ class TieredShardedCheckpointer(ShardedCheckpointer):
         every = self.promote_every_n_steps
         due = promote if promote is not None else (every is not None and step % every == 0)
         handle = super().save(step, state, **kwargs)
-        with self._lock:
-            self._handles = [(h, d) for h, d in self._handles if id(h) not in self._delivered]
-            self._delivered &= {id(h) for h, _ in self._handles}
-            self._handles.append((handle, due))
-        handle.committed.add_done_callback(lambda _: self._deliver(handle, due))
+        self.relay.track(handle, due)
         return handle
 
-    def _deliver(self, handle: SaveHandle, due: bool) -> None:
-        future = handle.committed
-        if future.cancelled() or future.exception() is not None:
-            return
-        with self._lock:
-            if id(handle) in self._delivered:
-                return
-            self._delivered.add(id(handle))
-        self.promoter.committed(handle.step, promote=due)
+    def _replicate(self, step: int) -> None:
         if self.replicas is not None:
-            self.replicas.replicate(self.store, handle.step)
-
-    def _flush(self) -> None:
-        with self._lock:
-            handles = list(self._handles)
-        for handle, due in handles:
-            if handle.committed.done():
-                self._deliver(handle, due)
+            self.replicas.replicate(self.store, step)
 
     def drain(self, timeout: float | None = None) -> bool:
         """Wait for the saves, then their promotions and replicas; re-raise a background error. Whether all ended in
         time."""
         deadline = None if timeout is None else time.monotonic() + timeout
         saved = self.drain_quietly(timeout)
-        self._flush()
+        saved = self.relay.flush(_left(deadline)) and saved
         promoted = self.promoter.drain(_left(deadline))
         if self.replicas is not None:
             promoted = self.replicas.replicator.drain(_left(deadline)) and promoted
@@ -323,7 +302,7 @@ class TieredShardedCheckpointer(ShardedCheckpointer):
         try:
             if not abandon:
                 self.drain_quietly(timeout)
-                self._flush()
+                self.relay.flush(timeout)  # the newest commit's promotion and replica are queued before closing
             try:
                 self.promoter.close(timeout)
             finally:

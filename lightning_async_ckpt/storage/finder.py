@@ -47,7 +47,9 @@ __all__ = [
     "Found",
     "StepListing",
     "describe_entry",
+    "durable_step_to_beat",
     "list_steps",
+    "newest_committed_above",
     "newest_first",
     "newest_in",
     "newest_intact",
@@ -140,6 +142,35 @@ def list_steps(store: CheckpointStore) -> StepListing:
             continue
         steps.append(step)
     return StepListing(sorted(steps), sorted(skipped, key=lambda s: s.name), sorted(versions))
+
+
+def newest_committed_above(stores: Iterable[CheckpointStore], step: int | None) -> int | None:
+    """The newest step above ``step`` that one of ``stores`` (a durable tier and its version folders) holds with a
+    committed manifest, or ``None``. One listing per store; only manifests of steps listed above ``step`` are read
+    (none when nothing newer is listed), newest first: a folder without a manifest (a promotion killed mid-copy)
+    is not a generation and never outranks a committed one of the other tier.
+
+    Raises:
+        StoreUnavailableError: A store cannot be listed.
+    """
+    listed = [(s, store) for store in stores for s in list_steps(store).steps if step is None or s > step]
+    for s, store in sorted(listed, key=lambda item: item[0], reverse=True):
+        if store.read_generation(s).committed:
+            return s
+    return None
+
+
+def durable_step_to_beat(stores: Iterable[CheckpointStore], local_step: int | None) -> int | None:
+    """The durable tier's step a local generation of ``local_step`` must reach to be resumed from: the newest step
+    committed above it (:func:`newest_committed_above`); without a local generation here, the newest step listed
+    (names only: another process's local generation is compared with it).
+
+    Raises:
+        StoreUnavailableError: A store cannot be listed.
+    """
+    if local_step is None:
+        return max((s for store in stores for s in list_steps(store).steps), default=None)
+    return newest_committed_above(stores, local_step)
 
 
 def newest_first(store: CheckpointStore, steps: Iterable[int]) -> Iterator[GenerationInfo]:

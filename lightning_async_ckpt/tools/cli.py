@@ -3,7 +3,7 @@
 Every command exits 0 on success, 1 when ``verify`` finds a damaged generation, and 2 on bad input (unknown URI
 scheme, a store path that does not exist, missing generation, malformed event log, negative rates), with a
 one-line message on stderr and no traceback. ``--debug`` before the command shows the traceback of an unexpected
-error. This module is the parser and the dispatch; the commands live in ``store_commands`` (``ls``, ``verify``,
+error. This module is the parser and the dispatch; the commands live in ``commands`` (``ls``, ``verify``,
 ``gc``) and ``plan_commands`` (``plan``, ``timeline``, ``bench``), the number formatting in ``fmt``.
 
 Examples::
@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from typing import NoReturn
 
 from lightning_async_ckpt.errors import CheckpointError, ConfigError
+from lightning_async_ckpt.tools.commands import cmd_gc, cmd_ls, cmd_verify
 from lightning_async_ckpt.tools.export_command import add_export_parser
 from lightning_async_ckpt.tools.fmt import one_line
 from lightning_async_ckpt.tools.plan_commands import (
@@ -37,7 +38,7 @@ from lightning_async_ckpt.tools.plan_commands import (
     parse_size,
     run_bench,
 )
-from lightning_async_ckpt.tools.store_commands import PROG, UsageError, cmd_gc, cmd_ls, cmd_verify
+from lightning_async_ckpt.tools.store_commands import PROG, UsageError
 
 __all__ = ["build_parser", "main"]
 

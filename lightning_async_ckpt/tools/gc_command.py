@@ -14,12 +14,16 @@ from lightning_async_ckpt.errors import ConfigError
 from lightning_async_ckpt.tools.fmt import fmt_bytes, one_line
 from lightning_async_ckpt.tools.store_commands import PROG, UsageError, accelerate_folders_at, open_store, print_skipped
 
-__all__ = ["gc_store", "run_gc"]
+__all__ = ["check_gc", "gc_store"]
 
 
-def run_gc(args: argparse.Namespace) -> int:
-    """``gc``: delete old generations, keeping the newest ``--keep-last`` committed ones and the ``--keep-best``
-    best ones by the score their manifests record (the callback's ``best_model_path`` and its top k)."""
+def check_gc(args: argparse.Namespace) -> None:
+    """``gc``'s arguments, checked before anything is removed.
+
+    Raises:
+        ConfigError: ``--keep-last`` or ``--keep-best`` out of range.
+        UsageError: The location holds accelerate's folders (accelerate owns their retention).
+    """
     if args.keep_last < 1:
         raise ConfigError(f"--keep-last must be >= 1 (the newest committed generation is kept), got {args.keep_last}")
     if args.keep_best < 0:
@@ -29,11 +33,6 @@ def run_gc(args: argparse.Namespace) -> int:
             f"{args.uri} holds accelerate checkpoint folders, not step-* generations: accelerate owns their "
             "retention (ProjectConfiguration(total_limit=K)); `ls` and `verify` read them"
         )
-    if getattr(args, "local_dirpath", None):
-        from lightning_async_ckpt.tools.tier_commands import gc_tiers
-
-        return gc_tiers(args)
-    return gc_store(args, args.uri)
 
 
 def gc_store(args: argparse.Namespace, uri: str, *, local: bool = False, protect: frozenset[int] = frozenset()) -> int:

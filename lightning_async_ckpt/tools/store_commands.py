@@ -1,4 +1,4 @@
-"""The store commands of the command line: ``ls``, ``verify`` and ``gc``.
+"""The store commands of the command line: ``ls`` and ``verify`` of one store, and the helpers every command shares.
 
 Each takes the parsed arguments and returns the exit status; bad input raises :class:`UsageError` (or a
 library ``ConfigError``/``CheckpointError``), which ``cli.main`` prints as one line with exit status 2.
@@ -18,19 +18,18 @@ from lightning_async_ckpt.tools.fmt import fmt_age, fmt_bytes, one_line, print_t
 __all__ = [
     "PROG",
     "UsageError",
-    "cmd_gc",
-    "cmd_ls",
     "accelerate_folders_at",
-    "cmd_verify",
     "generation_row",
     "ls_rows",
+    "ls_store",
     "open_store",
     "print_committed_summary",
     "print_ls_table",
     "print_skipped",
+    "storage_options",
+    "verify_one",
     "verify_status",
     "verify_store",
-    "storage_options",
 ]
 
 PROG = "lightning-async-ckpt"
@@ -40,19 +39,9 @@ class UsageError(Exception):
     """Bad input found after parsing; the command line exits 2 with the message."""
 
 
-def cmd_ls(args: argparse.Namespace) -> int:
-    """``ls``: list generations (committed or not) with step, size, age and run, also those of the version folders
-    (``v1/``, ...) that ``latest_checkpoint(dirpath)`` and ``ckpt_path="last"`` pick from; or accelerate's folders.
-    With ``--local-dirpath``, both tiers in one table (``tier_commands``)."""
-    if getattr(args, "local_dirpath", None):
-        from lightning_async_ckpt.tools.tier_commands import ls_tiers
-
-        return ls_tiers(args)
-    folders = accelerate_folders_at(args)
-    if folders is not None:
-        from lightning_async_ckpt.tools.folder_commands import ls_folders
-
-        return ls_folders(args, folders)
+def ls_store(args: argparse.Namespace) -> int:
+    """``ls`` of one store: its generations (committed or not) with step, size, age and run, also those of the
+    version folders (``v1/``, ...) that ``latest_checkpoint(dirpath)`` and ``ckpt_path="last"`` pick from."""
     rows, versions = ls_rows(args, args.uri)
     if not rows:
         _check_store_path(open_store(args), args.uri)
@@ -160,18 +149,8 @@ def _fmt_ranks(ranks: dict[str, int] | None) -> str:
     return ",".join(f"{rank}:{fmt_bytes(size).replace(' ', '')}" for rank, size in ranks.items())
 
 
-def cmd_verify(args: argparse.Namespace) -> int:
-    """``verify``: re-read generations (or accelerate's folders) and check sizes and checksums; 1 when any failed.
-    With ``--local-dirpath``, both tiers (``tier_commands``)."""
-    if getattr(args, "local_dirpath", None):
-        from lightning_async_ckpt.tools.tier_commands import verify_tiers
-
-        return verify_tiers(args)
-    folders = accelerate_folders_at(args)
-    if folders is not None:
-        from lightning_async_ckpt.tools.folder_commands import verify_folders
-
-        return verify_folders(args, folders)
+def verify_one(args: argparse.Namespace) -> int:
+    """``verify`` of one store: re-read its generations and check sizes and checksums; 1 when any failed."""
     body, lines = verify_store(args, args.uri)
     if args.json:
         print(json.dumps(body, indent=1))
@@ -260,14 +239,6 @@ def verify_store(
     if skipped:
         lines.append(f"skipped uncommitted (no manifest; in progress or a crashed write): steps {skipped}")
     return body, lines
-
-
-def cmd_gc(args: argparse.Namespace) -> int:
-    """``gc``: delete old generations, keeping the newest ``--keep-last`` committed ones and the ``--keep-best``
-    best ones by the score their manifests record; both tiers with ``--local-dirpath`` (``gc_command``)."""
-    from lightning_async_ckpt.tools.gc_command import run_gc
-
-    return run_gc(args)
 
 
 def _gone(store: Any, step: int) -> bool:

@@ -136,3 +136,77 @@ def test_an_emergency_save_right_after_a_local_cut_of_the_same_step_promotes_tha
     assert _steps(tmp_path / "durable") == [4]
     durable = CheckpointStore(str(tmp_path / "durable"), check_writable=False)
     assert durable.manifest(4).extra["promoted_from"]["step"] == 4
+
+
+def test_drain_and_emergency_save_wait_for_a_hand_over_in_progress(tmp_path):
+    # The last commit's hand-over (local retention, then its replica) runs on the upload thread. A drain that
+    # returned while it ran said "drained" before the replica was queued, and close() then dropped it.
+    import threading
+
+    entered, release = threading.Event(), threading.Event()
+    handed: list[int] = []
+
+    def replicate(step: int) -> None:  # where a run with replicas hands the commit to its Replicator
+        entered.set()
+        release.wait()
+        handed.append(step)
+
+    ckpt = TieredCheckpointer(str(tmp_path / "local"), str(tmp_path / "durable"), promote_every_n_steps=4)
+    ckpt.relay.also = replicate
+    try:
+        ckpt.save(2, {"step": 2})
+        assert entered.wait(120)  # step 2 committed; its hand-over is in progress
+        assert ckpt.drain(timeout=0.2) is False and handed == []
+        where = ckpt.emergency_save(2, {"step": 2}, grace_s=0.2)
+        assert "not in time" in where and handed == []
+    finally:
+        release.set()
+    assert ckpt.drain() is True and handed == [2]
+    ckpt.close()
+    assert _steps(tmp_path / "durable") == [2]  # the emergency save promoted the step it found cut already
+
+
+def test_restore_and_latest_checkpoint_agree_when_the_durable_tier_holds_a_torn_newer_step(tmp_path):
+    local, durable = tmp_path / "local", tmp_path / "durable"
+    ckpt = TieredCheckpointer(str(local), str(durable), promote_every_n_steps=4)
+    _loop(ckpt, 10)  # local 2..10, durable 4, 8
+    ckpt.close()
+    # A promotion of step 12 killed on the old node: its objects on the durable tier, no manifest.
+    torn = durable / CheckpointStore(str(durable), check_writable=False).generation_path(12).rsplit("/", 1)[-1]
+    torn.mkdir()
+    (torn / "checkpoint.ckpt").write_bytes(b"half a checkpoint")
+    again = TieredCheckpointer(str(local), str(durable), promote_every_n_steps=4)
+    restored = again.restore()
+    again.close()
+    # Step 12 was never committed: the newest committed generation of either tier is the local step 10.
+    assert (restored.tier, restored.step) == ("local", 10)
+    found = latest_checkpoint(str(durable), local_dirpath=str(local))
+    assert found == restored.store.object_url(10, "checkpoint.ckpt")
+
+
+def test_two_runs_sharing_a_local_tier_never_resume_each_other(tmp_path):
+    import pytest
+
+    from lightning_async_ckpt.errors import ConfigError
+
+    shared = str(tmp_path / "local")
+    a = TieredCheckpointer(shared, str(tmp_path / "durable-a"), promote_every_n_steps=4)
+    _loop(a, 4)  # run A: local 2, 4; durable-a 4
+    a.close()
+    b = TieredCheckpointer(shared, str(tmp_path / "durable-b"), promote_every_n_steps=8)
+    for step in (6, 8):  # run B, another run, in the same local folder
+        b.save(step, {"step": step, "run": "b"})
+    b.close()
+    run_a = CheckpointStore(str(tmp_path / "durable-a"), check_writable=False).manifest(4).run_id
+    again = TieredCheckpointer(shared, str(tmp_path / "durable-a"), promote_every_n_steps=4)
+    restored = again.restore()
+    again.close()
+    # A resumes its own newest generation, never B's newer one, and stays run A.
+    assert (restored.tier, restored.step) == ("local", 4)
+    assert restored.manifest.run_id == run_a and again.local.run_id == run_a
+    # A run whose durable tier tells nothing cannot know which of the two runs it continues: refused, naming the fix.
+    fresh = TieredCheckpointer(shared, str(tmp_path / "durable-c"))
+    with pytest.raises(ConfigError, match="local_dirpath|own local"):
+        fresh.restore()
+    fresh.close()
+    assert _steps(tmp_path / "local") == [2, 4, 6, 8]  # nothing lost

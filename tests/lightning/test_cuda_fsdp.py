@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_async_ckpt import AsyncCheckpointCallback, latest_checkpoint
-from lightning_async_ckpt.lightning.sharded import LIGHTNING_META_NAME
+from lightning_async_ckpt.lightning.naming import LIGHTNING_META_NAME
 from lightning_async_ckpt.storage.store import CheckpointStore
 
 pytestmark = [

@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from lightning_async_ckpt import latest_checkpoint
 from lightning_async_ckpt.errors import ConfigError, StorageError
 from lightning_async_ckpt.lightning.arguments import check_strategy
-from lightning_async_ckpt.lightning.sharded import LIGHTNING_META_NAME, model_key_for
+from lightning_async_ckpt.lightning.naming import LIGHTNING_META_NAME, model_key_for
 from lightning_async_ckpt.sharded import DCP_FORMAT, StoreStorageWriter
 from lightning_async_ckpt.storage.store import CheckpointStore
 from tests.helpers.dist import launch_ranks
