@@ -86,9 +86,18 @@ class PreemptionHandler:
             _log.warning("preemption_signal=%s not installed: setup does not run on the main thread", self.signum.name)
             return
         self.requested.clear()
-        self._previous = signal.getsignal(self.signum)
+        self._previous = _unwrap_stale(signal.getsignal(self.signum))
         signal.signal(self.signum, self._handle)
         self._installed = True
+
+    def installed_handler(self) -> Any:
+        """The callable installed for ``signum`` while installed (``None`` otherwise)."""
+        return self._handle if self._installed else None
+
+    @property
+    def previous(self) -> Any:
+        """The handler ``install`` replaced (and chains to)."""
+        return self._previous
 
     def remove(self) -> None:
         """Restore the handler ``install`` replaced (unless someone replaced ours since)."""
@@ -123,3 +132,19 @@ class PreemptionHandler:
         flag = self.requested.is_set()
         self.requested.clear()
         return flag
+
+
+def _unwrap_stale(handler: Any) -> Any:
+    """The handler a stale :class:`PreemptionHandler` stands for, when ``handler`` is one (else ``handler``).
+
+    A fit that ended with an exception removes its handler while Lightning's is in place; Lightning then puts back
+    the handlers it found, this one among them. Chaining to it from the next fit's handler would run it as "the
+    previous handler" (for ``SIG_DFL``: end the process); the next fit chains to what it stood for instead.
+    """
+    seen: set[int] = set()
+    owner = getattr(handler, "__self__", None)
+    while isinstance(owner, PreemptionHandler) and not owner._installed and id(owner) not in seen:
+        seen.add(id(owner))
+        handler = owner._previous
+        owner = getattr(handler, "__self__", None)
+    return handler

@@ -51,10 +51,11 @@ class CallbackArguments(ModelCheckpoint):
         every_n_train_steps: Take a cut every N optimizer steps.
         every_n_epochs: Take a cut at the end of every N-th training epoch. Default 1 when neither interval is set.
         save_on_train_end: Take a final cut when training ends (if that step was not saved already): at the last
-            batch end when the end is known there (``max_steps``, last batch of ``max_epochs``), so it equals
-            ``ModelCheckpoint(every_n_train_steps=...)``'s checkpoint of that step, or at that epoch's end when
-            this callback's own schedule saves the step there (then it is ``ModelCheckpoint``'s epoch-end file);
-            otherwise (early stopping, ``max_time``) in ``on_train_end``, after the other callbacks' ``on_train_end``.
+            batch end when the end is known there (``max_steps``, last batch of ``max_epochs``, ``should_stop``
+            already set), so it equals ``ModelCheckpoint(every_n_train_steps=...)``'s checkpoint of that step, or at
+            that epoch's end when this callback's own schedule saves the step there (then it is ``ModelCheckpoint``'s
+            epoch-end file); a stop decided later (early stopping) at the first validation or epoch end that sees
+            it, else in ``on_train_end``; never inside an accumulation window (``docs/concepts.md``).
         keep_last: Committed generations to keep; ``None`` keeps all.
         admission: When a cut arrives while ``max_outstanding`` saves are in flight: ``wait``, ``skip``,
             ``coalesce`` or ``abort``.

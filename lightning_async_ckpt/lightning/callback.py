@@ -32,10 +32,18 @@ from lightning_async_ckpt.lightning.arguments import (
 from lightning_async_ckpt.lightning.base import CallbackArguments
 from lightning_async_ckpt.lightning.collective import agree_on
 from lightning_async_ckpt.lightning.commits import cut_metrics, deliver, finish_exports, listen
-from lightning_async_ckpt.lightning.hooks import FINAL_PROOF, is_last_batch, lightning_proof, training_ends_here
+from lightning_async_ckpt.lightning.ending import TrainingEnds
+from lightning_async_ckpt.lightning.hooks import (
+    FINAL_PROOF,
+    inside_accumulation_window,
+    is_last_batch,
+    lightning_proof,
+    stops_here,
+    training_ends_here,
+)
 from lightning_async_ckpt.lightning.naming import CHECKPOINT_NAME, checkpoint_key, planned_path
 from lightning_async_ckpt.lightning.on_exception import capture_exception_checkpoint, write_exception_checkpoint
-from lightning_async_ckpt.lightning.preemption import preemption_due
+from lightning_async_ckpt.lightning.preemption import Emergency, EmergencyWindow, restore_after_exception
 from lightning_async_ckpt.lightning.progress import (
     ProgressReports,
     estimate_checkpoint_bytes,
@@ -52,8 +60,8 @@ from lightning_async_ckpt.lightning.selection import (
 )
 from lightning_async_ckpt.lightning.sharded import setup_sharded
 from lightning_async_ckpt.lightning.tier_resume import find_last_across, latest_checkpoint
-from lightning_async_ckpt.lightning.tiers import emergency_drain, open_checkpointer
-from lightning_async_ckpt.lightning.triggers import monitor_candidates
+from lightning_async_ckpt.lightning.tiers import open_checkpointer
+from lightning_async_ckpt.lightning.triggers import monitor_candidates, stop_may_follow
 from lightning_async_ckpt.storage.store import CheckpointStore
 
 __all__ = ["CHECKPOINT_NAME", "AsyncCheckpointCallback", "latest_checkpoint"]
@@ -61,7 +69,7 @@ __all__ = ["CHECKPOINT_NAME", "AsyncCheckpointCallback", "latest_checkpoint"]
 _log = logging.getLogger("lightning_async_ckpt")
 
 
-class AsyncCheckpointCallback(ProgressReports, CallbackArguments):
+class AsyncCheckpointCallback(TrainingEnds, ProgressReports, CallbackArguments):
     """Checkpoints that cost the training loop almost nothing and are never reported before they are recoverable.
 
     At each cut (``on_train_batch_end`` every ``every_n_train_steps`` optimizer steps, or the end of every
@@ -130,6 +138,7 @@ class AsyncCheckpointCallback(ProgressReports, CallbackArguments):
         # Like ModelCheckpoint: no cut at the step training starts from (fresh: 0; resumed: the restored step).
         self._last_cut_step = self._fit_start_step = trainer.global_step
         self._preallocated = False
+        self._emergency_window = EmergencyWindow(self.preemption_grace_s)
         self._schedule.start(trainer.global_step)
         self.triggers.start()
         if self.store is not None and trainer.ckpt_path is not None:
@@ -156,7 +165,7 @@ class AsyncCheckpointCallback(ProgressReports, CallbackArguments):
         # teardown is not called on exceptions: drain here so the in-flight save lands, within a bound. With
         # save_on_exception, ModelCheckpoint's exception file is copied first and written last (on_exception.py).
         snapshot = capture_exception_checkpoint(self, trainer)
-        self.preemption.remove()  # teardown does not run after an exception
+        restore_after_exception(self.preemption, trainer)  # teardown does not run after an exception
         if self.checkpointer is not None:
             try:
                 if self.tiers is not None:  # the save in flight lands locally, then its promotion, within the bound
@@ -175,6 +184,8 @@ class AsyncCheckpointCallback(ProgressReports, CallbackArguments):
         if kind is not None:
             final = self.triggers.final_waits
             self._cut(trainer, pl_module, trainer.global_step, final=final, ranked=True, last=kind == "deferred")
+        if not self.triggers.train_epoch_end(trainer):  # else the epoch end's save is the final one
+            self._final_at_stop(trainer, pl_module)
         self._poll(trainer)
 
     @override
@@ -208,8 +219,10 @@ class AsyncCheckpointCallback(ProgressReports, CallbackArguments):
             # Training progress beside the checkpoint events, for `lightning-async-ckpt timeline` (only when an
             # event log is configured: one JSON line per batch).
             self.checkpointer.events.emit("train_step", step=trainer.global_step, batch_idx=batch_idx)
-        if preemption_due(self.preemption, trainer):
-            return self._emergency(trainer, pl_module)
+        step_cut = self._last_cut_step == trainer.global_step
+        emergency = self._emergency_window.point(self.preemption, trainer, step_cut=step_cut)
+        if emergency is not Emergency.NONE:
+            return self._emergency(trainer, pl_module, emergency)
         if self._skip(trainer):
             return
         step = trainer.global_step
@@ -223,8 +236,9 @@ class AsyncCheckpointCallback(ProgressReports, CallbackArguments):
         # the final checkpoint is taken now, before epoch-end bookkeeping and other callbacks' on_train_end (an EMA
         # callback copies its averaged weights into the model there), so it resumes like an uninterrupted run.
         # When the schedule saves this step at the epoch's end (after validation), the final cut is that save.
-        final = self.save_on_train_end and is_last_batch(trainer, batch_idx)
-        final = final and not self.triggers.final_waits_for_epoch_end(trainer)
+        # So is a stop set before this hook (in training_step, or by an earlier callback), unless mid-window.
+        ends = is_last_batch(trainer, batch_idx) or (stops_here(trainer) and not inside_accumulation_window(trainer))
+        final = self.save_on_train_end and ends and not self.triggers.final_waits_for_epoch_end(trainer)
         if due or retake or final:
             self._cut(trainer, pl_module, step, final=final, ranked=ranked)
         elif (
@@ -243,49 +257,20 @@ class AsyncCheckpointCallback(ProgressReports, CallbackArguments):
         if not self._skip(trainer) and self.triggers.train_epoch_end(trainer):
             final = self.triggers.final_waits
             self._cut(trainer, pl_module, trainer.global_step, final=final, ranked=True, last=False)
+        self._final_at_stop(trainer, pl_module)
         self._poll(trainer)
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        # The final cut, when the end was not known at a batch end (early stopping, max_time, should_stop set by
-        # user code), is taken here, after epoch-end bookkeeping and after every other callback's on_train_end: it
-        # holds what they changed (see docs/concepts.md, "The final checkpoint"). It is skipped when that very step
-        # was admitted already (a skipped or coalesced request does not count); it waits for admission whatever
-        # the policy, so training ends recoverable.
-        if (
-            self.save_on_train_end
-            and not trainer.fast_dev_run
-            and self._schedule.last_admitted_step != trainer.global_step
-        ):
-            self._cut(trainer, pl_module, trainer.global_step, final=True)
-        if self.save_on_train_end and not trainer.fast_dev_run:
-            # A final save is copied at the cut, so the guard cannot refuse it; a refused earlier save of this very
-            # step (a deferred scheduled save the final cut skipped as a repeat) is retaken here, at the cut too.
-            # Every rank asks (a broadcast in DDP); only the writing rank has a checkpointer to drain.
-            if self.checkpointer is not None:
-                self.checkpointer.drain_quietly(self.options.drain_timeout_s)
-            if self._schedule.retake_due(trainer, self.checkpointer):
-                self._cut(trainer, pl_module, trainer.global_step, final=True)
+        self._final_at_train_end(trainer, pl_module)  # unless an earlier hook took it (lightning/ending.py)
         self._close(trainer, raise_errors=True)
 
-    def _emergency(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        # A signal asked for a checkpoint now: copied at the cut, committed (locally first, then promoted) within
-        # preemption_grace_s, then training stops (lightning/preemption.py).
-        if not self._skip(trainer):
-            self._cut(trainer, pl_module, trainer.global_step, final=True)
-        elif self.tiers is not None and self._last_cut_step == trainer.global_step:
-            self.tiers.promote(trainer.global_step)  # this step was cut already (a micro-batch since), maybe locally
-        if self.checkpointer is not None:
-            emergency_drain(self.checkpointer, self.tiers, self.preemption_grace_s, trainer.global_step)
-        trainer.should_stop = True
-        self._poll(trainer)
-
-    def _skip(self, trainer: pl.Trainer) -> bool:
+    def _skip(self, trainer: pl.Trainer, *, cut_too: bool = True) -> bool:
         return (
             bool(trainer.fast_dev_run)
             or trainer.state.fn != TrainerFn.FITTING
             or trainer.sanity_checking
-            or self._last_cut_step == trainer.global_step
+            or (cut_too and self._last_cut_step == trainer.global_step)
         )
 
     def _cut(
@@ -311,7 +296,13 @@ class AsyncCheckpointCallback(ProgressReports, CallbackArguments):
         decision, error, handle = "admit", None, None
         # The checkpoint that ends training is copied at the cut: no training follows to overlap with, and
         # validation or epoch-end bookkeeping after it must not reach it (it can never be refused and retaken).
-        defer = self.defer and not final and not training_ends_here(trainer)
+        # So is a cut after which EarlyStopping may stop training (validation or the epoch end follows): a retake
+        # after that stop would not be this step's state.
+        defer = self.defer and not final and not training_ends_here(trainer) and not stop_may_follow(trainer)
+        # A retake of a refused save due on dirpath is due there too (two tiers; schedule.py).
+        durable = self.tiers is not None and (
+            self.tiers.durable_due(step, ranked=ranked, final=final) or self._schedule.retake_durable
+        )
         try:
             # The file is named by the rendered template inside the step's folder (lightning/naming.py).
             key, dcp = checkpoint_key(entry.filename, self.FILE_EXTENSION), self._sharded is not None
@@ -344,7 +335,7 @@ class AsyncCheckpointCallback(ProgressReports, CallbackArguments):
                 )
                 decision = handle.decision.decision
                 if self.tiers is not None:
-                    self.tiers.track(handle, durable=self.tiers.durable_due(step, ranked=ranked, final=final))
+                    self.tiers.track(handle, durable=durable)
                 if self.verbose:
                     handle.committed.add_done_callback(log_commit)
         except Exception as exc:  # noqa: BLE001 - re-raised below, after the other ranks heard of it
@@ -357,7 +348,7 @@ class AsyncCheckpointCallback(ProgressReports, CallbackArguments):
         else:
             self.selection.admitted(entry, handle)
             self._model_checkpoint_step = step if ranked or not final else self._model_checkpoint_step
-        self._schedule.recorded(step, decision, handle, deferred=defer)
+        self._schedule.recorded(step, decision, handle, deferred=defer, durable=durable)
 
     def _raise_collectively(self, trainer: pl.Trainer, local: BaseException | None = None) -> None:
         # A background error from an earlier save is raised here, at a collective point, on every rank.

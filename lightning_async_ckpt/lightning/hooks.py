@@ -36,10 +36,12 @@ __all__ = [
     "WINDOWS",
     "Role",
     "Window",
+    "inside_accumulation_window",
     "is_last_batch",
     "is_read_only",
     "lightning_proof",
     "override_failures",
+    "stops_here",
     "training_ends_here",
 ]
 
@@ -213,6 +215,20 @@ def is_last_batch(trainer: pl.Trainer, batch_idx: int) -> bool:
     if trainer.fit_loop.epoch_loop.batch_progress.is_last_batch:
         return True
     return batch_idx + 1 >= trainer.num_training_batches
+
+
+def stops_here(trainer: pl.Trainer) -> bool:
+    """Whether ``should_stop`` ends training (``min_epochs``/``min_steps`` met) after the current point."""
+    return bool(trainer.should_stop) and bool(getattr(trainer.fit_loop, "_can_stop_early", True))
+
+
+def inside_accumulation_window(trainer: pl.Trainer) -> bool:
+    """At a batch end (or after the last one): whether this micro-batch did not end its optimizer step, so the state
+    holds part of the next step (its BatchNorm statistics, its accumulated gradient) under the previous step's
+    number (``accumulate_grad_batches > 1``; Lightning's ``_should_accumulate``)."""
+    if trainer.accumulate_grad_batches <= 1:
+        return False
+    return bool(trainer.fit_loop.epoch_loop._should_accumulate())
 
 
 def training_ends_here(trainer: pl.Trainer) -> bool:

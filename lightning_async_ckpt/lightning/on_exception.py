@@ -20,6 +20,11 @@ when it was raised, possibly half-way through a step (after ``backward``, before
 ``latest_checkpoint`` never resume from it (they keep returning the newest consistent cut); load it explicitly
 (``ckpt_path=<that path>``). Rank 0 writes it (the rank that raised, under DDP, if it is rank 0: no collective is
 entered while an exception unwinds); sharded strategies skip it with a warning (their checkpoint needs every rank).
+
+A save of this very step that was admitted but does not commit (the guard refused it: validation wrote its deferred
+state before the copy, then raised) is not lost: ``ModelCheckpoint`` counts that step as saved and writes no exception
+file, but here the exception checkpoint is written instead, with a warning that says so. It is the state at the
+exception (what it is), not the refused cut.
 """
 
 from __future__ import annotations
@@ -51,10 +56,13 @@ class ExceptionCheckpoint:
     Attributes:
         path: ``ModelCheckpoint``'s path for it (``format_checkpoint_name`` of the metrics at the exception).
         data: The bytes of ``torch.save`` of the checkpoint.
+        stands_in_for: The step of an admitted save it replaces when that save does not commit (written only
+            then); ``None``: written in any case.
     """
 
     path: str
     data: bytes
+    stands_in_for: int | None = None
 
 
 def should_save(cb: Any, trainer: Any) -> bool:
@@ -62,13 +70,16 @@ def should_save(cb: Any, trainer: Any) -> bool:
     ``fast_dev_run``, not before the first step, and not when the callback's ``ModelCheckpoint`` schedule already
     saved this step (the final checkpoint of ``save_on_train_end`` is not such a save: ``ModelCheckpoint`` writes no
     file there)."""
+    return _may_save(cb, trainer) and cb._model_checkpoint_step != trainer.global_step
+
+
+def _may_save(cb: Any, trainer: Any) -> bool:
     return (
         bool(cb.save_on_exception)
         and not bool(trainer.fast_dev_run)
         and not trainer.sanity_checking
         and trainer.state.fn == TrainerFn.FITTING
         and cb.dirpath is not None
-        and cb._model_checkpoint_step != trainer.global_step
     )
 
 
@@ -77,7 +88,10 @@ def capture_exception_checkpoint(cb: Any, trainer: Any) -> ExceptionCheckpoint |
 
     Never raises: a failure is logged and the training exception is the one that propagates.
     """
-    if not should_save(cb, trainer) or not trainer.is_global_zero:
+    # A save of this step that has not committed yet may still be refused: copied too, written only if it is.
+    step = trainer.global_step
+    stands_in = _may_save(cb, trainer) and cb.requested_step == step and cb.committed_step != step
+    if not (should_save(cb, trainer) or stands_in) or not trainer.is_global_zero:
         return None
     if model_key_for(trainer.strategy) is not None:
         rank_zero_warn(
@@ -91,7 +105,8 @@ def capture_exception_checkpoint(cb: Any, trainer: Any) -> ExceptionCheckpoint |
         checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=cb.save_weights_only)
         buffer = io.BytesIO()
         torch.save(checkpoint, buffer)
-        return ExceptionCheckpoint(path=str(path), data=buffer.getvalue())
+        step = None if should_save(cb, trainer) else trainer.global_step
+        return ExceptionCheckpoint(path=str(path), data=buffer.getvalue(), stands_in_for=step)
     except Exception:  # noqa: BLE001 - the training exception is the one that propagates
         _log.warning("save_on_exception: could not copy the checkpoint at the exception", exc_info=True)
         return None
@@ -102,7 +117,7 @@ def write_exception_checkpoint(cb: Any, snapshot: ExceptionCheckpoint | None, ex
 
     Never raises: a failure is logged and the training exception is the one that propagates.
     """
-    if snapshot is None:
+    if snapshot is None or (snapshot.stands_in_for is not None and cb.committed_step == snapshot.stands_in_for):
         return None
     path = snapshot.path
     try:
@@ -116,5 +131,12 @@ def write_exception_checkpoint(cb: Any, snapshot: ExceptionCheckpoint | None, ex
     except Exception:  # noqa: BLE001 - the training exception is the one that propagates
         _log.warning("save_on_exception: could not write %s", path, exc_info=True)
         return None
+    if snapshot.stands_in_for is not None:
+        _log.warning(
+            "save_on_exception: the checkpoint of step %d was refused or failed before it committed; the state at the "
+            "exception was written to %s instead (not a committed generation: load it with ckpt_path=<that path>)",
+            snapshot.stands_in_for,
+            path,
+        )
     rank_zero_info(f"An {type(exception).__name__} was raised with message: {exception}, saved checkpoint to {path}")
     return path

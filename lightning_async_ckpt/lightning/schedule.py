@@ -29,6 +29,8 @@ class CutSchedule:
         self._coalesce_polled: int | None = None
         self._handle: Any = None
         self._verdict_pending = False
+        self._durable = False
+        self.retake_durable = False
 
     def __eq__(self, other: object) -> bool:
         # By value, like ModelCheckpoint's plain attributes: a pickled copy of the callback equals the original.
@@ -42,14 +44,18 @@ class CutSchedule:
         self.coalesce_pending = False
         self._verdict_pending = False
         self._handle = None
+        self._durable = self.retake_durable = False
 
-    def recorded(self, step: int, decision: str, handle: Any, *, deferred: bool) -> None:
-        """After a cut's decision (the same on every rank); ``handle`` is rank 0's save handle, else ``None``."""
+    def recorded(self, step: int, decision: str, handle: Any, *, deferred: bool, durable: bool = False) -> None:
+        """After a cut's decision (the same on every rank); ``handle`` is rank 0's save handle, else ``None``;
+        ``durable``: the save is due on ``dirpath`` (two tiers)."""
         if decision not in ("skip", "coalesce"):
             self.last_admitted_step = step
             self._handle = handle
             # Only a save with deferred state can be refused by the guard.
             self._verdict_pending = deferred
+            self._durable = durable
+            self.retake_durable = False  # this save was the retake
         self.coalesce_pending = decision == "coalesce" or (self.coalesce_pending and decision == "skip")
 
     def coalesce_due(self, trainer: pl.Trainer, ck: TrainingCheckpointer | None, step: int) -> bool:
@@ -76,4 +82,6 @@ class CutSchedule:
         if resolved:
             self._verdict_pending = False
             self._handle = None
+        # A refused save due on dirpath is retaken due on dirpath too (two tiers): the next admitted save.
+        self.retake_durable = self.retake_durable or (retake and self._durable)
         return retake

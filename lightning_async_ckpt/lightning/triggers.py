@@ -21,8 +21,9 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.callbacks import EarlyStopping
 
-__all__ = ["Triggers", "monitor_candidates"]
+__all__ = ["Triggers", "monitor_candidates", "stop_may_follow"]
 
 
 def monitor_candidates(trainer: pl.Trainer) -> dict[str, Any]:
@@ -156,6 +157,15 @@ def validation_runs_next(trainer: pl.Trainer) -> bool:
         return bool(loop.batch_progress.is_last_batch)
     current = loop.total_batch_idx if every is None else loop.batch_idx
     return (current + 1) % val_check_batch == 0
+
+
+def stop_may_follow(trainer: pl.Trainer) -> bool:
+    """At a batch end: whether an ``EarlyStopping`` callback may stop training before the next training step (in the
+    validation run that follows, or at this epoch's end). A cut here is copied at the cut: a retake after that stop
+    would hold validation's and the epoch end's writes under this step's number."""
+    if not any(isinstance(cb, EarlyStopping) for cb in trainer.callbacks):
+        return False
+    return validation_runs_next(trainer) or bool(trainer.fit_loop.epoch_loop.batch_progress.is_last_batch)
 
 
 def _validation_follows(trainer: pl.Trainer) -> bool:

@@ -9,8 +9,6 @@ timing; a write that does not bump a version counter (``.data``) is refused and 
 
 from __future__ import annotations
 
-import threading
-
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
@@ -19,63 +17,11 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_async_ckpt import AsyncCheckpointCallback, CheckpointStore
-from lightning_async_ckpt.core.proof import FENCE_ORDER, Fence
+from tests.helpers.hold_staging import HoldStaging
 from tests.helpers.models import assert_same, load_checkpoint, trainer_kwargs, without_model_checkpoint_state
 
 ROWS, DIM = 65_536, 64  # a 16 MB table: a 256-byte row is missed by 64 sampled bytes with probability 0.999
 PAD = ROWS - 1
-
-
-class HoldStaging(pl.Callback):
-    """Holds the staging thread after each cut until ``release`` (the write under test) or the first fence.
-
-    Ordered before the checkpoint callbacks (Lightning puts them last), so its task is queued before the cut's copy.
-    Declared read-only: it writes nothing.
-    """
-
-    lightning_async_ckpt_read_only = True
-
-    def __init__(self, ours: AsyncCheckpointCallback, *, last_too: bool = False) -> None:
-        self.ours = ours
-        self.last_too = last_too
-        self.gate = threading.Event()
-        self.gate.set()
-        self.held = 0
-
-    def release(self) -> None:
-        self.gate.set()
-
-    def on_train_start(self, trainer, pl_module):
-        ck = self.ours.checkpointer
-        wait_for, save = ck.wait, ck.save
-        plans: list = []
-
-        def wait(fence, **kwargs):
-            # The training thread waits at a fence that holds deferred storages: the copy may run now.
-            if plans and any(
-                s.fence != Fence.CUT and FENCE_ORDER[s.fence] <= FENCE_ORDER[fence] for s in plans[-1].slots
-            ):
-                self.gate.set()
-            return wait_for(fence, **kwargs)
-
-        def save_and_remember(*args, **kwargs):
-            handle = save(*args, **kwargs)
-            plans.append(handle.plan)
-            return handle
-
-        ck.wait, ck.save = wait, save_and_remember
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        if self.last_too or trainer.global_step < trainer.max_steps:
-            self.gate = threading.Event()
-            self.held += 1
-            self.ours.checkpointer.stage_worker.submit(self.gate.wait)
-
-    def on_validation_end(self, trainer, pl_module):
-        self.gate.set()
-
-    def on_train_end(self, trainer, pl_module):
-        self.gate.set()
 
 
 class PaddedTable(pl.LightningModule):

@@ -2,9 +2,7 @@
 files: a failed save is never announced, an S3 ``dirpath`` works the same, and ``CSVLogger`` records only committed
 steps as ``ckpt/committed_step``.
 
-TensorBoardLogger, WandbLogger and MLFlowLogger are not run here: tensorboard, wandb and mlflow are not installed in
-the project's environment (see docs/after_commit.md); they read the same attributes through Lightning's
-``_scan_checkpoints``, which the logger below runs.
+TensorBoardLogger, WandbLogger and MLFlowLogger, run offline, are in test_loggers_offline.py.
 """
 
 from __future__ import annotations

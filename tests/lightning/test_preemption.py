@@ -152,3 +152,58 @@ def test_a_signal_in_the_micro_batch_after_a_local_cut_promotes_that_cut(tmp_pat
     assert trainer.global_step == 4
     assert _steps(tmp_path / "local") == [2, 4]
     assert _steps(tmp_path / "durable") == [4]
+
+
+def test_a_signal_inside_an_accumulation_window_waits_for_its_end(tmp_path, caplog):
+    # accumulate_grad_batches=2: batch 10 is the first micro-batch of step 6 (global_step still 5, not cut). The
+    # emergency checkpoint used to be cut at its end as step 5, with batch 10's BatchNorm statistics, loop progress
+    # one batch ahead, and its accumulated gradient lost. It is cut at the window's end (step 6) instead.
+    ours = AsyncCheckpointCallback(
+        dirpath=str(tmp_path / "ckpt"), every_n_train_steps=4, preemption_signal=signal.SIGUSR1, preemption_grace_s=60
+    )
+    sync = ModelCheckpoint(dirpath=tmp_path / "sync", every_n_train_steps=1, save_top_k=-1, filename="{step}")
+    with caplog.at_level("WARNING", logger="lightning_async_ckpt"):
+        trainer = _fit(tmp_path, [_SignalAt(5, signal.SIGUSR1, batch_idx=10), sync, ours])
+    assert trainer.global_step == 6
+    assert _steps(tmp_path / "ckpt") == [4, 6]
+    store = CheckpointStore(str(tmp_path / "ckpt"), check_writable=False)
+    for step in (4, 6):
+        theirs = without_model_checkpoint_state(load_checkpoint(str(tmp_path / "sync" / f"step={step}.ckpt")))
+        assert_same(theirs, without_model_checkpoint_state(load_checkpoint(store.object_url(step, "checkpoint.ckpt"))))
+    assert any("accumulation window" in r.getMessage() for r in caplog.records)
+
+
+def test_with_no_grace_left_inside_an_accumulation_window_no_emergency_checkpoint_is_mislabelled(tmp_path, caplog):
+    # preemption_grace_s=0: the window's end cannot be waited for. Training stops without a checkpoint labelled
+    # step 5 that holds half of step 6; the log says so (and names the newest committed step).
+    ours = AsyncCheckpointCallback(
+        dirpath=str(tmp_path / "ckpt"), every_n_train_steps=4, preemption_signal=signal.SIGUSR1, preemption_grace_s=0
+    )
+    with caplog.at_level("WARNING", logger="lightning_async_ckpt"):
+        trainer = _fit(tmp_path, [_SignalAt(5, signal.SIGUSR1, batch_idx=10), ours])
+    assert trainer.global_step == 5
+    assert _steps(tmp_path / "ckpt") == [4]
+    assert any(
+        "accumulation window" in r.getMessage() and "no emergency checkpoint" in r.getMessage() for r in caplog.records
+    )
+
+
+@pytest.mark.slow
+def test_sigterm_keeps_working_over_fits_ended_normally_by_an_exception_and_by_a_signal(tmp_path):
+    # One process, four fits, each with its own callback (a sweep): a fit ended by an exception used to leave a
+    # stale handler that killed the process with SIGTERM's default action at the next fit's SIGTERM.
+    import sys
+    from pathlib import Path
+
+    from tests.helpers.dist import run_script
+
+    worker = Path(__file__).resolve().parents[1] / "helpers" / "sigterm_fits_worker.py"
+    proc = run_script([sys.executable, str(worker), str(tmp_path)], timeout=300)
+    assert proc.returncode == 0, (proc.returncode, proc.stdout[-2000:], proc.stderr[-3000:])
+    lines = proc.stdout.splitlines()
+    assert "normal ended normally" in lines and "normal steps [2, 4, 6]" in lines
+    assert "exception ended by RuntimeError" in lines and "exception steps [2]" in lines
+    for name in ("signal", "signal-again"):
+        assert f"{name} ended by SIGTERMException" in lines, lines
+        assert f"{name} steps [2, 3]" in lines, lines  # the emergency checkpoint at step 3
+    assert "handler after the fits: True" in lines and lines[-1] == "survived"
