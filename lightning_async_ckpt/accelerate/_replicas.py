@@ -34,8 +34,9 @@ from lightning_async_ckpt.core.replica_persist import manifest_of
 from lightning_async_ckpt.core.replicas import Replicator, replica_targets, restore_from_peers
 from lightning_async_ckpt.core.tiered_replicas import open_replicas
 from lightning_async_ckpt.errors import CheckpointError, ConfigError
-from lightning_async_ckpt.storage.finder import durable_step_to_beat, newest_intact
+from lightning_async_ckpt.storage.finder import durable_step_to_beat
 from lightning_async_ckpt.storage.generation import version_folders
+from lightning_async_ckpt.storage.lookup import newest_intact
 from lightning_async_ckpt.storage.store import CheckpointStore
 
 __all__ = [
@@ -135,7 +136,7 @@ def choose_with_peers(
     try:
         newest = _newest(local_dirpath) if step is None else _holding(local_dirpath, step)
         if accelerator.is_main_process and step is None:
-            stores = [CheckpointStore(uri, options, check_writable=False)]
+            stores = [CheckpointStore(uri, options, check_writable=False).location]
             durable = durable_step_to_beat(stores, None if newest is None else newest[1])
     except Exception as exc:  # noqa: BLE001 - raised on every process by agree
         error = exc

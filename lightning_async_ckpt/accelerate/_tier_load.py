@@ -20,8 +20,9 @@ from typing import Any
 
 from lightning_async_ckpt.accelerate._choose import Choice
 from lightning_async_ckpt.core.collective import agree
-from lightning_async_ckpt.storage.finder import list_steps, newest_intact
+from lightning_async_ckpt.storage.finder import list_steps
 from lightning_async_ckpt.storage.generation import version_folders
+from lightning_async_ckpt.storage.lookup import newest_intact
 from lightning_async_ckpt.storage.manifest import Manifest
 from lightning_async_ckpt.storage.store import CheckpointStore
 
@@ -51,7 +52,7 @@ def choose_across_tiers(
     try:
         mine = _holding(local_dirpath, step) if step is not None else _newest(local_dirpath)
         if accelerator.is_main_process:
-            durable = max(list_steps(CheckpointStore(uri, options, check_writable=False)).steps, default=None)
+            durable = max(list_steps(CheckpointStore(uri, options, check_writable=False).location).steps, default=None)
     except Exception as exc:  # noqa: BLE001 - raised on every process by agree
         error = exc
     gathered = agree(collective, error, (mine, durable), doing="load_state: finding the local tier's newest step")
@@ -113,7 +114,7 @@ def holding_version(local_dirpath: str, step: int) -> int | None:
     root = CheckpointStore(local_dirpath, check_writable=False)
     for version in [*sorted(version_folders(root.fs, root.root), reverse=True), 0]:
         store = version_store(local_dirpath, version)
-        if step not in list_steps(store).steps:
+        if step not in list_steps(store.location).steps:
             continue
         result = store.verify(step)
         if result.ok and accept_accelerate(store.manifest(step)):

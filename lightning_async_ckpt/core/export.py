@@ -180,7 +180,7 @@ def _load(store: CheckpointStore, manifest: Manifest, scratch: str, *, trust: bo
     """Copy every object of ``manifest`` into ``scratch`` (verified as it passes) and load the checkpoint."""
     root = store.root.rstrip("/")
     for obj in manifest.objects:
-        path = object_path(store, manifest.step, obj)
+        path = object_path(store.location, manifest.step, obj)
         local = os.path.join(scratch, *posixpath.relpath(path, root).split("/"))
         os.makedirs(os.path.dirname(local), exist_ok=True)
         with open(local, "wb") as out:

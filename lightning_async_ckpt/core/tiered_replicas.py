@@ -23,7 +23,8 @@ from typing import Any
 from lightning_async_ckpt.core.replica_persist import manifest_of
 from lightning_async_ckpt.core.replicas import Replicator, replica_plan, restore_from_peers
 from lightning_async_ckpt.errors import ConfigError, ManifestError
-from lightning_async_ckpt.storage.finder import list_steps, newest_committed_above, newest_intact
+from lightning_async_ckpt.storage.finder import list_steps, newest_committed_above
+from lightning_async_ckpt.storage.lookup import newest_intact
 from lightning_async_ckpt.storage.manifest import Manifest
 from lightning_async_ckpt.storage.promote import PROMOTED_FROM_KEY
 from lightning_async_ckpt.storage.store import CheckpointStore
@@ -139,7 +140,7 @@ def restore_across_ranks(group: Any, local_dirpath: str, durable: CheckpointStor
     found = newest_intact(local_dirpath, None, accept=this_lineage(local_dirpath, durable), on_skip=_skip)
     newest_local = None if found is None else (found.version, found.info.step)
     # A rank holding no local generation has nothing to compare: the ranks holding one say whether durable is newer.
-    newer = None if found is None else newest_committed_above([durable], found.info.step)
+    newer = None if found is None else newest_committed_above([durable.location], found.info.step)
     agreed = restore_from_peers(
         group,
         local_dirpath,
@@ -172,7 +173,7 @@ def restore_single(local_dirpath: str, durable: CheckpointStore) -> Restored | N
         ConfigError: ``local_dirpath`` holds generations of several runs and ``durable`` says none is this one's.
     """
     found = newest_intact(local_dirpath, None, accept=this_lineage(local_dirpath, durable), on_skip=_skip)
-    if found is not None and newest_committed_above([durable], found.info.step) is None:
+    if found is not None and newest_committed_above([durable.location], found.info.step) is None:
         return Restored(found.store, found.info.step, "local", found.manifest)
     info = durable.latest()
     if info is None or (found is not None and info.step <= found.info.step):  # the newer one was damaged
@@ -211,7 +212,7 @@ def this_lineage(local_dirpath: str, durable: CheckpointStore) -> Callable[[Mani
 
 def _version_stores(local_dirpath: str) -> list[CheckpointStore]:
     root = CheckpointStore(local_dirpath, check_writable=False)
-    return [root, *(_version_store(local_dirpath, v) for v in list_steps(root).versions)]
+    return [root, *(_version_store(local_dirpath, v) for v in list_steps(root.location).versions)]
 
 
 def _version_store(local_dirpath: str, version: int) -> CheckpointStore:

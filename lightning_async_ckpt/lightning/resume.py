@@ -32,7 +32,7 @@ from lightning_async_ckpt.lightning.naming import CHECKPOINT_NAME, is_lightning_
 from lightning_async_ckpt.lightning.store_reader import StoreReader
 from lightning_async_ckpt.sharded.once import job_broadcast, lightning_broadcast, once
 from lightning_async_ckpt.storage import inflight
-from lightning_async_ckpt.storage.finder import newest_intact, warn_if_nested
+from lightning_async_ckpt.storage.lookup import newest_intact, warn_if_nested
 from lightning_async_ckpt.storage.store import CheckpointStore
 
 __all__ = [

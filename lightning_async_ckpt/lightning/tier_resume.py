@@ -22,7 +22,9 @@ from lightning_async_ckpt.lightning.naming import CHECKPOINT_NAME, loadable_path
 from lightning_async_ckpt.lightning.replicas import agree_on_local
 from lightning_async_ckpt.lightning.sharded_tiers import find_last_sharded
 from lightning_async_ckpt.lightning.sliced import writes_sharded
-from lightning_async_ckpt.storage.finder import durable_step_to_beat, list_steps, newest_committed_above, newest_intact
+from lightning_async_ckpt.storage.finder import durable_step_to_beat, list_steps, newest_committed_above
+from lightning_async_ckpt.storage.lookup import newest_intact
+from lightning_async_ckpt.storage.root import StoreRoot
 from lightning_async_ckpt.storage.store import CheckpointStore
 
 __all__ = ["find_last_across", "latest_checkpoint"]
@@ -140,11 +142,14 @@ def _durable_newer(dirpath: str, storage_options: dict[str, Any] | None, step: i
     return newest_committed_above(_durable_stores(dirpath, storage_options), step) is not None
 
 
-def _durable_stores(dirpath: str, storage_options: dict[str, Any] | None) -> list[CheckpointStore]:
-    """``dirpath`` and its version folders."""
-    root = CheckpointStore(dirpath, storage_options, check_writable=False)
+def _durable_stores(dirpath: str, storage_options: dict[str, Any] | None) -> list[StoreRoot]:
+    """Where ``dirpath`` and its version folders live."""
+    root = CheckpointStore(dirpath, storage_options, check_writable=False).location
     versions = list_steps(root).versions
-    return [root, *(CheckpointStore(version_uri(dirpath, v), storage_options, check_writable=False) for v in versions)]
+    return [
+        root,
+        *(CheckpointStore(version_uri(dirpath, v), storage_options, check_writable=False).location for v in versions),
+    ]
 
 
 def _newest_local(local_dirpath: str, *, resumable: bool) -> _Local | None:

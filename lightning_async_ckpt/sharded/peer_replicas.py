@@ -226,7 +226,7 @@ class _PeerResume:
         listed: Any = None
         if rank == 0:
             try:
-                listed = durable_step_to_beat([durable], max(own, default=None))
+                listed = durable_step_to_beat([durable.location], max(own, default=None))
             except Exception as exc:  # noqa: BLE001 - raised on every rank below
                 listed = f"{type(exc).__name__}: {exc}"
         everyone = self._gather({"own": own, "held": held_replicas(local, self.world_size), "durable": listed})

@@ -322,11 +322,11 @@ class DcpPromoter:
                     # folder): rank 0's copy, under its fixed name, written by the step claim's holder.
                     if claim is not None:
                         with claim.open(obj.name) as stream:
-                            read_verified(self.local.fs, object_path(self.local, step, obj), obj, into=stream)
+                            read_verified(self.local.fs, object_path(self.local.location, step, obj), obj, into=stream)
                     continue
                 target = f"{folder}/{obj.name}"
                 with fs.create_stream(target, "wb") as stream:
-                    read_verified(self.local.fs, object_path(self.local, step, obj), obj, into=stream)
+                    read_verified(self.local.fs, object_path(self.local.location, step, obj), obj, into=stream)
                 written = fs.objects[obj.name]
                 if written.size != obj.size:
                     raise PromotionError(f"{obj.name}: wrote {written.size} bytes, the local manifest says {obj.size}")
@@ -352,7 +352,7 @@ class DcpPromoter:
             ranks[str(rank)] = [e.name for e in entries]
             paths.update(moved)
         entry = next(o for o in manifest.objects if o.name == GLOBAL_METADATA_NAME)
-        data = read_verified(self.local.fs, object_path(self.local, step, entry), entry)
+        data = read_verified(self.local.fs, object_path(self.local.location, step, entry), entry)
         metadata = load_metadata(io.BytesIO(data), where=GLOBAL_METADATA_NAME)
         storage = {}
         for index, info in metadata.storage_data.items():

@@ -110,7 +110,7 @@ def _verify_read(store: CheckpointStore, step: int, reader: Any, plan: Any) -> l
     }
     names = []
     for obj in store.manifest(step).objects:
-        path = object_path(store, step, obj)
+        path = object_path(store.location, step, obj)
         if store.backend.url(path) not in wanted and path not in wanted:
             continue
         try:

@@ -28,8 +28,8 @@ from lightning_async_ckpt.storage.io import atomic_local_write
 from lightning_async_ckpt.storage.manifest import MANIFEST_NAME
 
 if TYPE_CHECKING:
-    from lightning_async_ckpt.storage.store import CheckpointStore
-    from lightning_async_ckpt.storage.writer import GenerationWriter
+    from lightning_async_ckpt.storage.root import StoreRoot
+    from lightning_async_ckpt.storage.view import StoreView
 
 __all__ = [
     "CLAIM_NAME",
@@ -41,7 +41,6 @@ __all__ = [
     "attempt_claim_name",
     "claim_body",
     "claim_liveness",
-    "claim_step",
     "clear_leftovers",
     "is_claim_name",
     "is_takeover_marker",
@@ -111,7 +110,7 @@ def read_claim(fs: Any, path: str) -> dict[str, Any] | None:
     return body if isinstance(body, dict) else None
 
 
-def token_liveness(store: CheckpointStore, folder: str, token: str) -> Liveness:
+def token_liveness(store: StoreRoot, folder: str, token: str) -> Liveness:
     """The liveness of attempt ``token`` in generation ``folder``: live if any of its claims is live.
 
     Every claim of the attempt counts (the step claim and each rank's attempt claim, renewed while it writes);
@@ -154,7 +153,7 @@ class Lease:
         rank: This process's rank in the attempt (0 for a single writer).
     """
 
-    def __init__(self, store: CheckpointStore, path: str, step: int, token: str, rank: int = 0) -> None:
+    def __init__(self, store: StoreView, path: str, step: int, token: str, rank: int = 0) -> None:
         self.store = store
         self.path = path
         self.step = step
@@ -210,7 +209,7 @@ class Lease:
             _log.debug("could not remove the claim %s", self.path, exc_info=True)
 
 
-def take_step_claim(store: CheckpointStore, folder: str, body: bytes) -> bool:
+def take_step_claim(store: StoreRoot, folder: str, body: bytes) -> bool:
     """Create the step claim of ``folder`` for a new attempt, or take it over from an attempt that is gone.
 
     Takeover needs proof of death: every claim of the holding attempt expired (:func:`token_liveness`). It is
@@ -250,7 +249,7 @@ def take_step_claim(store: CheckpointStore, folder: str, body: bytes) -> bool:
     return True
 
 
-def clear_leftovers(store: CheckpointStore, folder: str, keep: set[str]) -> list[str]:
+def clear_leftovers(store: StoreRoot, folder: str, keep: set[str]) -> list[str]:
     """Before an attempt writes plain names: remove what earlier attempts left at them.
 
     Every file of ``folder`` goes except the names in ``keep`` (the new attempt's claims), other writers'
@@ -290,42 +289,6 @@ def clear_leftovers(store: CheckpointStore, folder: str, keep: set[str]) -> list
     return []
 
 
-def claim_step(store: CheckpointStore, step: int) -> GenerationWriter:
-    """Claim ``step`` for a new attempt (plain names), or give it its own prefix when another attempt holds it.
-
-    Every attempt holds an attempt claim with a lease (:class:`~.claims.Lease`) from here until it ends.
-    """
-    from lightning_async_ckpt.storage.writer import GenerationWriter  # the writer module imports this one
-
-    path = store.generation_path(step)
-    store.backend.prepare_folder(path)
-    token = new_token()
-    name = attempt_claim_name(token, 0)
-    if take_step_claim(store, path, claim_body(store.run_id, step, token)):
-        claim = f"{path}/{CLAIM_NAME}"
-        lease = Lease(store, f"{path}/{name}", step, token)
-        try:
-            lease.create()
-            foreign = clear_leftovers(store, path, keep={CLAIM_NAME, name})
-        except BaseException:
-            lease.release()
-            store.fs.rm_file(claim)
-            raise
-        if not foreign:
-            return GenerationWriter(store, step, store.checksum, claim=claim, token=token, lease=lease)
-        lease.release()  # files the library never wrote are never replaced: this attempt writes beside them
-        store.fs.rm_file(claim)
-        why = f"holds files not written by lightning_async_ckpt ({', '.join(sorted(foreign)[:5])}): left alone"
-    else:
-        why = "is claimed by another writer"
-    prefix = f"w-{token}/"
-    store.backend.prepare_folder(f"{path}/{prefix}")
-    lease = Lease(store, f"{path}/{prefix}{name}", step, token)
-    lease.create()
-    _log.warning("generation %s %s; writing under %s", store.url(step), why, prefix)
-    return GenerationWriter(store, step, store.checksum, prefix=prefix, token=token, lease=lease)
-
-
 def new_token() -> str:
     """A random attempt token."""
     return uuid.uuid4().hex[:12]
@@ -347,7 +310,7 @@ def written_beside(file: str, folder: str, keys: set[str]) -> bool:
     return is_claim_name(rel) or rel == MANIFEST_NAME or is_takeover_marker(rel)
 
 
-def leftover_writers(store: CheckpointStore, step: int, mtime: float | None) -> tuple[tuple[str, ...], float | None]:
+def leftover_writers(store: StoreView, step: int, mtime: float | None) -> tuple[tuple[str, ...], float | None]:
     """The writers whose claims are in uncommitted generation ``step`` (run ids; ``"?"`` unreadable; marked when
     still live), and seconds since the newest claim (or ``mtime``) was written."""
     path = store.generation_path(step)

@@ -16,7 +16,7 @@ when two walks over the same listing saw the same thing, so a commit that retire
 
 :func:`list_steps` is the one listing (it raises when the location cannot be listed, and names non-regular entries
 such as a FIFO without opening them); :func:`newest_in` finds one folder's newest acceptable intact generation;
-:func:`newest_intact` picks across ``dirpath`` and its version folders.
+:func:`~.lookup.newest_intact` picks across ``dirpath`` and its version folders.
 """
 
 from __future__ import annotations
@@ -34,17 +34,14 @@ from lightning_async_ckpt.storage.generation import (
     GenerationInfo,
     Skipped,
     parse_generation_name,
-    subfolders_holding_checkpoints,
 )
-from lightning_async_ckpt.storage.manifest import Manifest
 from lightning_async_ckpt.storage.regular import describe_mode
 
 if TYPE_CHECKING:
-    from lightning_async_ckpt.storage.store import CheckpointStore
+    from lightning_async_ckpt.storage.root import StoreRoot
 
 __all__ = [
     "RELISTS",
-    "Found",
     "StepListing",
     "describe_entry",
     "durable_step_to_beat",
@@ -52,8 +49,6 @@ __all__ = [
     "newest_committed_above",
     "newest_first",
     "newest_in",
-    "newest_intact",
-    "warn_if_nested",
     "warn_skip",
 ]
 
@@ -78,21 +73,6 @@ class StepListing:
     versions: list[int] = field(default_factory=list)
 
 
-@dataclass(frozen=True)
-class Found:
-    """The generation :func:`newest_intact` chose: the store holding it and its verified manifest."""
-
-    store: CheckpointStore
-    info: GenerationInfo
-    version: int
-
-    @property
-    def manifest(self) -> Manifest:
-        """The generation's manifest."""
-        assert self.info.manifest is not None
-        return self.info.manifest
-
-
 def describe_entry(entry: dict[str, Any]) -> str:
     """What a listed entry is, in words (``"a FIFO (named pipe)"``, ``"a file"``), from its stat mode when known."""
     mode = entry.get("mode")
@@ -102,7 +82,7 @@ def describe_entry(entry: dict[str, Any]) -> str:
     return "a file" if kind == "file" else f"a {kind or 'non-folder'} entry"
 
 
-def list_steps(store: CheckpointStore) -> StepListing:
+def list_steps(store: StoreRoot) -> StepListing:
     """List ``store``'s folder once (names only; no manifest is read, no entry is opened).
 
     Raises:
@@ -144,7 +124,7 @@ def list_steps(store: CheckpointStore) -> StepListing:
     return StepListing(sorted(steps), sorted(skipped, key=lambda s: s.name), sorted(versions))
 
 
-def newest_committed_above(stores: Iterable[CheckpointStore], step: int | None) -> int | None:
+def newest_committed_above(stores: Iterable[StoreRoot], step: int | None) -> int | None:
     """The newest step above ``step`` that one of ``stores`` (a durable tier and its version folders) holds with a
     committed manifest, or ``None``. One listing per store; only manifests of steps listed above ``step`` are read
     (none when nothing newer is listed), newest first: a folder without a manifest (a promotion killed mid-copy)
@@ -160,7 +140,7 @@ def newest_committed_above(stores: Iterable[CheckpointStore], step: int | None) 
     return None
 
 
-def durable_step_to_beat(stores: Iterable[CheckpointStore], local_step: int | None) -> int | None:
+def durable_step_to_beat(stores: Iterable[StoreRoot], local_step: int | None) -> int | None:
     """The durable tier's step a local generation of ``local_step`` must reach to be resumed from: the newest step
     committed above it (:func:`newest_committed_above`); without a local generation here, the newest step listed
     (names only: another process's local generation is compared with it).
@@ -173,20 +153,20 @@ def durable_step_to_beat(stores: Iterable[CheckpointStore], local_step: int | No
     return newest_committed_above(stores, local_step)
 
 
-def newest_first(store: CheckpointStore, steps: Iterable[int]) -> Iterator[GenerationInfo]:
+def newest_first(store: StoreRoot, steps: Iterable[int]) -> Iterator[GenerationInfo]:
     """Read the manifests of ``steps`` one at a time, newest step first (a caller that stops reads no more)."""
     for step in sorted(steps, reverse=True):
         yield store.read_generation(step)
 
 
-def _manifest_gone(store: CheckpointStore, step: int) -> bool:
+def _manifest_gone(store: StoreRoot, step: int) -> bool:
     """Whether generation ``step`` has no manifest now (retired, or never committed)."""
     info = store.read_generation(step)
     return not info.committed and info.error is None and not info.unreadable
 
 
 def newest_in(
-    store: CheckpointStore,
+    store: StoreRoot,
     *,
     accept: Callable[[GenerationInfo], bool],
     check: Callable[[GenerationInfo], tuple[str, ...]],
@@ -248,68 +228,3 @@ def newest_in(
 def warn_skip(url: str, problems: tuple[str, ...]) -> None:
     """The default ``on_skip``: a warning naming the generation and its problems."""
     warnings.warn(f"skipping generation {url}: {'; '.join(problems)}", stacklevel=4)
-
-
-def newest_intact(
-    dirpath: str,
-    storage_options: dict[str, Any] | None,
-    *,
-    accept: Callable[[Manifest], bool],
-    on_skip: Callable[[str, tuple[str, ...]], None],
-) -> Found | None:
-    """The newest intact generation of ``dirpath`` and its version folders that ``accept`` takes.
-
-    The highest version folder holding one wins (``dirpath`` itself is version 0); within a folder, the highest step
-    (never the writers' clocks, see the module docstring). Each folder is listed once (again when generations vanish
-    under the reader) and its manifests are read newest first, so an intact newest generation costs one manifest read
-    and its verification (every object re-read against its checksum). One that fails verification is reported to
-    ``on_skip`` with its problems and the next is tried.
-
-    Raises:
-        StoreUnavailableError: ``dirpath`` or a version folder cannot be listed.
-        StorageError: Generations kept vanishing under the reader (:func:`newest_in`).
-    """
-    from lightning_async_ckpt.storage.store import CheckpointStore
-
-    root = CheckpointStore(dirpath, storage_options, check_writable=False)
-    listing = list_steps(root)
-    for version in sorted(listing.versions, reverse=True) + [0]:
-        uri = f"{dirpath.rstrip('/')}/v{version}" if version else dirpath
-        store = CheckpointStore(uri, storage_options, check_writable=False) if version else root
-
-        def check(info: GenerationInfo, store: CheckpointStore = store) -> tuple[str, ...]:
-            return store.verify(info.step, manifest=info.manifest).problems
-
-        info = newest_in(
-            store,
-            accept=lambda i: i.manifest is not None and accept(i.manifest),
-            check=check,
-            on_skip=on_skip,
-            listing=None if version else listing,
-        )
-        if info is not None:
-            return Found(store, info, version)
-    return None
-
-
-def warn_if_nested(dirpath: str, storage_options: dict[str, Any] | None, *, stacklevel: int = 2) -> None:
-    """``dirpath`` holds no generation: warn when its subfolders (not its versions) do.
-
-    ``None`` from a lookup starts training from scratch when the path was given one level too high; a nested
-    callback's folder is legitimate, so this only warns. ``stacklevel`` is ``warnings.warn``'s, counted from here.
-    """
-    from lightning_async_ckpt.storage.store import CheckpointStore
-
-    store = CheckpointStore(dirpath, storage_options, check_writable=False)
-    try:
-        nested = subfolders_holding_checkpoints(store.fs, store.root, exclude=VERSION_RE)
-    except FileNotFoundError:
-        return
-    if nested:
-        message = (
-            f"latest_checkpoint({dirpath!r}) found no checkpoint there, but these subfolders hold some: "
-            f"{', '.join(nested[:5])}; returning None (a fresh start). If the run wrote to one of them, pass it "
-            f"(e.g. {dirpath.rstrip('/')}/{nested[0]})"
-        )
-        _log.warning("%s", message)
-        warnings.warn(message, stacklevel=stacklevel + 1)

@@ -22,7 +22,7 @@ from lightning_async_ckpt.storage.generation import GenerationInfo
 from lightning_async_ckpt.storage.manifest import Manifest
 
 if TYPE_CHECKING:
-    from lightning_async_ckpt.storage.store import CheckpointStore
+    from lightning_async_ckpt.storage.root import StoreRoot
 
 __all__ = ["Ledger"]
 
@@ -44,7 +44,7 @@ class Ledger:
             self._reported.add(step)
             return first
 
-    def refresh(self, store: CheckpointStore) -> tuple[list[GenerationInfo], set[int]]:
+    def refresh(self, store: StoreRoot) -> tuple[list[GenerationInfo], set[int]]:
         """List ``store``'s folder once; return its generations by step and the steps whose manifest was read now.
 
         Raises:
@@ -69,7 +69,7 @@ class Ledger:
         with self._lock:
             self._known = {info.step: _slim(info) for info in infos if info.committed}
 
-    def reread(self, store: CheckpointStore, step: int) -> GenerationInfo:
+    def reread(self, store: StoreRoot, step: int) -> GenerationInfo:
         """Read generation ``step``'s manifest again and remember what it says."""
         info = store.read_generation(step)
         with self._lock:
@@ -80,7 +80,7 @@ class Ledger:
                 self._known.pop(step, None)
         return info
 
-    def committed(self, store: CheckpointStore, manifest: Manifest) -> None:
+    def committed(self, store: StoreRoot, manifest: Manifest) -> None:
         """Remember a generation this store's writer just committed (the next pass does not read it)."""
         info = GenerationInfo(
             step=manifest.step,

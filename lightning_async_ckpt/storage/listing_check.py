@@ -22,12 +22,12 @@ from lightning_async_ckpt.storage.manifest import Manifest
 from lightning_async_ckpt.storage.verification import object_path
 
 if TYPE_CHECKING:
-    from lightning_async_ckpt.storage.store import CheckpointStore
+    from lightning_async_ckpt.storage.root import StoreRoot
 
 __all__ = ["check_listed", "list_generation", "replaced_files"]
 
 
-def list_generation(store: CheckpointStore, step: int, folder: str | None = None) -> dict[str, dict[str, Any]]:
+def list_generation(store: StoreRoot, step: int, folder: str | None = None) -> dict[str, dict[str, Any]]:
     """Every entry under generation ``step``'s folder (or ``folder``), by path relative to it, from one listing.
 
     A folder that does not exist lists as empty. Errors other than "not found" propagate.
@@ -52,7 +52,7 @@ def list_generation(store: CheckpointStore, step: int, folder: str | None = None
     return out
 
 
-def check_listed(store: CheckpointStore, manifest: Manifest) -> list[str]:
+def check_listed(store: StoreRoot, manifest: Manifest) -> list[str]:
     """Problems with ``manifest``'s objects, from one listing of its generation (empty when all match).
 
     Each problem names the object: ``missing``, ``size X, manifest says Y``, not a regular file, outside the root,

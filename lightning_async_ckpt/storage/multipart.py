@@ -37,7 +37,7 @@ from lightning_async_ckpt.storage.manifest import SPREAD_FOLDER
 
 if TYPE_CHECKING:
     from lightning_async_ckpt.storage.manifest import Manifest
-    from lightning_async_ckpt.storage.store import CheckpointStore
+    from lightning_async_ckpt.storage.root import StoreRoot
 
 __all__ = ["DEFAULT_GRACE_S", "DEFAULT_EVERY_S", "OpenUpload", "SweepReport", "Sweeper", "decide", "open_uploads"]
 
@@ -104,7 +104,7 @@ def decide(
     return None
 
 
-def open_uploads(store: CheckpointStore) -> list[OpenUpload]:
+def open_uploads(store: StoreRoot) -> list[OpenUpload]:
     """The open multipart uploads under ``store``'s generations (none on backends other than S3)."""
     if store.backend.kind != "s3":
         return []
@@ -147,7 +147,7 @@ class Sweeper:
         self._at: float | None = None
         self._lock = threading.Lock()
 
-    def maybe(self, store: CheckpointStore, *, force: bool = False) -> SweepReport | None:
+    def maybe(self, store: StoreRoot, *, force: bool = False) -> SweepReport | None:
         """Sweep when due (or ``force``); never raises: a sweep that fails is logged and tried next time."""
         if store.backend.kind != "s3":
             return None
@@ -166,7 +166,7 @@ class Sweeper:
         finally:
             self._lock.release()
 
-    def sweep(self, store: CheckpointStore) -> SweepReport:
+    def sweep(self, store: StoreRoot) -> SweepReport:
         """Abort the open multipart uploads under ``store`` that belong to no live attempt (module docstring).
 
         Raises:
@@ -206,7 +206,7 @@ class Sweeper:
         return report
 
 
-def _liveness(store: CheckpointStore, upload: OpenUpload) -> Liveness | None:
+def _liveness(store: StoreRoot, upload: OpenUpload) -> Liveness | None:
     folder = store.generation_path(upload.step)
     if upload.prefix:
         token = upload.prefix.removeprefix("w-").rstrip("/")

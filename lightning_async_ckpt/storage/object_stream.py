@@ -10,24 +10,40 @@ error, not a serializer's wrapper of it, decides retries; an object whose write 
 from __future__ import annotations
 
 import logging
-from typing import IO, TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any, Protocol
 
 from lightning_async_ckpt.errors import StorageError
 from lightning_async_ckpt.storage.io import Checksum, WriteOnlyStream
 from lightning_async_ckpt.storage.manifest import ObjectEntry
 
 if TYPE_CHECKING:
-    from lightning_async_ckpt.storage.writer import GenerationWriter
+    from lightning_async_ckpt.storage.view import StoreView
 
 __all__ = ["ObjectStream"]
 
 _log = logging.getLogger("lightning_async_ckpt.storage.writer")
 
 
+class StreamOwner(Protocol):
+    """What a stream needs of the :class:`~.writer.GenerationWriter` that opened it."""
+
+    store: StoreView
+    path: str
+    checksum: str
+
+    def renew(self) -> None: ...
+
+    def key_of(self, name: str) -> str: ...
+
+    def _record(self, entry: ObjectEntry) -> None: ...
+
+    def _discard(self, name: str, *, partial: bool = False) -> None: ...
+
+
 class ObjectStream(WriteOnlyStream):
     """A writable stream for one data object: counts and checksums bytes as they pass, holds none whole."""
 
-    def __init__(self, writer: GenerationWriter, name: str, raw: IO[bytes]) -> None:
+    def __init__(self, writer: StreamOwner, name: str, raw: IO[bytes]) -> None:
         self._writer = writer
         self.name = name
         self._raw = raw

@@ -32,7 +32,8 @@ from lightning_async_ckpt.storage.listing_check import check_listed
 from lightning_async_ckpt.storage.manifest import MANIFEST_NAME, SPREAD_FOLDER, Manifest
 
 if TYPE_CHECKING:
-    from lightning_async_ckpt.storage.store import CheckpointStore, GenerationInfo
+    from lightning_async_ckpt.storage.generation import GenerationInfo
+    from lightning_async_ckpt.storage.view import StoreView
 
 __all__ = [
     "FOREIGN",
@@ -188,7 +189,7 @@ def _leftover_refusal(
 
 
 def execute(
-    store: CheckpointStore,
+    store: StoreView,
     keep_last: int,
     *,
     all_runs: bool = False,
@@ -211,7 +212,7 @@ def execute(
         gens, fresh = sorted(generations, key=lambda g: g.step), {g.step for g in generations}
         store.ledger.learn(gens)
     else:
-        gens, fresh = store.ledger.refresh(store)
+        gens, fresh = store.ledger.refresh(store.location)
     candidates = []
     kept = 0
     for i, info in enumerate(reversed(gens)):
@@ -220,14 +221,14 @@ def execute(
         age = None
         if info.committed and (all_runs or info.run_id == store.run_id) and info.step not in fresh:
             # Kept or removable: read as it is now, not as remembered (a manifest damaged since is not counted).
-            info = gens[len(gens) - 1 - i] = store.ledger.reread(store, info.step)
+            info = gens[len(gens) - 1 - i] = store.ledger.reread(store.location, info.step)
         if info.committed and info.manifest is not None:
             if (all_runs or info.run_id == store.run_id) and kept < keep_last:
                 cheap = verify or (verify is None and info.manifest.total_bytes <= CHEAP_VERIFY_BYTES)
                 problems = tuple(
                     store.verify(info.step, manifest=info.manifest).problems
                     if cheap
-                    else check_listed(store, info.manifest)  # one listing, not a HEAD per object
+                    else check_listed(store.location, info.manifest)  # one listing, not a HEAD per object
                 )
                 kept += not problems
         elif not info.unreadable and not info.newer_format:
@@ -288,14 +289,14 @@ def plan_best_k(
     )
 
 
-def remove_best_k(store: CheckpointStore, steps: list[int], keep: set[int]) -> list[int]:
+def remove_best_k(store: StoreView, steps: list[int], keep: set[int]) -> list[int]:
     """Remove the committed generations ``steps`` that best-k retention gave up (rules: :func:`plan_best_k`).
 
     Each generation's manifest is read again first, so only one committed by this store's run is removed.
     Removal goes manifest first, then data. Returns the steps removed or found gone already (no manifest, no
     folder); a removal that fails is logged and left for the next call.
     """
-    infos = {step: store._read_generation(step) for step in steps}
+    infos = {step: store.read_generation(step) for step in steps}
     committed = {s: i.run_id or "" for s, i in infos.items() if i.committed}
     removed = [s for s, i in infos.items() if not i.committed and i.error is None and i.mtime is None]
     for step in plan_best_k(committed, keep, run_id=store.run_id, writing=store.writing()):
@@ -307,7 +308,7 @@ def remove_best_k(store: CheckpointStore, steps: list[int], keep: set[int]) -> l
     return removed
 
 
-def _remove(store: CheckpointStore, info: GenerationInfo) -> None:
+def _remove(store: StoreView, info: GenerationInfo) -> None:
     path = store.generation_path(info.step)
     if info.manifest is None:
         try:
@@ -341,7 +342,7 @@ def _remove(store: CheckpointStore, info: GenerationInfo) -> None:
     store.invalidate_cache()
 
 
-def _remove_spread(store: CheckpointStore, manifest: Manifest) -> None:
+def _remove_spread(store: StoreView, manifest: Manifest) -> None:
     """Remove the generation's objects spread over hashed prefixes (outside its folder), after its manifest: one
     batched delete (S3: ``DeleteObjects``, 1,000 keys per request), whatever the number of ranks."""
     spread = [f"{store.root}/{obj.root_path}" for obj in manifest.objects if obj.root_path]
@@ -349,7 +350,7 @@ def _remove_spread(store: CheckpointStore, manifest: Manifest) -> None:
         _remove_files(store, spread)
 
 
-def _remove_files(store: CheckpointStore, paths: list[str]) -> None:
+def _remove_files(store: StoreView, paths: list[str]) -> None:
     """Remove ``paths`` (S3: batched, ``DeleteObjects``; elsewhere one at a time), then their emptied folders."""
     if store.backend.kind == "s3":
         store.fs.rm(paths)  # missing keys are no error there
@@ -363,7 +364,7 @@ def _remove_files(store: CheckpointStore, paths: list[str]) -> None:
         store.backend.remove_folder_if_empty(folder)  # local disk: the emptied folders (object stores: none)
 
 
-def _sweep_spread(store: CheckpointStore, step: int) -> None:
+def _sweep_spread(store: StoreView, step: int) -> None:
     """Remove generation ``step``'s folder under every spread prefix (``spread/<h>/step-N/``): one listing per
     prefix, then one batched delete of what they found (S3: ``DeleteObjects``, 1,000 keys per request)."""
     found: list[str] = []

@@ -24,7 +24,6 @@ from lightning_async_ckpt.errors import (
     ConfigError,
     GenerationExistsError,
     ManifestError,
-    ManifestVersionError,
     StorageError,
 )
 from lightning_async_ckpt.storage import finder, inflight, multipart, retention, verification
@@ -47,12 +46,10 @@ from lightning_async_ckpt.storage.io import (
 from lightning_async_ckpt.storage.ledger import Ledger
 from lightning_async_ckpt.storage.manifest import (
     MANIFEST_NAME,
-    MAX_MANIFEST_BYTES,
     Manifest,
     ObjectEntry,
-    validate_object_name,
 )
-from lightning_async_ckpt.storage.regular import NotRegularFileError
+from lightning_async_ckpt.storage.root import StoreRoot
 from lightning_async_ckpt.storage.writer import GenerationWriter, claim_step
 
 # Old private names, kept while callers move to the public ones in ``storage.io``.
@@ -139,10 +136,21 @@ class CheckpointStore:
         self.storage_options = dict(storage_options or {})
         self.run_id = run_id or self.new_run_id()
         self.checksum = checksum
-        self.fs, root = open_filesystem(uri, self.storage_options)
-        self.root = root.rstrip("/") or "/"
-        self.backend = backend_for(self.fs, block_size)
-        self.is_local = self.backend.kind == "local"
+        fs, root = open_filesystem(uri, self.storage_options)
+        self.location = StoreRoot(
+            uri,
+            self.storage_options,
+            fs,
+            root.rstrip("/") or "/",
+            backend_for(fs, block_size),
+            checksum,
+            direct_io=direct_io,
+            hashed_prefixes=hashed_prefixes,
+        )
+        self.fs = fs
+        self.root = self.location.root
+        self.backend = self.location.backend
+        self.is_local = self.location.is_local
         self._lock = threading.Lock()
         self._writing: set[int] = set()
         self.ledger = Ledger()  # what retention knows between passes (reads O(1) manifests per save)
@@ -159,16 +167,13 @@ class CheckpointStore:
     # -- paths -------------------------------------------------------------------------------------------
     def generation_path(self, step: int) -> str:
         """Path of generation ``step``'s folder on the store's filesystem (no protocol)."""
-        return f"{self.root}/{generation_name(step)}"
+        return self.location.generation_path(step)
 
     _gen_path = generation_path  # old private name
 
     def url(self, step: int, name: str | None = None) -> str:
         """Full URL (with protocol) of a generation folder, or of ``name``'s default location in it."""
-        path = (
-            self.generation_path(step) if name is None else f"{self.generation_path(step)}/{validate_object_name(name)}"
-        )
-        return self.backend.url(path)
+        return self.location.url(step, name)
 
     def object_url(self, step: int, name: str) -> str:
         """Full URL of object ``name`` of committed generation ``step``, where its manifest says it is."""
@@ -201,7 +206,7 @@ class CheckpointStore:
                     f"generation step {step} is already committed at {self.url(step)}; committed checkpoints are "
                     "never overwritten: use another dirpath, or remove it with `lightning-async-ckpt gc`"
                 )
-            self.upload_sweeper.maybe(self)
+            self.upload_sweeper.maybe(self.location)
             return claim_step(self, step)
         except GenerationExistsError:
             self.end_write(step)
@@ -251,7 +256,7 @@ class CheckpointStore:
             StoreUnavailableError: The location cannot be listed (missing bucket, unreachable endpoint, no
                 permission). A local folder that does not exist yet lists as empty.
         """
-        listing = finder.list_steps(self)
+        listing = finder.list_steps(self.location)
         found = [info for info in map(self.read_generation, listing.steps) if info.committed or include_uncommitted]
         return Listing(found, listing.skipped)
 
@@ -265,26 +270,7 @@ class CheckpointStore:
 
     def read_generation(self, step: int) -> GenerationInfo:
         """The one manifest reader: size-capped, validated, its step checked against the folder's."""
-        path = self.generation_path(step)
-        url = self.url(step)
-        try:
-            data = self.backend.read_capped(f"{path}/{MANIFEST_NAME}", MAX_MANIFEST_BYTES)
-        except FileNotFoundError:
-            return GenerationInfo(step=step, path=url, committed=False, mtime=self.backend.mtime(path))
-        except NotRegularFileError as exc:  # a FIFO or device is never a manifest: rejected, never opened
-            return GenerationInfo(step=step, path=url, committed=False, error=f"{MANIFEST_NAME} is {exc.strerror}")
-        except Exception as exc:  # noqa: BLE001 - an unreadable manifest makes the generation untrusted, not fatal
-            # Present but unreadable right now (a transient storage error): never treated as a leftover.
-            error = f"unreadable manifest: {exc}"
-            return GenerationInfo(step=step, path=url, committed=False, error=error, unreadable=True)
-        try:
-            manifest = Manifest.from_json(data, where=f"{url}/{MANIFEST_NAME}")
-            if manifest.step != step:
-                raise ManifestError(f"manifest of folder step {step} says step {manifest.step}")
-        except ManifestError as exc:
-            newer = isinstance(exc, ManifestVersionError)
-            return GenerationInfo(step=step, path=url, committed=False, error=str(exc), newer_format=newer)
-        return GenerationInfo(step=step, path=url, committed=True, manifest=manifest, mtime=manifest.committed_at)
+        return self.location.read_generation(step)
 
     _read_generation = read_generation  # old private name
 
@@ -302,11 +288,11 @@ class CheckpointStore:
         return info.manifest
 
     def _object_path(self, step: int, obj: ObjectEntry) -> str:
-        return verification.object_path(self, step, obj)
+        return verification.object_path(self.location, step, obj)
 
     def check_sizes(self, manifest: Manifest) -> list[str]:
         """Return problems with the objects' existence, location, kind and sizes (empty when all match)."""
-        return verification.stat_objects(self, manifest)[0]
+        return verification.stat_objects(self.location, manifest)[0]
 
     def latest(self, *, verify: bool = True, run_id: str | None = None) -> GenerationInfo | None:
         """The newest committed generation that is intact, for resuming.
@@ -340,7 +326,7 @@ class CheckpointStore:
 
         # One listing, then manifests newest first; listed again when what it chose vanished (retention).
         return finder.newest_in(
-            self,
+            self.location,
             accept=lambda info: run_id is None or info.run_id == run_id,
             check=check,
             on_skip=finder.warn_skip,
@@ -399,7 +385,7 @@ class CheckpointStore:
                 manifest = self.manifest(step)
             except ManifestError as exc:
                 return VerifyResult(step=step, ok=False, problems=(str(exc),))
-        return verification.verify_generation(self, step, manifest)
+        return verification.verify_generation(self.location, step, manifest)
 
     def open(self, step: int, name: str) -> IO[bytes]:
         """Open object ``name`` of committed generation ``step`` for reading.
@@ -456,7 +442,7 @@ class CheckpointStore:
                 f"keep_last must be an int >= 1 (the newest committed generation is kept), got {keep_last!r}"
             )
         if not dry_run:
-            self.upload_sweeper.maybe(self, force=all_runs)  # before retention removes the claims it reads
+            self.upload_sweeper.maybe(self.location, force=all_runs)  # before retention removes the claims it reads
         return retention.execute(
             self,
             keep_last,
@@ -480,11 +466,7 @@ class CheckpointStore:
     # -- helpers -----------------------------------------------------------------------------------------
     def invalidate_cache(self) -> None:
         """Drop the filesystem's listing cache, so the next listing sees what other processes wrote."""
-        # s3fs caches listings; a stale cache is how `last` lookups go wrong on object stores.
-        try:
-            self.fs.invalidate_cache()
-        except Exception:  # noqa: BLE001 - not every filesystem caches
-            pass
+        self.location.invalidate_cache()
 
     def __repr__(self) -> str:
         return f"CheckpointStore({self.uri!r}, run_id={self.run_id!r})"

@@ -18,12 +18,12 @@ from lightning_async_ckpt.storage.io import read_verified
 from lightning_async_ckpt.storage.manifest import Manifest, ObjectEntry
 
 if TYPE_CHECKING:
-    from lightning_async_ckpt.storage.store import CheckpointStore
+    from lightning_async_ckpt.storage.root import StoreRoot
 
 __all__ = ["object_path", "stat_objects", "verify_generation"]
 
 
-def object_path(store: CheckpointStore, step: int, obj: ObjectEntry) -> str:
+def object_path(store: StoreRoot, step: int, obj: ObjectEntry) -> str:
     """Path of ``obj`` of generation ``step`` on the store's filesystem (where its manifest entry says it is: in the
     generation folder, or below the root's spread folder for an object spread over hashed prefixes).
 
@@ -36,7 +36,7 @@ def object_path(store: CheckpointStore, step: int, obj: ObjectEntry) -> str:
     return path
 
 
-def stat_objects(store: CheckpointStore, manifest: Manifest) -> tuple[list[str], dict[str, dict[str, Any]]]:
+def stat_objects(store: StoreRoot, manifest: Manifest) -> tuple[list[str], dict[str, dict[str, Any]]]:
     """Problems with the objects' existence, location, kind and sizes, and the stat of each object that matched."""
     problems: list[str] = []
     stats: dict[str, dict[str, Any]] = {}
@@ -61,7 +61,7 @@ def stat_objects(store: CheckpointStore, manifest: Manifest) -> tuple[list[str],
     return problems, stats
 
 
-def verify_generation(store: CheckpointStore, step: int, manifest: Manifest) -> VerifyResult:
+def verify_generation(store: StoreRoot, step: int, manifest: Manifest) -> VerifyResult:
     """Re-read every object of generation ``step`` once and check its size and checksum (see :func:`stat_objects`)."""
     problems, stats = stat_objects(store, manifest)
     for obj in manifest.objects:

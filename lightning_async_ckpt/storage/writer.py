@@ -24,14 +24,23 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from lightning_async_ckpt.errors import GenerationExistsError, ManifestError, StorageError, WriterUsageError
-from lightning_async_ckpt.storage.claims import CLAIM_NAME, Lease, claim_body, claim_step, new_token, read_claim
+from lightning_async_ckpt.storage.claims import (
+    CLAIM_NAME,
+    Lease,
+    attempt_claim_name,
+    claim_body,
+    clear_leftovers,
+    new_token,
+    read_claim,
+    take_step_claim,
+)
 from lightning_async_ckpt.storage.io import file_identity, same_file
 from lightning_async_ckpt.storage.listing_check import check_listed, replaced_files
 from lightning_async_ckpt.storage.manifest import MANIFEST_NAME, Manifest, ObjectEntry, validate_object_name
 from lightning_async_ckpt.storage.object_stream import ObjectStream
 
 if TYPE_CHECKING:
-    from lightning_async_ckpt.storage.store import CheckpointStore
+    from lightning_async_ckpt.storage.view import StoreView
 
 __all__ = [
     "CLAIM_NAME",
@@ -62,7 +71,7 @@ class GenerationWriter:
 
     def __init__(
         self,
-        store: CheckpointStore,
+        store: StoreView,
         step: int,
         checksum: str,
         *,
@@ -224,7 +233,7 @@ class GenerationWriter:
             except StorageError:
                 self._remove_manifest(path)
                 raise
-            self.store.ledger.committed(self.store, manifest)  # the next retention pass need not read it
+            self.store.ledger.committed(self.store.location, manifest)  # the next retention pass need not read it
             self._release_claim()  # the attempt ended: its claim would only keep retention away later
         finally:
             self._done = True
@@ -281,7 +290,7 @@ class GenerationWriter:
 
     def _check_objects(self, manifest: Manifest, when: str) -> None:
         # One listing of the generation, not a HEAD per object (:mod:`.listing_check`).
-        problems = check_listed(self.store, manifest)
+        problems = check_listed(self.store.location, manifest)
         if problems:
             raise StorageError(
                 f"generation step {self.step} at {self.store.url(self.step)}: objects changed {when} the manifest "
@@ -349,3 +358,37 @@ def _versions() -> dict[str, str]:
         except importlib.metadata.PackageNotFoundError:
             continue
     return out
+
+
+def claim_step(store: StoreView, step: int) -> GenerationWriter:
+    """Claim ``step`` for a new attempt (plain names), or give it its own prefix when another attempt holds it.
+
+    Every attempt holds an attempt claim with a lease (:class:`~.claims.Lease`) from here until it ends.
+    """
+    path = store.generation_path(step)
+    store.backend.prepare_folder(path)
+    token = new_token()
+    name = attempt_claim_name(token, 0)
+    if take_step_claim(store.location, path, claim_body(store.run_id, step, token)):
+        claim = f"{path}/{CLAIM_NAME}"
+        lease = Lease(store, f"{path}/{name}", step, token)
+        try:
+            lease.create()
+            foreign = clear_leftovers(store.location, path, keep={CLAIM_NAME, name})
+        except BaseException:
+            lease.release()
+            store.fs.rm_file(claim)
+            raise
+        if not foreign:
+            return GenerationWriter(store, step, store.checksum, claim=claim, token=token, lease=lease)
+        lease.release()  # files the library never wrote are never replaced: this attempt writes beside them
+        store.fs.rm_file(claim)
+        why = f"holds files not written by lightning_async_ckpt ({', '.join(sorted(foreign)[:5])}): left alone"
+    else:
+        why = "is claimed by another writer"
+    prefix = f"w-{token}/"
+    store.backend.prepare_folder(f"{path}/{prefix}")
+    lease = Lease(store, f"{path}/{prefix}{name}", step, token)
+    lease.create()
+    _log.warning("generation %s %s; writing under %s", store.url(step), why, prefix)
+    return GenerationWriter(store, step, store.checksum, prefix=prefix, token=token, lease=lease)

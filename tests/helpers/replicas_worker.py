@@ -23,7 +23,7 @@ from lightning_async_ckpt.core.replicas import (  # noqa: E402
     replica_targets,
     restore_from_peers,
 )
-from lightning_async_ckpt.storage.finder import newest_intact  # noqa: E402
+from lightning_async_ckpt.storage.lookup import newest_intact  # noqa: E402
 from lightning_async_ckpt.storage.store import CheckpointStore  # noqa: E402
 from lightning_async_ckpt.testing import (
     Fault,  # noqa: E402

@@ -181,7 +181,7 @@ def test_an_open_upload_under_a_committed_generation_s_spread_prefix_is_aborted(
     zombie = fs.open(key, "wb", block_size=5 << 20)
     zombie.write(b"x" * (6 << 20))
     zombie.flush()  # the first part is uploaded: a multipart upload is open
-    report = store.upload_sweeper.sweep(store)
+    report = store.upload_sweeper.sweep(store.location)
     aborted = [u.key for u in report.aborted]
     assert aborted == [key.split("/", 1)[1]]  # committed step 1: no live attempt can still finish it
     assert not fs.call_s3("list_multipart_uploads", Bucket=store.root.split("/", 1)[0]).get("Uploads")

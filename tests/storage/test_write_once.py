@@ -194,9 +194,9 @@ def test_a_lease_renewal_pushes_the_expiry_and_a_removed_claim_is_never_recreate
     lease_file.write_text(json.dumps({**json.loads(lease_file.read_text()), "expires": time.time() - 3600}))
     step_claim = json.loads((folder / CLAIM_NAME).read_text())
     (folder / CLAIM_NAME).write_text(json.dumps({**step_claim, "expires": time.time() - 3600}))
-    assert token_liveness(store, str(folder), writer.token) is Liveness.EXPIRED
+    assert token_liveness(store.location, str(folder), writer.token) is Liveness.EXPIRED
     writer.lease.renew(force=True)  # what a write does once RENEW_S passed
-    assert token_liveness(store, str(folder), writer.token) is Liveness.LIVE
+    assert token_liveness(store.location, str(folder), writer.token) is Liveness.LIVE
     lease_file.unlink()  # e.g. removed by an operator's gc
     writer.lease.renew(force=True)
     assert writer.lease.lost and not lease_file.exists()
