@@ -227,7 +227,9 @@ def test_from_an_s3_dirpath_an_on_commit_hook_logs_each_committed_generation(s3_
         artifact.add_reference(f"{committed.uri}/")  # the folder: its objects, manifest.json included
         logger.experiment.log_artifact(artifact, aliases=["best"] if committed.is_best else [])
 
-    ours = AsyncCheckpointCallback(dirpath=uri, storage_options=options, every_n_epochs=1, on_commit=reference)
+    ours = AsyncCheckpointCallback(
+        dirpath=uri, storage_options=options, every_n_epochs=1, on_commit=reference, save_top_k=-1
+    )
     fit([ours], max_epochs=3, logger=logger)
     logged = {a["metadata"]["step"]: a["refs"] for a in wandb_artifacts(wandb_offline)}
     assert sorted(logged) == [c.step for c in commits]
