@@ -96,7 +96,8 @@ _EXIT_SCRIPT = """
 import logging, sys, threading, torch
 logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
 from lightning_async_ckpt import AsyncCheckpointer, CheckpointStore
-from lightning_async_ckpt.testing import Fault
+from lightning_async_ckpt.testing import Fault, register_faulty
+register_faulty()
 pending = sys.argv[2] == "pending"
 faults = [Fault(op="write", path="checkpoint.ckpt", stall=threading.Event())] if pending else []
 store = CheckpointStore("faulty://" + sys.argv[1], {"target_protocol": "file", "faults": faults}, check_writable=False)
