@@ -6,6 +6,9 @@ Messages name the parameter or object at fault and how to fix it.
 
 from __future__ import annotations
 
+import warnings
+from typing import Any
+
 __all__ = [
     "AdmissionError",
     "CheckpointError",
@@ -18,6 +21,7 @@ __all__ = [
     "StoreUnavailableError",
     "TornSnapshotError",
     "WriterUsageError",
+    "renamed",
 ]
 
 
@@ -65,3 +69,23 @@ class WriterUsageError(CheckpointError, ValueError):
 class StoreUnavailableError(StorageError):
     """The store's location cannot be listed (missing bucket, unreachable endpoint, no permission), so whether it
     holds checkpoints is unknown; never reported as "no checkpoint"."""
+
+
+def renamed(new: str, new_value: Any, old: str, old_value: Any) -> Any:
+    """The value of a renamed parameter: ``new_value``, or ``old_value`` (its former name) with a ``FutureWarning``.
+
+    Raises:
+        ConfigError: both names were given.
+    """
+    if old_value is None:
+        return new_value
+    if new_value is not None:
+        raise ConfigError(
+            f"{old}={old_value!r} and {new}={new_value!r} are one setting ({old} is its former name); pass {new} only"
+        )
+    warnings.warn(
+        f"{old} is now called {new} (the name AsyncCheckpointCallback uses); the old name will be removed",
+        FutureWarning,
+        stacklevel=3,
+    )
+    return old_value

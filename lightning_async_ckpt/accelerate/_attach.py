@@ -11,7 +11,7 @@ from lightning_async_ckpt.accelerate._layout import _ATTR, _check_supported
 from lightning_async_ckpt.accelerate._replicas import agree_local_location, open_accelerate_replicas, replica_layout
 from lightning_async_ckpt.accelerate._tiers import TieredAccelerateCheckpointer, check_tier_options
 from lightning_async_ckpt.core.engine import CheckpointOptions, SaveHandle
-from lightning_async_ckpt.errors import ConfigError
+from lightning_async_ckpt.errors import ConfigError, renamed
 
 
 # -- module-level API --------------------------------------------------------------------------------------
@@ -23,13 +23,15 @@ def attach(
     defer: bool = True,
     collective_timeout_s: float | None = None,
     local_dirpath: str | None = None,
-    local_every_n_steps: int | None = None,
+    local_every_n_train_steps: int | None = None,
     local_keep_last: int | None = None,
-    promote_every_n_steps: int | None = None,
+    every_n_train_steps: int | None = None,
     preemption_signal: Any = None,
     preemption_grace_s: float | None = None,
     replicas: int | None = None,
     ranks_per_node: int | None = None,
+    local_every_n_steps: int | None = None,
+    promote_every_n_steps: int | None = None,
     **options: Any,
 ) -> AccelerateCheckpointer:
     """Make ``accelerator.save_state`` asynchronous for the weights, and enable :func:`save_state` to ``uri``.
@@ -52,10 +54,10 @@ def attach(
         local_dirpath: A node-local folder (NVMe, ``/dev/shm``): two tiers. Every fully asynchronous save is
             committed there and the due ones are promoted to ``uri`` in the background
             (:class:`~lightning_async_ckpt.accelerate._tiers.TieredAccelerateCheckpointer`, ``docs/tiers.md``).
-        local_every_n_steps: With ``local_dirpath``: ``save_state`` at a step due on neither cadence takes no cut
+        local_every_n_train_steps: With ``local_dirpath``: ``save_state`` at a step due on neither cadence takes no cut
             (call it after every step); ``None``: every call is a local cut.
         local_keep_last: With ``local_dirpath``: retention of the local tier (``keep_last`` is ``uri``'s).
-        promote_every_n_steps: With ``local_dirpath``: generations at multiples of this step are promoted to
+        every_n_train_steps: With ``local_dirpath``: generations at multiples of this step are promoted to
             ``uri`` (also ``final=True`` and the emergency save).
         preemption_signal: With ``local_dirpath``: a signal (``signal.SIGUSR1``, ``signal.SIGTERM``) that turns the
             next ``save_state`` into the emergency save on every process.
@@ -66,6 +68,8 @@ def attach(
             restores a lost local folder from a peer (:mod:`~lightning_async_ckpt.accelerate._replicas`).
         ranks_per_node: With ``replicas``: processes per node (default: accelerate's layout, one more than the
             highest ``accelerator.local_process_index``). ``1`` when each process has a node-local folder of its own.
+        local_every_n_steps: Former name of ``local_every_n_train_steps`` (a ``FutureWarning``).
+        promote_every_n_steps: Former name of ``every_n_train_steps`` (a ``FutureWarning``).
         **options: :class:`~lightning_async_ckpt.core.engine.CheckpointOptions` fields (``max_outstanding``,
             ``admission`` in ``wait``/``skip``/``abort``, ``host_memory_budget``, ``keep_last`` for ``uri``, ...).
 
@@ -75,6 +79,12 @@ def attach(
     Raises:
         ConfigError: Unsupported distributed type, bad options, or already attached with other settings.
     """
+    local_every_n_steps = renamed(
+        "local_every_n_train_steps", local_every_n_train_steps, "local_every_n_steps", local_every_n_steps
+    )
+    promote_every_n_steps = renamed(
+        "every_n_train_steps", every_n_train_steps, "promote_every_n_steps", promote_every_n_steps
+    )
     tiers = {
         "local_every_n_steps": local_every_n_steps,
         "local_keep_last": local_keep_last,

@@ -3,7 +3,7 @@
 :class:`TieredAccelerateCheckpointer` is what :func:`~lightning_async_ckpt.accelerate.attach` returns with
 ``local_dirpath``. The fully asynchronous path's engine writes ``local_dirpath`` (accelerate's file layout, manifest
 last, as with one tier); a :class:`~lightning_async_ckpt.storage.promote.Promoter` copies each generation due on the
-durable cadence (``promote_every_n_steps``, ``final=True``, the emergency save) from its committed local objects to
+durable cadence (``every_n_train_steps``, ``final=True``, the emergency save) from its committed local objects to
 ``uri`` on the thread ``lightning_async_ckpt-promote``: nothing is staged twice and nothing of it runs on the training
 thread. Only the main process writes, so only it holds the engine and the promoter.
 

@@ -29,7 +29,7 @@ from lightning_async_ckpt.core.tiered_replicas import (
     restore_across_ranks,
     restore_single,
 )
-from lightning_async_ckpt.errors import ConfigError
+from lightning_async_ckpt.errors import ConfigError, renamed
 from lightning_async_ckpt.storage.generation import version_folders
 from lightning_async_ckpt.storage.promote import Promoter
 from lightning_async_ckpt.storage.store import CheckpointStore
@@ -146,7 +146,7 @@ class CommitRelay:
 
 
 class TieredCheckpointer:
-    """Asynchronous checkpoints to a local tier, promoted to a durable tier every ``promote_every_n_steps``.
+    """Asynchronous checkpoints to a local tier, promoted to a durable tier every ``every_n_train_steps``.
 
     Thread-safety: like :class:`AsyncCheckpointer`, called from one training thread; promotions run on the thread
     ``lightning_async_ckpt-promote``. Their errors are raised once at the next ``save``/``wait``/``poll``/``drain``.
@@ -154,7 +154,7 @@ class TieredCheckpointer:
     Args:
         local: The node-local store (or a path).
         durable: The durable store (or a URL).
-        promote_every_n_steps: Saves at multiples of this step are promoted (``None``: only those asked with
+        every_n_train_steps: Saves at multiples of this step are promoted (``None``: only those asked with
             ``save(..., promote=True)`` and the emergency save).
         keep_last: Retention of the durable tier.
         local_keep_last: Retention of the local tier (the newest generation due on the durable tier is kept until
@@ -166,11 +166,12 @@ class TieredCheckpointer:
             (:mod:`~lightning_async_ckpt.core.tiered_replicas`). Rank 0 saves, alone; :meth:`restore` on every rank.
         ranks_per_node: The node layout for ``replicas`` (default ``LOCAL_WORLD_SIZE``, else one node).
         options: Engine options for the local tier (``keep_last`` there is ignored: retention is per tier).
+        promote_every_n_steps: Former name of ``every_n_train_steps`` (a ``FutureWarning``).
         **overrides: Any :class:`CheckpointOptions` field.
 
     Example::
 
-        ckpt = TieredCheckpointer("/local_nvme/run", "s3://bucket/run", promote_every_n_steps=500,
+        ckpt = TieredCheckpointer("/local_nvme/run", "s3://bucket/run", every_n_train_steps=500,
                                   local_keep_last=2, keep_last=3, preemption_signal=signal.SIGUSR1)
         ckpt.attach(model, optimizer)
         for step in range(1, steps + 1):
@@ -188,17 +189,21 @@ class TieredCheckpointer:
         local: CheckpointStore | str,
         durable: CheckpointStore | str,
         *,
-        promote_every_n_steps: int | None = None,
+        every_n_train_steps: int | None = None,
         keep_last: int | None = None,
         local_keep_last: int | None = None,
         preemption_signal: int | None = None,
         replicas: int | None = None,
         ranks_per_node: int | None = None,
         options: CheckpointOptions | None = None,
+        promote_every_n_steps: int | None = None,
         **overrides: Any,
     ) -> None:
+        promote_every_n_steps = renamed(
+            "every_n_train_steps", every_n_train_steps, "promote_every_n_steps", promote_every_n_steps
+        )
         for name, value in (
-            ("promote_every_n_steps", promote_every_n_steps),
+            ("every_n_train_steps", promote_every_n_steps),
             ("keep_last", keep_last),
             ("local_keep_last", local_keep_last),
             ("replicas", replicas),

@@ -7,7 +7,7 @@ self-contained generation in ``<local_dirpath>/rank-<r>``), plus a
 :class:`~lightning_async_ckpt.sharded.promote_dcp.DcpPromoter` that copies the generations due on the durable
 cadence to ``durable`` (every rank its own files, verified, rank 0's manifest last), and :meth:`resume` (every rank
 agrees on one step of either tier: :mod:`.tier_resume`). Names follow
-:class:`~lightning_async_ckpt.core.tiered.TieredCheckpointer` (``promote_every_n_steps``, ``keep_last``,
+:class:`~lightning_async_ckpt.core.tiered.TieredCheckpointer` (``every_n_train_steps``, ``keep_last``,
 ``local_keep_last``).
 """
 
@@ -25,7 +25,7 @@ from lightning_async_ckpt.core.options import CheckpointOptions
 from lightning_async_ckpt.core.persist import RetryPolicy
 from lightning_async_ckpt.core.preemption import PreemptionHandler, check_preemption
 from lightning_async_ckpt.core.tiered import CommitRelay
-from lightning_async_ckpt.errors import ConfigError
+from lightning_async_ckpt.errors import ConfigError, renamed
 from lightning_async_ckpt.sharded.checkpointer import ShardedCheckpointer
 from lightning_async_ckpt.sharded.local_tier import LocalTierPersister, rank_store
 from lightning_async_ckpt.sharded.once import _gloo_group
@@ -41,7 +41,7 @@ _log = logging.getLogger("lightning_async_ckpt")
 
 class TieredShardedCheckpointer(ShardedCheckpointer):
     """Asynchronous sharded checkpoints to a node-local tier, promoted to a durable tier every
-    ``promote_every_n_steps``.
+    ``every_n_train_steps``.
 
     Construct on every rank in the same order (creates two gloo groups: collectives). Call :meth:`resume` (every
     rank) before the first save to continue a run: it loads the newest generation every rank can load, from either
@@ -50,7 +50,7 @@ class TieredShardedCheckpointer(ShardedCheckpointer):
     Args:
         local_dirpath: The node-local folder (``/local_nvme/run``, ``/dev/shm/run``); ranks may share one.
         durable: The durable store (or its URL, opened with ``storage_options``).
-        promote_every_n_steps: Saves at multiples of this step are promoted (``None``: only ``save(...,
+        every_n_train_steps: Saves at multiples of this step are promoted (``None``: only ``save(...,
             promote=True)``).
         keep_last: Retention of the durable tier (rank 0, after each promotion).
         local_keep_last: Retention of each rank's local store (the due generations not yet promoted are kept).
@@ -69,6 +69,7 @@ class TieredShardedCheckpointer(ShardedCheckpointer):
             (:mod:`.peer_replicas`); :meth:`emergency_save` waits for them within its grace period. Needs
             ``torch.distributed``.
         ranks_per_node: The node layout for ``replicas`` (``None``: ``LOCAL_WORLD_SIZE``).
+        promote_every_n_steps: Former name of ``every_n_train_steps`` (a ``FutureWarning``).
 
     Raises:
         ConfigError: A bad argument (named).
@@ -79,7 +80,7 @@ class TieredShardedCheckpointer(ShardedCheckpointer):
         local_dirpath: str,
         durable: CheckpointStore | str,
         *,
-        promote_every_n_steps: int | None = None,
+        every_n_train_steps: int | None = None,
         keep_last: int | None = None,
         local_keep_last: int | None = None,
         storage_options: dict[str, Any] | None = None,
@@ -93,11 +94,15 @@ class TieredShardedCheckpointer(ShardedCheckpointer):
         preemption_signal: int | None = None,
         replicas: int | None = None,
         ranks_per_node: int | None = None,
+        promote_every_n_steps: int | None = None,
     ) -> None:
+        promote_every_n_steps = renamed(
+            "every_n_train_steps", every_n_train_steps, "promote_every_n_steps", promote_every_n_steps
+        )
         signum, _ = check_preemption(preemption_signal, None)
         check_replicas(replicas, ranks_per_node, local_dirpath if isinstance(local_dirpath, str) else "")
         for name, value in (
-            ("promote_every_n_steps", promote_every_n_steps),
+            ("every_n_train_steps", promote_every_n_steps),
             ("keep_last", keep_last),
             ("local_keep_last", local_keep_last),
         ):

@@ -220,7 +220,7 @@ class Promoter:
                 lag = self.lag
                 _log.warning(
                     "the durable tier %s is %d generations behind the local one (newest promoted: step %s): "
-                    "promotions take longer than the cadence; raise every_n_train_steps / promote_every_n_steps "
+                    "promotions take longer than the cadence; raise every_n_train_steps "
                     "or the bandwidth to it",
                     self.target.uri,
                     lag,

@@ -37,8 +37,8 @@ def _train_and_save(local: str, durable: str, steps: int, options: dict | None =
         durable,
         storage_options=options,
         local_dirpath=local,
-        local_every_n_steps=2,
-        promote_every_n_steps=4,
+        local_every_n_train_steps=2,
+        every_n_train_steps=4,
         **kwargs,
     )
     for _ in range(steps):
@@ -72,7 +72,7 @@ def test_resume_prefers_the_local_tier_and_continues_training_identically(tmp_pa
     expected = _weights(straight)
     _train_and_save(local, durable, 10)  # local: 2..10, durable: 4, 8
     run = make_run(seed=7)
-    ckpt = attach(run.acc, durable, local_dirpath=local, local_every_n_steps=2, promote_every_n_steps=4)
+    ckpt = attach(run.acc, durable, local_dirpath=local, local_every_n_train_steps=2, every_n_train_steps=4)
     manifest = load_state(run.acc, durable, local_dirpath=local)
     assert manifest is not None and manifest.step == 10 and PROMOTED_FROM_KEY not in manifest.extra
     for _ in range(6):
@@ -117,8 +117,8 @@ def test_emergency_save_under_a_real_signal_is_committed_locally_and_promoted(
         run.acc,
         durable,
         local_dirpath=local,
-        local_every_n_steps=2,
-        promote_every_n_steps=8,
+        local_every_n_train_steps=2,
+        every_n_train_steps=8,
         preemption_signal=signal.SIGUSR1,
         preemption_grace_s=60,
     )
@@ -157,7 +157,7 @@ def test_s3_as_the_durable_tier(tmp_path: Path, s3_uri: tuple[str, dict]) -> Non
 def test_tier_arguments_are_checked(tmp_path: Path) -> None:
     run = make_run()
     with pytest.raises(ConfigError, match="need local_dirpath"):
-        attach(run.acc, str(tmp_path / "d"), promote_every_n_steps=4)
+        attach(run.acc, str(tmp_path / "d"), every_n_train_steps=4)
     with pytest.raises(ConfigError, match="local_dirpath needs uri"):
         attach(run.acc, local_dirpath=str(tmp_path / "l"))
     with pytest.raises(ConfigError, match="local_keep_last must be None or an int >= 1"):
@@ -169,7 +169,7 @@ def test_tier_arguments_are_checked(tmp_path: Path) -> None:
 def test_an_emergency_save_right_after_a_local_cut_of_the_same_step_promotes_that_cut(tmp_path: Path) -> None:
     local, durable = str(tmp_path / "local"), str(tmp_path / "durable")
     run = make_run()
-    ckpt = attach(run.acc, durable, local_dirpath=local, promote_every_n_steps=8)
+    ckpt = attach(run.acc, durable, local_dirpath=local, every_n_train_steps=8)
     train(run, 4)
     save_state(run.acc)  # step 4: local only (not due on uri)
     ckpt.emergency_save()  # the same step: no second cut (a committed name is never written twice); promoted

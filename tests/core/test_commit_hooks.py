@@ -104,7 +104,7 @@ def test_a_non_callable_is_refused(tmp_path):
 
 def test_two_tiers_tell_the_local_commit_and_the_promotion_apart(tmp_path):
     seen: list[Committed] = []
-    tiered = TieredCheckpointer(str(tmp_path / "local"), str(tmp_path / "durable"), promote_every_n_steps=2)
+    tiered = TieredCheckpointer(str(tmp_path / "local"), str(tmp_path / "durable"), every_n_train_steps=2)
     tiered.add_commit_callback(seen.append)
     for step in (1, 2):
         tiered.save(step, {"w": torch.full((3,), float(step))}).committed.result()

@@ -40,7 +40,7 @@ def _loop(ckpt, steps, *, signal_at=None):
 
 def test_plain_loop_promotes_every_due_generation_byte_for_byte_with_retention_per_tier(tmp_path):
     ckpt = TieredCheckpointer(
-        str(tmp_path / "local"), str(tmp_path / "durable"), promote_every_n_steps=4, local_keep_last=2, keep_last=2
+        str(tmp_path / "local"), str(tmp_path / "durable"), every_n_train_steps=4, local_keep_last=2, keep_last=2
     )
     _loop(ckpt, 12)
     ckpt.close()
@@ -60,7 +60,7 @@ def test_plain_loop_promotes_every_due_generation_byte_for_byte_with_retention_p
 def test_plain_loop_emergency_save_under_a_real_signal(tmp_path):
     before = signal.getsignal(signal.SIGUSR1)
     ckpt = TieredCheckpointer(
-        str(tmp_path / "local"), str(tmp_path / "durable"), promote_every_n_steps=8, preemption_signal=signal.SIGUSR1
+        str(tmp_path / "local"), str(tmp_path / "durable"), every_n_train_steps=8, preemption_signal=signal.SIGUSR1
     )
     stopped = _loop(ckpt, 20, signal_at=5)
     ckpt.close()
@@ -98,10 +98,10 @@ def test_a_generation_committed_under_an_attempt_prefix_is_promoted(tmp_path):
 
 def test_restore_takes_the_newest_intact_local_generation_else_the_durable_one(tmp_path):
     local, durable = tmp_path / "local", tmp_path / "durable"
-    ckpt = TieredCheckpointer(str(local), str(durable), promote_every_n_steps=4)
+    ckpt = TieredCheckpointer(str(local), str(durable), every_n_train_steps=4)
     _loop(ckpt, 10)  # local 2..10, durable 4, 8
     ckpt.close()
-    again = TieredCheckpointer(str(local), str(durable), promote_every_n_steps=4)
+    again = TieredCheckpointer(str(local), str(durable), every_n_train_steps=4)
     restored = again.restore()
     assert (restored.tier, restored.step) == ("local", 10)
     with restored.open() as f:
@@ -109,7 +109,7 @@ def test_restore_takes_the_newest_intact_local_generation_else_the_durable_one(t
     assert again.local.run_id == restored.manifest.run_id  # the restored run continues (retention counts it)
     again.close()
     shutil.rmtree(local)  # a new node
-    fresh = TieredCheckpointer(str(local), str(durable), promote_every_n_steps=4)
+    fresh = TieredCheckpointer(str(local), str(durable), every_n_train_steps=4)
     restored = fresh.restore()
     assert (restored.tier, restored.step) == ("durable", 8)
     fresh.close()
@@ -127,7 +127,7 @@ def test_replicas_need_a_process_group(tmp_path):
 
 
 def test_an_emergency_save_right_after_a_local_cut_of_the_same_step_promotes_that_cut(tmp_path):
-    ckpt = TieredCheckpointer(str(tmp_path / "local"), str(tmp_path / "durable"), promote_every_n_steps=8)
+    ckpt = TieredCheckpointer(str(tmp_path / "local"), str(tmp_path / "durable"), every_n_train_steps=8)
     _loop(ckpt, 4)  # saves at 2 and 4, local only
     where = ckpt.emergency_save(4, {"step": 4}, grace_s=60)
     ckpt.close()
@@ -151,7 +151,7 @@ def test_drain_and_emergency_save_wait_for_a_hand_over_in_progress(tmp_path):
         release.wait()
         handed.append(step)
 
-    ckpt = TieredCheckpointer(str(tmp_path / "local"), str(tmp_path / "durable"), promote_every_n_steps=4)
+    ckpt = TieredCheckpointer(str(tmp_path / "local"), str(tmp_path / "durable"), every_n_train_steps=4)
     ckpt.relay.also = replicate
     try:
         ckpt.save(2, {"step": 2})
@@ -168,14 +168,14 @@ def test_drain_and_emergency_save_wait_for_a_hand_over_in_progress(tmp_path):
 
 def test_restore_and_latest_checkpoint_agree_when_the_durable_tier_holds_a_torn_newer_step(tmp_path):
     local, durable = tmp_path / "local", tmp_path / "durable"
-    ckpt = TieredCheckpointer(str(local), str(durable), promote_every_n_steps=4)
+    ckpt = TieredCheckpointer(str(local), str(durable), every_n_train_steps=4)
     _loop(ckpt, 10)  # local 2..10, durable 4, 8
     ckpt.close()
     # A promotion of step 12 killed on the old node: its objects on the durable tier, no manifest.
     torn = durable / CheckpointStore(str(durable), check_writable=False).generation_path(12).rsplit("/", 1)[-1]
     torn.mkdir()
     (torn / "checkpoint.ckpt").write_bytes(b"half a checkpoint")
-    again = TieredCheckpointer(str(local), str(durable), promote_every_n_steps=4)
+    again = TieredCheckpointer(str(local), str(durable), every_n_train_steps=4)
     restored = again.restore()
     again.close()
     # Step 12 was never committed: the newest committed generation of either tier is the local step 10.
@@ -190,15 +190,15 @@ def test_two_runs_sharing_a_local_tier_never_resume_each_other(tmp_path):
     from lightning_async_ckpt.errors import ConfigError
 
     shared = str(tmp_path / "local")
-    a = TieredCheckpointer(shared, str(tmp_path / "durable-a"), promote_every_n_steps=4)
+    a = TieredCheckpointer(shared, str(tmp_path / "durable-a"), every_n_train_steps=4)
     _loop(a, 4)  # run A: local 2, 4; durable-a 4
     a.close()
-    b = TieredCheckpointer(shared, str(tmp_path / "durable-b"), promote_every_n_steps=8)
+    b = TieredCheckpointer(shared, str(tmp_path / "durable-b"), every_n_train_steps=8)
     for step in (6, 8):  # run B, another run, in the same local folder
         b.save(step, {"step": step, "run": "b"})
     b.close()
     run_a = CheckpointStore(str(tmp_path / "durable-a"), check_writable=False).manifest(4).run_id
-    again = TieredCheckpointer(shared, str(tmp_path / "durable-a"), promote_every_n_steps=4)
+    again = TieredCheckpointer(shared, str(tmp_path / "durable-a"), every_n_train_steps=4)
     restored = again.restore()
     again.close()
     # A resumes its own newest generation, never B's newer one, and stays run A.

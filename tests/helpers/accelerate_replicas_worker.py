@@ -73,8 +73,8 @@ def _phase(run_dir: str, phase: str) -> dict:
         f"faulty://{run_dir}/durable",
         storage_options=options,
         local_dirpath=f"{run_dir}/local-{rank}",
-        local_every_n_steps=2,
-        promote_every_n_steps=4,
+        local_every_n_train_steps=2,
+        every_n_train_steps=4,
         replicas=1,
         ranks_per_node=1,
     )

@@ -39,8 +39,8 @@ def _train(base: str) -> dict:
         run.acc,
         f"{base}/durable",
         local_dirpath=f"{base}/local",
-        local_every_n_steps=2,
-        promote_every_n_steps=4,
+        local_every_n_train_steps=2,
+        every_n_train_steps=4,
         preemption_signal=signal.SIGUSR1,
         preemption_grace_s=120,
     )

@@ -65,7 +65,7 @@ def _damage(run_dir: str, phase: str) -> None:
 def _phase(run_dir: str, phase: str) -> dict:
     rank = dist.get_rank()
     durable = CheckpointStore(f"faulty://{run_dir}/durable", {"target_protocol": "file"})
-    ckpt = TieredCheckpointer(f"{run_dir}/local-{rank}", durable, promote_every_n_steps=4, replicas=1)
+    ckpt = TieredCheckpointer(f"{run_dir}/local-{rank}", durable, every_n_train_steps=4, replicas=1)
     model, opt = _model()
     report: dict = {"rank": rank}
     first = 1

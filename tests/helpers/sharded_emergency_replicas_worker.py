@@ -33,7 +33,7 @@ def main(out: str) -> None:
     ckpt = TieredShardedCheckpointer(
         f"{out}/node{rank}",
         f"{out}/durable",
-        promote_every_n_steps=100,
+        every_n_train_steps=100,
         replicas=1,
         ranks_per_node=1,
         timeout_s=60.0,

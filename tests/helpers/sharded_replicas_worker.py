@@ -47,7 +47,7 @@ def _ckpt(out: str, **kwargs: Any) -> TieredShardedCheckpointer:
     return TieredShardedCheckpointer(
         f"{out}/node{dist.get_rank()}",
         durable,
-        promote_every_n_steps=2,
+        every_n_train_steps=2,
         replicas=1,
         ranks_per_node=1,
         timeout_s=GROUP_TIMEOUT_S,

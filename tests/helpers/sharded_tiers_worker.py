@@ -110,7 +110,7 @@ def _ckpt(local: str, durable: CheckpointStore | str, **kwargs: Any) -> TieredSh
 def _equiv(out: str, layout: str, result: dict) -> None:
     rank = dist.get_rank()
     model, opt = _model()
-    ckpt = _ckpt(_folder(out, layout), f"{out}/durable", promote_every_n_steps=2)
+    ckpt = _ckpt(_folder(out, layout), f"{out}/durable", every_n_train_steps=2)
     result["resumed"] = ckpt.resume(_state(model, opt, 0)) is not None
     weights = {}
     for step in range(1, 7):
@@ -149,7 +149,7 @@ def _base(out: str, layout: str) -> dict[int, dict[str, torch.Tensor]]:
         where = f"{out}/base"
         os.makedirs(where, exist_ok=True)
         model, opt = _model()
-        ckpt = _ckpt(_folder(where, layout), f"{where}/durable", promote_every_n_steps=2, local_keep_last=1)
+        ckpt = _ckpt(_folder(where, layout), f"{where}/durable", every_n_train_steps=2, local_keep_last=1)
         weights = {}
         for step in range(1, 7):
             _train(model, opt, step)
@@ -188,7 +188,7 @@ def _fallback(out: str, layout: str, result: dict, damage: str) -> None:
                 shutil.rmtree(gen)
     dist.barrier()
     model, opt = _model()
-    ckpt = _ckpt(_folder(out, layout), f"{out}/durable", promote_every_n_steps=2, local_keep_last=1)
+    ckpt = _ckpt(_folder(out, layout), f"{out}/durable", every_n_train_steps=2, local_keep_last=1)
     state = _state(model, opt, 0)
     choice = ckpt.resume(state)
     assert choice is not None
@@ -216,7 +216,7 @@ def _kill(out: str, layout: str, result: dict) -> None:
         f"faulty://{out}/durable", {"target_protocol": "file", "faults": faults}, check_writable=False
     )
     model, opt = _model()
-    ckpt = _ckpt(_folder(out, layout), durable, promote_every_n_steps=2)
+    ckpt = _ckpt(_folder(out, layout), durable, every_n_train_steps=2)
     for step in (1, 2):
         _train(model, opt, step)
         ckpt.save(step, _state(model, opt, step))
@@ -232,7 +232,7 @@ def _kill(out: str, layout: str, result: dict) -> None:
 
 def _kill_resume(out: str, layout: str, result: dict) -> None:
     model, opt = _model()
-    ckpt = _ckpt(_folder(out, layout), f"{out}/durable", promote_every_n_steps=2)
+    ckpt = _ckpt(_folder(out, layout), f"{out}/durable", every_n_train_steps=2)
     state = _state(model, opt, 0)
     choice = ckpt.resume(state)
     assert choice is not None
@@ -252,7 +252,7 @@ def _kill_resume(out: str, layout: str, result: dict) -> None:
 def _emergency(out: str, layout: str, result: dict) -> None:
     rank = dist.get_rank()
     model, opt = _model()
-    ckpt = _ckpt(_folder(out, layout), f"{out}/durable", promote_every_n_steps=100, preemption_signal=signal.SIGUSR1)
+    ckpt = _ckpt(_folder(out, layout), f"{out}/durable", every_n_train_steps=100, preemption_signal=signal.SIGUSR1)
     result["stopped"] = None
     for step in range(1, 20):
         _train(model, opt, step)

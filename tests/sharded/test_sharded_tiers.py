@@ -105,7 +105,7 @@ def test_a_signal_on_one_rank_makes_every_rank_save_that_step_to_both_tiers(runs
 
 def test_bad_arguments_name_the_parameter(tmp_path):
     for kwargs, name in (
-        ({"promote_every_n_steps": 0}, "promote_every_n_steps"),
+        ({"every_n_train_steps": 0}, "every_n_train_steps"),
         ({"local_keep_last": True}, "local_keep_last"),
         ({"keep_last": -1}, "keep_last"),
     ):
@@ -120,7 +120,7 @@ def test_bad_arguments_name_the_parameter(tmp_path):
 def test_one_process_saves_promotes_and_resumes_from_the_newest_tier(tmp_path):
     model = torch.nn.Linear(4, 4)
     local, durable = str(tmp_path / "local"), str(tmp_path / "durable")
-    with TieredShardedCheckpointer(local, durable, promote_every_n_steps=2, local_keep_last=1) as ckpt:
+    with TieredShardedCheckpointer(local, durable, every_n_train_steps=2, local_keep_last=1) as ckpt:
         for step in (1, 2, 3):
             with torch.no_grad():
                 model.weight.add_(1.0)
@@ -142,10 +142,10 @@ def test_a_stalled_promoter_that_wakes_after_another_committed_the_step_never_to
     stalled_durable = CheckpointStore(
         f"faulty://{durable_url}", {"target_protocol": "file", "faults": [stall]}, check_writable=False
     )
-    zombie = TieredShardedCheckpointer(str(tmp_path / "a"), stalled_durable, promote_every_n_steps=2)
+    zombie = TieredShardedCheckpointer(str(tmp_path / "a"), stalled_durable, every_n_train_steps=2)
     zombie.save(2, {"w": torch.zeros(4)})
     assert reached.wait(60)  # its promotion claimed step 2 and stalls in its first durable write
-    with TieredShardedCheckpointer(str(tmp_path / "b"), durable_url, promote_every_n_steps=2) as winner:
+    with TieredShardedCheckpointer(str(tmp_path / "b"), durable_url, every_n_train_steps=2) as winner:
         winner.save(2, {"w": torch.ones(4)})
         winner.drain()
         assert winner.promoted_step == 2
@@ -166,7 +166,7 @@ def test_commit_callbacks_hear_each_local_commit_and_each_promotion(tmp_path):
     # Issue 43: the promotion of a sharded generation is its own commit event (tier="durable").
     seen = []
     local, durable = str(tmp_path / "local"), str(tmp_path / "durable")
-    with TieredShardedCheckpointer(local, durable, promote_every_n_steps=2) as ckpt:
+    with TieredShardedCheckpointer(local, durable, every_n_train_steps=2) as ckpt:
         ckpt.add_commit_callback(seen.append)
         for step in (1, 2):
             ckpt.save(step, {"model": torch.nn.Linear(4, 4).state_dict()})

@@ -26,7 +26,7 @@ def tiers(tmp_path: Path) -> tuple[Path, Path]:
     """Local steps 1, 2, 3, 4; steps 2 and 4 promoted to the durable tier."""
     local, durable = tmp_path / "local", tmp_path / "durable"
     model = torch.nn.Linear(8, 8)
-    with TieredCheckpointer(str(local), str(durable), promote_every_n_steps=2) as ckpt:
+    with TieredCheckpointer(str(local), str(durable), every_n_train_steps=2) as ckpt:
         for step in range(1, 5):
             ckpt.save(step, {"model": model.state_dict()}, defer=False)
         ckpt.drain()

@@ -28,7 +28,7 @@ def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]
 
 def _write(local: str, durable: Path, steps: range, every: int | None) -> None:
     model = torch.nn.Linear(8, 8)
-    ckpt = TieredShardedCheckpointer(local, str(durable), promote_every_n_steps=every)
+    ckpt = TieredShardedCheckpointer(local, str(durable), every_n_train_steps=every)
     try:
         for step in steps:
             with torch.no_grad():
