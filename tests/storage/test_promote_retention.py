@@ -23,6 +23,7 @@ def _commit(store: CheckpointStore, step: int) -> None:
 def test_a_retention_pass_asked_for_during_another_one_waits_for_it(tmp_path, caplog):
     register_faulty()
     second_pass: list[threading.Thread] = []
+    returned_at_once: list[bool] = []  # whether the second pass returned while the first one was still removing
 
     def during_the_first_removal(_call):
         # Another thread commits (and asks for the local tier's retention) while the first pass is removing.
@@ -30,7 +31,8 @@ def test_a_retention_pass_asked_for_during_another_one_waits_for_it(tmp_path, ca
         thread = threading.Thread(target=promoter.committed, args=(3,), kwargs={"promote": False})
         second_pass.append(thread)
         thread.start()
-        thread.join()
+        thread.join(60)  # bounded: a second pass that blocked on the first would deadlock here, not fail below
+        returned_at_once.append(not thread.is_alive())
 
     fault = Fault(op="rm_file", path="manifest", callback=during_the_first_removal)
     source = CheckpointStore(f"faulty://{tmp_path / 'local'}", {"target_protocol": "file", "faults": [fault]})
@@ -41,7 +43,7 @@ def test_a_retention_pass_asked_for_during_another_one_waits_for_it(tmp_path, ca
         promoter.committed(2, promote=False)
     promoter.close()
 
-    assert second_pass and not second_pass[0].is_alive()
+    assert second_pass and returned_at_once == [True] and not second_pass[0].is_alive()
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
     assert [g.step for g in CheckpointStore(str(tmp_path / "local")).generations()] == [3]
 
