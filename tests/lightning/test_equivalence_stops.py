@@ -15,7 +15,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader
 
 from lightning_async_ckpt import AsyncCheckpointCallback, CheckpointStore
 from tests.helpers.hold_staging import HoldStaging
@@ -61,9 +61,8 @@ class _Counted(pl.LightningModule):
 
 
 def _loader(n: int, seed: int) -> DataLoader:
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, 8, generator=g)
-    return DataLoader(TensorDataset(x, (x[:, 0] > 0).long()), batch_size=8)
+    """``make_loader``'s data, in order (not shuffled)."""
+    return DataLoader(make_loader(n=n, seed=seed).dataset, batch_size=8)
 
 
 def _steps(path) -> list[int]:
