@@ -4,28 +4,20 @@ sender raises, the receiving thread lives on, and ``replicate()`` after ``close(
 
 from __future__ import annotations
 
-import json
-import sys
 from pathlib import Path
 
 import pytest
 
 from lightning_async_ckpt import CheckpointStore
 from lightning_async_ckpt.core.replica_wire import Kind
-from tests.helpers.dist import launch_ranks
+from tests.helpers.dist import run_ranks
 
 WORKER = Path(__file__).resolve().parents[1] / "helpers" / "replica_rejects_worker.py"
 
 
 @pytest.mark.slow
 def test_rejected_replica_messages_are_answered_and_the_receiver_lives_on(tmp_path):
-    procs = launch_ranks([sys.executable, str(WORKER), str(tmp_path)], timeout=180)
-    results = []
-    for proc in procs:
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")][-1]
-        results.append(json.loads(line[len("RESULT ") :]))
-    sender, receiver = results
+    sender, receiver = run_ranks(WORKER, tmp_path, timeout=180)  # every rank exited 0; its last RESULT line
     # A target folder outside the receiver's tier is refused, and the sender raises naming it.
     assert sender["dotdot"].startswith("ReplicaError") and "../escape" in sender["dotdot"]
     assert sender["absolute"].startswith("ReplicaError") and "absolute" in sender["absolute"]
