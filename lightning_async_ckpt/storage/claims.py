@@ -264,13 +264,13 @@ def clear_leftovers(store: StoreRoot, folder: str, keep: set[str]) -> list[str]:
         files = store.fs.find(folder)
     except FileNotFoundError:
         return []
-    names = [p[len(folder) + 1 :] if p.startswith(folder + "/") else p.rsplit("/", 1)[-1] for p in files]
+    names = [_relative(p, folder) for p in files]
     others = [rel for rel in names if rel not in keep and not rel.startswith("w-")]
     if others and not any(is_claim_name(rel) or is_takeover_marker(rel) for rel in others):
         return others
     removed = False
     for path in files:
-        rel = path[len(folder) + 1 :] if path.startswith(folder + "/") else path.rsplit("/", 1)[-1]
+        rel = _relative(path, folder)
         name = rel.rsplit("/", 1)[-1]
         if rel in keep or rel.startswith("w-"):
             continue
@@ -302,7 +302,7 @@ def is_takeover_marker(name: str) -> bool:
 def written_beside(file: str, folder: str, keys: set[str]) -> bool:
     """Whether ``file`` (in generation ``folder``) is one the library wrote there: an object of the manifest
     (``keys``), or outside a prefix a claim, a takeover marker or the manifest; other files are left alone."""
-    rel = file[len(folder) + 1 :] if file.startswith(folder + "/") else file.rsplit("/", 1)[-1]
+    rel = _relative(file, folder)
     if rel in keys:
         return True
     if "/" in rel:
@@ -348,3 +348,8 @@ def _live(claim: dict) -> bool:
     except OSError:
         return True  # exists, owned by someone else
     return True
+
+
+def _relative(file: str, folder: str) -> str:
+    """``file``'s path below generation ``folder`` (its bare name when it is not below it)."""
+    return file[len(folder) + 1 :] if file.startswith(folder + "/") else file.rsplit("/", 1)[-1]
