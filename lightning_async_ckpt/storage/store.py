@@ -235,11 +235,16 @@ class CheckpointStore:
             self.fs.rm_file(manifest_path)
         return False
 
-    def end_write(self, step: int) -> None:
-        """Release this store's in-process hold on ``step`` (a writer's commit and abort call it)."""
+    def end_write(self, step: int, *, owns_folder: bool = True) -> None:
+        """Release this store's in-process hold on ``step`` (a writer's commit and abort call it).
+
+        ``owns_folder=False`` for an attempt written under its own prefix beside files it did not write: the step
+        folder is then not this store's leftover, so retention never removes it whole (foreign files stay).
+        """
         with self._lock:
             self._writing.discard(step)
-        self.ledger.wrote(step)  # what a failed attempt leaves is this library's, claims or not (retention.py)
+        if owns_folder:
+            self.ledger.wrote(step)  # what a failed attempt leaves is this library's, claims or not (retention.py)
 
     _end_write = end_write  # old private name, kept for callers that have not moved yet
 

@@ -239,7 +239,7 @@ class GenerationWriter:
             self._done = True
             if self.lease is not None:
                 self.lease.release()
-            self.store.end_write(self.step)
+            self.store.end_write(self.step, owns_folder=not self.prefix)
             self.store.invalidate_cache()
         return manifest
 
@@ -253,7 +253,7 @@ class GenerationWriter:
         except Exception:  # noqa: BLE001 - aborting is best effort; an uncommitted leftover is never trusted
             _log.warning("could not remove aborted generation %s", self.path, exc_info=True)
         finally:
-            self.store.end_write(self.step)
+            self.store.end_write(self.step, owns_folder=not self.prefix)
 
     def _release_claim(self) -> None:
         if self._claim is not None and self._holds_claim():

@@ -214,3 +214,21 @@ def test_on_an_object_store_an_expired_claim_is_never_taken_over(s3_uri: tuple[s
     writer.write_bytes(CKPT, b"data")
     writer.commit()
     assert store.manifest(2).object(CKPT).key.startswith("w-") and store.verify(2).ok
+
+
+def test_an_aborted_attempt_beside_foreign_files_never_lets_retention_delete_them(tmp_path: Path) -> None:
+    # A step folder holding a file the library never wrote: the attempt writes beside it (under its own prefix)
+    # and aborts. Its step must not then count as this store's failed attempt, or retention removes the folder.
+    folder = tmp_path / "step-00000005"
+    folder.mkdir()
+    (folder / "notes.txt").write_text("mine")
+    store = CheckpointStore(str(tmp_path))
+    writer = store.begin(5)
+    assert writer.prefix.startswith("w-")
+    writer.write_bytes("a.bin", b"x")
+    writer.abort()
+    later = store.begin(10)
+    later.write_bytes("a.bin", b"y")
+    later.commit()
+    store.retain(1)
+    assert (folder / "notes.txt").read_text() == "mine"
