@@ -147,6 +147,8 @@ class CommitHooks:
 
     def take(self) -> list[Committed]:
         """Remove and return the queued records, oldest first, each with :attr:`Committed.is_last` set."""
+        if not self._queue:  # the common case, at every batch end: no lock, no copies (a record queued now waits)
+            return []
         with self._lock:
             records, newest = list(self._queue), dict(self._newest)
             self._queue.clear()

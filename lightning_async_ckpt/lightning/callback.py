@@ -237,8 +237,11 @@ class AsyncCheckpointCallback(TrainingEnds, ProgressReports, CallbackArguments):
         # callback copies its averaged weights into the model there), so it resumes like an uninterrupted run.
         # When the schedule saves this step at the epoch's end (after validation), the final cut is that save.
         # So is a stop set before this hook (in training_step, or by an earlier callback), unless mid-window.
-        ends = is_last_batch(trainer, batch_idx) or (stops_here(trainer) and not inside_accumulation_window(trainer))
-        final = self.save_on_train_end and ends and not self.triggers.final_waits_for_epoch_end(trainer)
+        final = (
+            self.save_on_train_end
+            and (is_last_batch(trainer, batch_idx) or (stops_here(trainer) and not inside_accumulation_window(trainer)))
+            and not self.triggers.final_waits_for_epoch_end(trainer)
+        )
         if due or retake or final:
             self._cut(trainer, pl_module, step, final=final, ranked=ranked)
         elif (

@@ -222,11 +222,10 @@ class ProgressReports:
             self.committed_step = self.checkpointer.committed_step
 
     def _log_progress(self, pl_module: pl.LightningModule) -> None:
-        if self.checkpointer is not None:
-            self.committed_step = self.checkpointer.committed_step
-            if self.log_metrics:
-                ck, logged = self.checkpointer, self._logged
-                self._logged = log_progress(pl_module, ck, self.requested_step, self.skipped, logged)
-                lag = None if self.tiers is None else getattr(self.tiers.promoter, "lag", None)
-                if lag is not None:  # the DCP tiers' promoter does not count its lag
-                    log_durable_lag(pl_module.trainer, lag)
+        self._sync_progress()
+        if self.checkpointer is not None and self.log_metrics:
+            ck, logged = self.checkpointer, self._logged
+            self._logged = log_progress(pl_module, ck, self.requested_step, self.skipped, logged)
+            lag = None if self.tiers is None else getattr(self.tiers.promoter, "lag", None)
+            if lag is not None:  # the DCP tiers' promoter does not count its lag
+                log_durable_lag(pl_module.trainer, lag)
