@@ -16,7 +16,7 @@ _LAZY = {
     "GenerationInfo": "lightning_async_ckpt.storage.store",
     "Manifest": "lightning_async_ckpt.storage.manifest",
     "AsyncCheckpointer": "lightning_async_ckpt.core.engine",
-    "TieredCheckpointer": "lightning_async_ckpt.core.tiered",
+    "TieredCheckpointer": "lightning_async_ckpt.tiers.tiered",
     "CheckpointOptions": "lightning_async_ckpt.core.options",
     "TorchSaveSerializer": "lightning_async_ckpt.core.options",
     "SaveHandle": "lightning_async_ckpt.core.handle",

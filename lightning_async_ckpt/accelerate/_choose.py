@@ -37,7 +37,7 @@ _ACCELERATE_FILES = ("model.safetensors", "pytorch_model.bin", "optimizer.bin", 
 class Choice:
     """The generation every process loads: its folder's URL and its step (picklable, sent to every process); with
     ``manifest`` when the folder's own is still being written (a copy restored from a peer, committed in the
-    background: :mod:`~lightning_async_ckpt.core.replica_persist`)."""
+    background: :mod:`~lightning_async_ckpt.tiers.replica_persist`)."""
 
     url: str
     step: int

@@ -2,12 +2,12 @@
 
 Only the main process writes the local tier (the single-writer layout of plain loops and Lightning DDP), so its
 committed local generations are what gets copied: a
-:class:`~lightning_async_ckpt.core.replicas.Replicator` sends each one, in the background (thread
+:class:`~lightning_async_ckpt.tiers.replicas.Replicator` sends each one, in the background (thread
 ``lightning_async_ckpt-replicate``), to F other processes on other nodes. The node layout is accelerate's: the
 number of processes per node is one more than the highest ``accelerator.local_process_index`` (or
 ``ranks_per_node``), and replica ``i`` goes to process ``i * ranks_per_node`` when there are several nodes
-(:func:`~lightning_async_ckpt.core.replicas.replica_plan`). The groups are
-:func:`~lightning_async_ckpt.core.tiered_replicas.open_replicas`'s: two gloo groups created once, at ``attach``, on
+(:func:`~lightning_async_ckpt.tiers.replicas.replica_plan`). The groups are
+:func:`~lightning_async_ckpt.tiers.tiered_replicas.open_replicas`'s: two gloo groups created once, at ``attach``, on
 every process, never the training's group; each receiver writes its own folder, objects checked against the source
 manifest, the manifest last (a half-copied replica is never listed as committed).
 
@@ -15,7 +15,7 @@ manifest, the manifest last (a half-copied replica is never listed as committed)
 every process reports the newest intact generation of its ``local_dirpath`` (every object re-read against its
 checksum, so a damaged replica is never used), the main process lists ``uri`` (names only), the processes agree on
 the newest local one any process holds unless ``uri`` lists a newer step, and a process whose folder lacks it
-receives it from one that holds it (:func:`~lightning_async_ckpt.core.replicas.restore_from_peers`). Only when no
+receives it from one that holds it (:func:`~lightning_async_ckpt.tiers.replicas.restore_from_peers`). Only when no
 process holds a generation as new as ``uri``'s does every process load from ``uri`` together.
 """
 
@@ -30,14 +30,14 @@ from lightning_async_ckpt.accelerate._choose import Choice
 from lightning_async_ckpt.accelerate._collective import collective_for
 from lightning_async_ckpt.accelerate._tier_load import accept_accelerate, holding_version, skip_damaged, version_store
 from lightning_async_ckpt.core.collective import agree
-from lightning_async_ckpt.core.replica_persist import manifest_of
-from lightning_async_ckpt.core.replicas import Replicator, replica_targets, restore_from_peers
-from lightning_async_ckpt.core.tiered_replicas import open_replicas
 from lightning_async_ckpt.errors import CheckpointError, ConfigError
 from lightning_async_ckpt.storage.finder import durable_step_to_beat
 from lightning_async_ckpt.storage.generation import version_folders
 from lightning_async_ckpt.storage.lookup import newest_intact
 from lightning_async_ckpt.storage.store import CheckpointStore
+from lightning_async_ckpt.tiers.replica_persist import manifest_of
+from lightning_async_ckpt.tiers.replicas import Replicator, replica_targets, restore_from_peers
+from lightning_async_ckpt.tiers.tiered_replicas import open_replicas
 
 __all__ = [
     "AccelerateReplicas",
@@ -163,7 +163,7 @@ def agree_local_location(collective: Any, local_dirpath: str, start_step: int) -
     process's folder holds no generation newer than ``start_step`` (committed or not) in that version folder.
 
     Replicas land in the version folder of their source. Were the main process to choose alone
-    (:func:`~lightning_async_ckpt.core.tiered.local_location`), a peer still holding a newer (damaged, or branched
+    (:func:`~lightning_async_ckpt.tiers.tiered.local_location`), a peer still holding a newer (damaged, or branched
     off) generation of the same step there would answer a replica with "another step" and fail the save, or keep
     its damaged copy. The version is the highest one any process would choose alone, raised past every version folder
     that some process holds newer steps in.
@@ -186,7 +186,7 @@ def agree_local_location(collective: Any, local_dirpath: str, start_step: int) -
 
 
 def _own_location(local_dirpath: str, start_step: int) -> tuple[int, list[int]]:
-    """The version :func:`~lightning_async_ckpt.core.tiered.local_location` picks here, and the version folders
+    """The version :func:`~lightning_async_ckpt.tiers.tiered.local_location` picks here, and the version folders
     holding a generation newer than ``start_step``."""
     root = CheckpointStore(local_dirpath, check_writable=False)
     versions = [0, *version_folders(root.fs, root.root)]

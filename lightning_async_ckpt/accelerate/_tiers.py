@@ -2,7 +2,7 @@
 
 :class:`TieredAccelerateCheckpointer` is what :func:`~lightning_async_ckpt.accelerate.attach` returns with
 ``local_dirpath``. The fully asynchronous path's engine writes ``local_dirpath`` (accelerate's file layout, manifest
-last, as with one tier); a :class:`~lightning_async_ckpt.storage.promote.Promoter` copies each generation due on the
+last, as with one tier); a :class:`~lightning_async_ckpt.tiers.promote.Promoter` copies each generation due on the
 durable cadence (``every_n_train_steps``, ``final=True``, the emergency save) from its committed local objects to
 ``uri`` on the thread ``lightning_async_ckpt-promote``: nothing is staged twice and nothing of it runs on the training
 thread. Only the main process writes, so only it holds the engine and the promoter.
@@ -29,10 +29,10 @@ from lightning_async_ckpt.accelerate._layout import _log
 from lightning_async_ckpt.accelerate._replicas import AccelerateReplicas
 from lightning_async_ckpt.core.engine import AsyncCheckpointer, CheckpointOptions, SaveHandle
 from lightning_async_ckpt.core.preemption import PreemptionHandler, check_preemption
-from lightning_async_ckpt.core.tiered import CommitRelay, local_location
 from lightning_async_ckpt.errors import ConfigError
-from lightning_async_ckpt.storage.promote import Promoter
 from lightning_async_ckpt.storage.store import CheckpointStore
+from lightning_async_ckpt.tiers.promote import Promoter
+from lightning_async_ckpt.tiers.tiered import CommitRelay, local_location
 
 __all__ = ["TieredAccelerateCheckpointer", "check_tier_options"]
 

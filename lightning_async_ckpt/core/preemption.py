@@ -2,7 +2,7 @@
 checkpoint now.
 
 The handler only records the request (a signal handler must not touch the training state). The Lightning callback
-(``lightning/preemption.py``) and :class:`~lightning_async_ckpt.core.tiered.TieredCheckpointer` take a cut copied
+(``lightning/preemption.py``) and :class:`~lightning_async_ckpt.tiers.tiered.TieredCheckpointer` take a cut copied
 at the cut at their next opportunity, commit it (to the local tier first), promote it while the grace period
 allows, and say what was committed where.
 

@@ -2,18 +2,18 @@
 layout, and the ranks' agreement on ``ckpt_path="last"`` (``docs/tiers.md``).
 
 Under the DCP layouts (sharded strategies, ``ddp_layout="sliced"``) every rank writes its own local generation and
-:class:`~lightning_async_ckpt.sharded.tiered.TieredShardedCheckpointer` replicates each one
-(:mod:`~lightning_async_ckpt.sharded.peer_replicas`); the rest of this module is the single-writer layout.
+:class:`~lightning_async_ckpt.tiers.tiered_sharded.TieredShardedCheckpointer` replicates each one
+(:mod:`~lightning_async_ckpt.tiers.peer_replicas`); the rest of this module is the single-writer layout.
 
 Under the single-writer DDP layout rank 0 writes the local tier; every other rank's folder is empty unless it shares
 rank 0's node-local folder. Replica ``i`` of rank 0's generations goes to rank ``i * jump`` (``jump``: ranks per
 node, so each replica lands on another node), over a separate gloo group created once on every rank
-(:func:`setup_replicas`, at setup), by :class:`~lightning_async_ckpt.core.replicas.Replicator`.
+(:func:`setup_replicas`, at setup), by :class:`~lightning_async_ckpt.tiers.replicas.Replicator`.
 
 Resuming: Lightning resolves ``"last"`` on each rank before its process group exists. With replicas the callback
 sets up the strategy's distributed environment there (what Lightning does right after, and skips once it is done),
 then every rank agrees on one step and each folder that lacks it gets it from a peer
-(:func:`~lightning_async_ckpt.core.replicas.restore_from_peers`); with no local generation newer than ``dirpath``'s,
+(:func:`~lightning_async_ckpt.tiers.replicas.restore_from_peers`); with no local generation newer than ``dirpath``'s,
 every rank resumes from ``dirpath`` together.
 """
 
@@ -23,10 +23,10 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from lightning_async_ckpt.core.replicas import Replicator, replica_plan, restore_from_peers
 from lightning_async_ckpt.errors import ConfigError
 from lightning_async_ckpt.lightning.sliced import writes_sharded
 from lightning_async_ckpt.storage.store import CheckpointStore
+from lightning_async_ckpt.tiers.replicas import Replicator, replica_plan, restore_from_peers
 
 __all__ = ["WRITERS", "agree_on_local", "ensure_group", "setup_replicas"]
 
@@ -98,7 +98,7 @@ def agree_on_local(
 ) -> tuple[int, int] | None:
     """Every rank's ``"last"``: the agreed ``(version, step)`` of the local tier (restored from a peer where this
     rank's folder lacks it, committed in the background: read its manifest with
-    :func:`~lightning_async_ckpt.core.replica_persist.manifest_of`), or ``None`` when every rank resumes from
+    :func:`~lightning_async_ckpt.tiers.replica_persist.manifest_of`), or ``None`` when every rank resumes from
     ``dirpath``."""
     group = ensure_group(tiers, trainer)
     return restore_from_peers(  # a received copy is loaded at once; its fsync and commit go on in the background

@@ -99,7 +99,7 @@ class LightningDcpLayout:
             (overridden hooks that may write state before a fence), empty when it may defer.
         every_rank_meta: The local tier: each rank loads from its own folder, so every rank writes ``meta.pt`` and,
             under ``ddp_layout="sliced"``, its whole state (the durable generation names rank 0's copy of what
-            DCP de-duplicates, :mod:`~lightning_async_ckpt.sharded.local_tier`).
+            DCP de-duplicates, :mod:`~lightning_async_ckpt.tiers.local_tier`).
     """
 
     model_key: str

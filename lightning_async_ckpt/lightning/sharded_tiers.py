@@ -3,16 +3,16 @@
 
 Every rank writes a self-contained local generation of its own (its shards, the replicated items, a per-rank
 ``.metadata`` and its own copy of Lightning's ``meta.pt``) into ``<local_dirpath>/rank-<r>``
-(:class:`~lightning_async_ckpt.sharded.tiered.TieredShardedCheckpointer`); the generations due on the durable cadence
+(:class:`~lightning_async_ckpt.tiers.tiered_sharded.TieredShardedCheckpointer`); the generations due on the durable cadence
 are promoted by every rank together to ``dirpath``, an ordinary Lightning DCP folder with rank 0's ``meta.pt``
-(:mod:`~lightning_async_ckpt.sharded.promote_dcp`). The callback's :class:`~lightning_async_ckpt.lightning.tiers.Tiers`
+(:mod:`~lightning_async_ckpt.tiers.promote_dcp`). The callback's :class:`~lightning_async_ckpt.lightning.tiers.Tiers`
 tracks the saves and hands the due ones to that promoter, as for single-file generations.
 
 ``ckpt_path="last"``: every rank agrees on one step (:func:`find_last_sharded`, a collective: the strategy's
 distributed environment is set up first, as Lightning does next anyway); a rank then loads its own local folder, or
 every rank the durable generation when any rank's local part is missing, damaged or behind. With ``replicas=F``
 each rank's committed local generations are also copied to F peers' folders, and a rank whose part is missing or
-damaged gets it from a peer's intact replica first (:mod:`~lightning_async_ckpt.sharded.peer_replicas`); the
+damaged gets it from a peer's intact replica first (:mod:`~lightning_async_ckpt.tiers.peer_replicas`); the
 emergency save waits for the replicas of its step within ``preemption_grace_s`` (:func:`emergency_replicas`).
 """
 
@@ -35,7 +35,7 @@ _LOCAL_PATH = "_lightning_async_ckpt_local_path"
 def open_tiered_sharded(callback: Any, store: CheckpointStore, options: Any, rank: int) -> Any:
     """The rank's two-tier sharded checkpointer (collective: creates its groups), registered with the callback's
     tiers so that the callback's due saves are promoted to ``store``."""
-    from lightning_async_ckpt.sharded.tiered import TieredShardedCheckpointer
+    from lightning_async_ckpt.tiers.tiered_sharded import TieredShardedCheckpointer
 
     tiers = callback.tiers
     replicas, per_node = getattr(tiers, "sharded_replicas", None) or (None, None)  # lightning/replicas.py
@@ -80,7 +80,7 @@ def find_last_sharded(callback: Any, trainer: Any) -> set[str]:
 
     from lightning_async_ckpt.lightning import resume
     from lightning_async_ckpt.lightning.arguments import resolve_dirpath
-    from lightning_async_ckpt.sharded.tier_resume import latest_across_tiers
+    from lightning_async_ckpt.tiers.sharded_resume import latest_across_tiers
 
     if not dist.is_initialized():
         trainer.strategy.setup_environment()  # Lightning's own next step; it skips the process group once it exists
@@ -88,7 +88,7 @@ def find_last_sharded(callback: Any, trainer: Any) -> set[str]:
     durable = CheckpointStore(dirpath, callback.storage_options, check_writable=False)
     if callback.tiers.replicas and trainer.world_size > 1:  # a rank's lost part restored from a peer's replica
         from lightning_async_ckpt.lightning.replicas import ensure_group
-        from lightning_async_ckpt.sharded.peer_replicas import local_from_peers
+        from lightning_async_ckpt.tiers.peer_replicas import local_from_peers
 
         choice = local_from_peers(ensure_group(callback.tiers, trainer), callback.tiers.local_dirpath, durable)
     else:

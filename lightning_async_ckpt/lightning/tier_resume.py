@@ -14,7 +14,6 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
-from lightning_async_ckpt.core.replica_persist import manifest_of
 from lightning_async_ckpt.lightning import resume
 from lightning_async_ckpt.lightning.arguments import resolve_dirpath
 from lightning_async_ckpt.lightning.last import weights_only
@@ -26,6 +25,7 @@ from lightning_async_ckpt.storage.finder import durable_step_to_beat, list_steps
 from lightning_async_ckpt.storage.lookup import newest_intact
 from lightning_async_ckpt.storage.root import StoreRoot
 from lightning_async_ckpt.storage.store import CheckpointStore
+from lightning_async_ckpt.tiers.replica_persist import manifest_of
 
 __all__ = ["find_last_across", "latest_checkpoint"]
 

@@ -1,5 +1,5 @@
 """Two tiers, one cut: every cut is committed to a node-local tier, and the generations due on the durable cadence
-are promoted from there to ``dirpath`` in the background (:class:`~lightning_async_ckpt.storage.promote.Promoter`).
+are promoted from there to ``dirpath`` in the background (:class:`~lightning_async_ckpt.tiers.promote.Promoter`).
 
 The engine (:class:`~lightning_async_ckpt.core.engine.AsyncCheckpointer`) writes the local tier
 (``local_dirpath``): staged once, committed with its manifest last. A generation due on the durable cadence
@@ -25,13 +25,13 @@ from typing import Any
 
 from lightning_async_ckpt.core.capture import Fence
 from lightning_async_ckpt.core.engine import AsyncCheckpointer
-from lightning_async_ckpt.core.tiered import CommitRelay
 from lightning_async_ckpt.lightning.arguments import check_apart
 from lightning_async_ckpt.lightning.naming import run_locations, version_uri
 from lightning_async_ckpt.lightning.replicas import setup_replicas
 from lightning_async_ckpt.lightning.sharded_tiers import emergency_replicas, place_sharded
-from lightning_async_ckpt.storage.promote import Promoter
 from lightning_async_ckpt.storage.store import CheckpointStore
+from lightning_async_ckpt.tiers.promote import Promoter
+from lightning_async_ckpt.tiers.tiered import CommitRelay
 
 __all__ = ["Tiers", "emergency_drain", "open_checkpointer"]
 

@@ -61,14 +61,14 @@ REPORT_FQN = "__lightning_async_ckpt_rank_objects__"
 
 
 @dataclass(frozen=True)
-class _AttemptPrefix:
+class AttemptPrefix:
     """The coordinator's plan for one rank: DCP's file-name prefix, and the attempt's token."""
 
     prefix: str
     token: str
 
 
-def _below(prefix: str, result: WriteResult) -> str:
+def below_prefix(prefix: str, result: WriteResult) -> str:
     """A data file's path relative to the prefix folder (a spread file: one more level up, out of the folder)."""
     relative = result.storage_data.relative_path
     return "../" * prefix.count("/") + relative if relative.startswith("../") else relative.removeprefix(prefix)
@@ -177,7 +177,7 @@ class StoreStorageWriter(FileSystemWriter):
         planned = super().prepare_global_plan(plans)
         token, prefix = self.claim.token, self.claim.prefix
         return [
-            dataclasses.replace(plan, storage_data=_AttemptPrefix(prefix + plan.storage_data.prefix, token))
+            dataclasses.replace(plan, storage_data=AttemptPrefix(prefix + plan.storage_data.prefix, token))
             for plan in planned
         ]
 
@@ -254,7 +254,7 @@ class StoreStorageWriter(FileSystemWriter):
             plain = [
                 [
                     dataclasses.replace(
-                        wr, storage_data=dataclasses.replace(wr.storage_data, relative_path=_below(prefix, wr))
+                        wr, storage_data=dataclasses.replace(wr.storage_data, relative_path=below_prefix(prefix, wr))
                     )
                     for wr in rank
                 ]

@@ -71,7 +71,7 @@ def job_broadcast() -> Broadcast | None:
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() <= 1:
         return None
-    group = None if str(dist.get_backend()) == "gloo" else _gloo_group()
+    group = None if str(dist.get_backend()) == "gloo" else gloo_group()
 
     def send(obj: Any) -> Any:
         box = [obj]
@@ -81,7 +81,7 @@ def job_broadcast() -> Broadcast | None:
     return Broadcast(rank=dist.get_rank(), send=send)
 
 
-def _gloo_group() -> Any:
+def gloo_group() -> Any:
     import torch.distributed as dist
 
     world = dist.group.WORLD

@@ -4,9 +4,9 @@ A ``local_dirpath`` holds, in itself and in each version folder ``v<k>``:
 
 - the single-writer layout's generations (``step-*`` directly in it; a replica received from rank ``r`` carries
   ``extra["replica_of"]`` in its manifest);
-- the DCP layout's per-rank stores ``rank-<r>`` (each rank writes its own; ``sharded/local_tier.py``);
+- the DCP layout's per-rank stores ``rank-<r>`` (each rank writes its own; ``tiers/local_tier.py``);
 - the DCP layout's peer replicas ``replica-of-rank-<r>`` (rank ``r``'s generations received here;
-  ``sharded/peer_replicas.py``).
+  ``tiers/peer_replicas.py``).
 
 The folder names are matched here (``tools`` does not import ``sharded``); a local tier that cannot be listed raises.
 """

@@ -17,8 +17,8 @@ pytest.importorskip("accelerate")
 
 from lightning_async_ckpt import CheckpointStore  # noqa: E402
 from lightning_async_ckpt.accelerate import attach  # noqa: E402
-from lightning_async_ckpt.core.replicas import REPLICA_OF_KEY  # noqa: E402
 from lightning_async_ckpt.errors import ConfigError  # noqa: E402
+from lightning_async_ckpt.tiers.replicas import REPLICA_OF_KEY  # noqa: E402
 from tests.helpers.accelerate_runs import make_run  # noqa: E402
 from tests.helpers.dist import launch_ranks  # noqa: E402
 

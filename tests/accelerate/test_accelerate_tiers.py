@@ -18,7 +18,7 @@ pytest.importorskip("accelerate")
 from lightning_async_ckpt import CheckpointStore  # noqa: E402
 from lightning_async_ckpt.accelerate import attach, load_state, save_state  # noqa: E402
 from lightning_async_ckpt.errors import ConfigError  # noqa: E402
-from lightning_async_ckpt.storage.promote import PROMOTED_FROM_KEY  # noqa: E402
+from lightning_async_ckpt.tiers.promote import PROMOTED_FROM_KEY  # noqa: E402
 from tests.helpers.accelerate_runs import make_run, train  # noqa: E402
 
 

@@ -14,8 +14,8 @@ from torch import nn
 
 from lightning_async_ckpt.core.commit_hooks import CommitCallbackError, Committed
 from lightning_async_ckpt.core.engine import AsyncCheckpointer
-from lightning_async_ckpt.core.tiered import TieredCheckpointer
 from lightning_async_ckpt.storage.store import CheckpointStore
+from lightning_async_ckpt.tiers.tiered import TieredCheckpointer
 
 
 def _state(model: nn.Module) -> dict:

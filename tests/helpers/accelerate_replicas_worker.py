@@ -36,12 +36,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 from lightning_async_ckpt.accelerate import attach, load_state, save_state  # noqa: E402
 from lightning_async_ckpt.errors import ConfigError  # noqa: E402
-from lightning_async_ckpt.storage.promote import PROMOTED_FROM_KEY  # noqa: E402
 from lightning_async_ckpt.testing import (  # noqa: E402
     Fault,
     FaultCall,
     register_faulty,
 )
+from lightning_async_ckpt.tiers.promote import PROMOTED_FROM_KEY  # noqa: E402
 from tests.helpers.accelerate_runs import make_run, train  # noqa: E402
 
 register_faulty()  # this process names faulty:// URLs

@@ -23,7 +23,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from lightning_async_ckpt.accelerate import attach, load_state, save_state  # noqa: E402
-from lightning_async_ckpt.storage.promote import PROMOTED_FROM_KEY  # noqa: E402
+from lightning_async_ckpt.tiers.promote import PROMOTED_FROM_KEY  # noqa: E402
 from tests.helpers.accelerate_runs import make_run, train  # noqa: E402
 
 

@@ -27,8 +27,8 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from lightning_async_ckpt import CheckpointStore  # noqa: E402
-from lightning_async_ckpt.core.tiered import TieredCheckpointer  # noqa: E402
 from lightning_async_ckpt.testing import register_faulty  # noqa: E402
+from lightning_async_ckpt.tiers.tiered import TieredCheckpointer  # noqa: E402
 
 register_faulty()  # this process names faulty:// URLs
 

@@ -2,7 +2,7 @@
 tests/core/test_replica_rejects.py.
 
 Usage: python replica_rejects_worker.py BASE. Rank 1 receives into ``BASE/tier`` through a real
-:class:`~lightning_async_ckpt.core.replicas.Replicator`; rank 0 speaks the wire itself (as a faulty or hostile peer
+:class:`~lightning_async_ckpt.tiers.replicas.Replicator`; rank 0 speaks the wire itself (as a faulty or hostile peer
 would): a generation aimed at ``../escape``, one at an absolute folder, one whose manifest names an object
 ``../../../pwned``, then a good one, then it closes a replicator of its own and calls ``replicate()`` after that.
 Each rank prints one line ``RESULT {json}``.
@@ -19,9 +19,9 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from lightning_async_ckpt.core.replica_wire import Kind, Wire, send_generation  # noqa: E402
-from lightning_async_ckpt.core.replicas import Replicator  # noqa: E402
 from lightning_async_ckpt.storage.store import CheckpointStore  # noqa: E402
+from lightning_async_ckpt.tiers.replica_wire import Kind, Wire, send_generation  # noqa: E402
+from lightning_async_ckpt.tiers.replicas import Replicator  # noqa: E402
 
 
 def _commit(store: CheckpointStore, step: int) -> None:

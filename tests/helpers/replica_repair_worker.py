@@ -16,9 +16,9 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from lightning_async_ckpt.core.replicas import REPLICA_OF_KEY, Replicator, restore_from_peers  # noqa: E402
 from lightning_async_ckpt.storage.lookup import newest_intact  # noqa: E402
 from lightning_async_ckpt.storage.store import CheckpointStore  # noqa: E402
+from lightning_async_ckpt.tiers.replicas import REPLICA_OF_KEY, Replicator, restore_from_peers  # noqa: E402
 
 SIZE = 3 << 20  # several DATA messages
 

@@ -1,4 +1,4 @@
-"""One rank of a 3-process gloo run of the plain replica machinery (core/replicas.py), launched by
+"""One rank of a 3-process gloo run of the plain replica machinery (tiers/replicas.py), launched by
 tests/core/test_replicas.py.
 
 Usage: python replicas_worker.py BASE. Rank 0 writes the local tier ``BASE/local-0``; rank 1 has ``BASE/local-1`` and
@@ -17,17 +17,17 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from lightning_async_ckpt.core.replicas import (  # noqa: E402
-    REPLICA_OF_KEY,
-    Replicator,
-    replica_targets,
-    restore_from_peers,
-)
 from lightning_async_ckpt.storage.lookup import newest_intact  # noqa: E402
 from lightning_async_ckpt.storage.store import CheckpointStore  # noqa: E402
 from lightning_async_ckpt.testing import (
     Fault,  # noqa: E402
     register_faulty,
+)
+from lightning_async_ckpt.tiers.replicas import (  # noqa: E402
+    REPLICA_OF_KEY,
+    Replicator,
+    replica_targets,
+    restore_from_peers,
 )
 
 register_faulty()  # this process names faulty:// URLs

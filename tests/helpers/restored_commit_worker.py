@@ -25,10 +25,10 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from lightning_async_ckpt.core import replica_persist  # noqa: E402
-from lightning_async_ckpt.core.replicas import REPLICA_OF_KEY, restore_from_peers  # noqa: E402
 from lightning_async_ckpt.storage.lookup import newest_intact  # noqa: E402
 from lightning_async_ckpt.storage.store import CheckpointStore  # noqa: E402
+from lightning_async_ckpt.tiers import replica_persist  # noqa: E402
+from lightning_async_ckpt.tiers.replicas import REPLICA_OF_KEY, restore_from_peers  # noqa: E402
 
 STEP = 3
 

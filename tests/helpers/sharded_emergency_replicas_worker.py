@@ -19,8 +19,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from lightning_async_ckpt.sharded.tiered import TieredShardedCheckpointer  # noqa: E402
 from lightning_async_ckpt.storage.store import CheckpointStore  # noqa: E402
+from lightning_async_ckpt.tiers.tiered_sharded import TieredShardedCheckpointer  # noqa: E402
 from tests.helpers.sharded_tiers_worker import _model, _state, _train  # noqa: E402
 
 

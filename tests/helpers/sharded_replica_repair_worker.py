@@ -20,8 +20,8 @@ from torch.distributed.checkpoint.state_dict import set_state_dict
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from lightning_async_ckpt.sharded.peer_replicas import held_replicas, replica_store  # noqa: E402
-from lightning_async_ckpt.sharded.tiered import TieredShardedCheckpointer  # noqa: E402
+from lightning_async_ckpt.tiers.peer_replicas import held_replicas, replica_store  # noqa: E402
+from lightning_async_ckpt.tiers.tiered_sharded import TieredShardedCheckpointer  # noqa: E402
 from tests.helpers.sharded_tiers_worker import _model, _same, _state, _train, _weights  # noqa: E402
 
 

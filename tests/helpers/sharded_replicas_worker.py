@@ -32,9 +32,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 import lightning_async_ckpt.testing  # noqa: E402, F401 - registers faulty://
 from lightning_async_ckpt.errors import ConfigError  # noqa: E402
-from lightning_async_ckpt.sharded.tiered import TieredShardedCheckpointer  # noqa: E402
 from lightning_async_ckpt.storage.store import CheckpointStore  # noqa: E402
 from lightning_async_ckpt.testing import register_faulty  # noqa: E402
+from lightning_async_ckpt.tiers.tiered_sharded import TieredShardedCheckpointer  # noqa: E402
 from tests.helpers.sharded_tiers_worker import _model, _same, _state, _train, _weights  # noqa: E402
 
 register_faulty()  # this process names faulty:// URLs

@@ -39,10 +39,10 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
-from lightning_async_ckpt.sharded.tier_resume import TierChoice
-from lightning_async_ckpt.sharded.tiered import TieredShardedCheckpointer
 from lightning_async_ckpt.storage.store import CheckpointStore
 from lightning_async_ckpt.testing import Fault, register_faulty
+from lightning_async_ckpt.tiers.sharded_resume import TierChoice
+from lightning_async_ckpt.tiers.tiered_sharded import TieredShardedCheckpointer
 
 register_faulty()  # this process names faulty:// URLs
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from lightning_async_ckpt import CheckpointStore
-from lightning_async_ckpt.core.replicas import REPLICA_OF_KEY
+from lightning_async_ckpt.tiers.replicas import REPLICA_OF_KEY
 from tests.helpers.dist import launch_ranks, rank_results
 from tests.helpers.models import assert_same
 

@@ -12,8 +12,8 @@ from torch.utils.data import DataLoader
 
 from lightning_async_ckpt import AsyncCheckpointCallback, CheckpointStore, latest_checkpoint
 from lightning_async_ckpt.errors import CheckpointError, ConfigError, GenerationExistsError
-from lightning_async_ckpt.storage.promote import PROMOTED_FROM_KEY, Promoter, PromotionError, promote_generation
 from lightning_async_ckpt.testing import Fault
+from lightning_async_ckpt.tiers.promote import PROMOTED_FROM_KEY, Promoter, PromotionError, promote_generation
 from tests.helpers.models import (
     BNDropoutModel,
     assert_same,

@@ -9,10 +9,10 @@ import warnings
 import pytest
 
 from lightning_async_ckpt.accelerate import attach
-from lightning_async_ckpt.core.tiered import TieredCheckpointer
 from lightning_async_ckpt.errors import ConfigError
 from lightning_async_ckpt.lightning import AsyncCheckpointCallback
-from lightning_async_ckpt.sharded.tiered import TieredShardedCheckpointer
+from lightning_async_ckpt.tiers.tiered import TieredCheckpointer
+from lightning_async_ckpt.tiers.tiered_sharded import TieredShardedCheckpointer
 
 
 def test_every_surface_takes_the_callbacks_names():

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_async_ckpt.core.tiered import TieredCheckpointer
 from lightning_async_ckpt.storage.store import CheckpointStore
+from lightning_async_ckpt.tiers.tiered import TieredCheckpointer
 from lightning_async_ckpt.tools.cli import main
 
 

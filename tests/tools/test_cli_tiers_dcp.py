@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_async_ckpt.sharded.tiered import TieredShardedCheckpointer
 from lightning_async_ckpt.storage.store import CheckpointStore
+from lightning_async_ckpt.tiers.tiered_sharded import TieredShardedCheckpointer
 from lightning_async_ckpt.tools.cli import main
 
 

@@ -1,13 +1,13 @@
-"""Peer replicas for plain loops: :class:`~lightning_async_ckpt.core.tiered.TieredCheckpointer` with ``replicas=F``.
+"""Peer replicas for plain loops: :class:`~lightning_async_ckpt.tiers.tiered.TieredCheckpointer` with ``replicas=F``.
 
 The same rules as the Lightning callback's (``docs/tiers.md``): the single-writer layout (rank 0 saves, alone), each
-committed local generation copied by a :class:`~lightning_async_ckpt.core.replicas.Replicator` to F other ranks'
+committed local generation copied by a :class:`~lightning_async_ckpt.tiers.replicas.Replicator` to F other ranks'
 local tiers over a separate gloo group created here (on every rank, collectively), the targets on other nodes by
-the node layout (:func:`~lightning_async_ckpt.core.replicas.replica_plan`), committed by each receiver under the
+the node layout (:func:`~lightning_async_ckpt.tiers.replicas.replica_plan`), committed by each receiver under the
 manifest rules, at most one generation in flight and the newest pending.
 
 :func:`restore_across_ranks` is the restart side for plain loops: every rank agrees on one step, a rank whose local
-folder lacks it receives it from a peer (:func:`~lightning_async_ckpt.core.replicas.restore_from_peers`), and the
+folder lacks it receives it from a peer (:func:`~lightning_async_ckpt.tiers.replicas.restore_from_peers`), and the
 durable tier is only listed unless it is newer (then every rank reads it, the same step).
 """
 
@@ -20,14 +20,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from lightning_async_ckpt.core.replica_persist import manifest_of
-from lightning_async_ckpt.core.replicas import Replicator, replica_plan, restore_from_peers
 from lightning_async_ckpt.errors import ConfigError, ManifestError
 from lightning_async_ckpt.storage.finder import list_steps, newest_committed_above
 from lightning_async_ckpt.storage.lookup import newest_intact
 from lightning_async_ckpt.storage.manifest import Manifest
-from lightning_async_ckpt.storage.promote import PROMOTED_FROM_KEY
 from lightning_async_ckpt.storage.store import CheckpointStore
+from lightning_async_ckpt.tiers.promote import PROMOTED_FROM_KEY
+from lightning_async_ckpt.tiers.replica_persist import manifest_of
+from lightning_async_ckpt.tiers.replicas import Replicator, replica_plan, restore_from_peers
 
 __all__ = [
     "WRITERS",

@@ -16,7 +16,7 @@ the survivors' collectives fail on the broken connection and the promoter stops 
 hook). A stalled promoter that wakes later writes only its own token's names, and its commit loses to a committed
 manifest (``GenerationExistsError``), so it never touches a committed durable generation.
 
-Bounded like :class:`~lightning_async_ckpt.storage.promote.Promoter`: one round in flight, the newest due step
+Bounded like :class:`~lightning_async_ckpt.tiers.promote.Promoter`: one round in flight, the newest due step
 pending (a newer one replaces it). Retention per tier: :meth:`DcpPromoter.protected`.
 """
 
@@ -39,14 +39,14 @@ from lightning_async_ckpt.errors import GenerationExistsError
 from lightning_async_ckpt.sharded.commit import DCP_FORMAT
 from lightning_async_ckpt.sharded.dcp_files import StoreFileSystem
 from lightning_async_ckpt.sharded.dcp_writer import METADATA_NAME
-from lightning_async_ckpt.sharded.local_tier import GLOBAL_METADATA_NAME
 from lightning_async_ckpt.storage.claims import Lease, attempt_claim_name
 from lightning_async_ckpt.storage.dcp_metadata import load_metadata
 from lightning_async_ckpt.storage.io import read_verified
 from lightning_async_ckpt.storage.manifest import Manifest, ObjectEntry
-from lightning_async_ckpt.storage.promote import PROMOTED_FROM_KEY, PromotionError
 from lightning_async_ckpt.storage.store import CheckpointStore
 from lightning_async_ckpt.storage.verification import object_path
+from lightning_async_ckpt.tiers.local_tier import GLOBAL_METADATA_NAME
+from lightning_async_ckpt.tiers.promote import PROMOTED_FROM_KEY, PromotionError
 
 __all__ = ["DcpPromoter"]
 
@@ -110,7 +110,7 @@ class DcpPromoter:
 
     @property
     def target(self) -> CheckpointStore:
-        """The durable store (the name :class:`~lightning_async_ckpt.storage.promote.Promoter` uses)."""
+        """The durable store (the name :class:`~lightning_async_ckpt.tiers.promote.Promoter` uses)."""
         return self.durable
 
     # -- the training side ------------------------------------------------------------------------------------

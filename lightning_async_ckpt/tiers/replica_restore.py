@@ -2,7 +2,7 @@
 
 Every rank reports the newest intact generation of its local tier; the ranks agree on the newest step any rank holds
 (unless the durable tier is newer), and each folder that lacks it receives it from a rank that holds it. Version
-folders are a folder's own (a repaired replica, :mod:`~lightning_async_ckpt.core.replica_repair`, lives in a newer
+folders are a folder's own (a repaired replica, :mod:`~lightning_async_ckpt.tiers.replica_repair`, lives in a newer
 one than its source's): ranks agree on the step, and each rank answers the version folder that holds it in its own
 folder.
 """
@@ -18,9 +18,9 @@ from typing import Any
 
 import torch.distributed as dist
 
-from lightning_async_ckpt.core.replica_wire import Kind, ReplicaError, Wire, receive_generation, send_generation
 from lightning_async_ckpt.storage.generation import version_folders
 from lightning_async_ckpt.storage.store import CheckpointStore
+from lightning_async_ckpt.tiers.replica_wire import Kind, ReplicaError, Wire, receive_generation, send_generation
 
 __all__ = ["folder_id", "restore_from_peers"]
 
@@ -66,7 +66,7 @@ def restore_from_peers(
         durable_step: The newest step this rank sees listed in the durable tier, or ``None``.
         newest_store: The local store of a version folder (``0``: ``local_dirpath`` itself).
         background: A received generation is answered once its bytes are checked and in the page cache; its
-            ``fsync`` and commit follow on a thread (:mod:`~lightning_async_ckpt.core.replica_persist`): read its
+            ``fsync`` and commit follow on a thread (:mod:`~lightning_async_ckpt.tiers.replica_persist`): read its
             manifest with ``replica_persist.manifest_of`` until then. For a restart that loads it at once.
 
     Returns:

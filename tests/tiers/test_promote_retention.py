@@ -10,8 +10,8 @@ import logging
 import threading
 
 from lightning_async_ckpt import CheckpointStore
-from lightning_async_ckpt.storage.promote import Promoter
 from lightning_async_ckpt.testing import Fault, register_faulty
+from lightning_async_ckpt.tiers.promote import Promoter
 
 
 def _commit(store: CheckpointStore, step: int) -> None:
@@ -51,7 +51,7 @@ def test_a_retention_pass_asked_for_during_another_one_waits_for_it(tmp_path, ca
 def test_a_durable_tier_lagging_more_than_its_bound_warns_once_and_says_by_how_much(tmp_path, caplog):
     # Issue 39, point 11: promotions slower than the cadence fall behind with no sign (a newer due generation
     # replaces a pending one); past LAG_WARN_GENERATIONS it is a WARNING, and `lag` is what metrics show.
-    from lightning_async_ckpt.storage.promote import LAG_WARN_GENERATIONS
+    from lightning_async_ckpt.tiers.promote import LAG_WARN_GENERATIONS
 
     release = threading.Event()
     stalled = threading.Event()

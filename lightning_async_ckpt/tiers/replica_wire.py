@@ -2,7 +2,7 @@
 
 One sender talks to one receiver, in order (``Kind``): ``GEN`` (JSON: step, version folder, manifest) -> ``HAVE`` |
 ``NEED`` | ``FAIL`` (``HAVE`` only after the held copy's bytes were re-read against the manifest: a damaged one is
-received again into a new version folder, :mod:`~lightning_async_ckpt.core.replica_repair`); after ``NEED``, per
+received again into a new version folder, :mod:`~lightning_async_ckpt.tiers.replica_repair`); after ``NEED``, per
 object ``DATA``* then ``EOF`` (``ABORT`` when the source failed its own checksum; the receiver then aborts and answers
 ``FAIL``) -> ``OK`` | ``FAIL``. ``STOP`` ends a receiver. The receiver
 commits through its own store's writer (write-once objects checked against the source manifest, the manifest last,
@@ -23,13 +23,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lightning_async_ckpt.core.replica_persist import DeferredSync, commit_in_background
-from lightning_async_ckpt.core.replica_repair import Held, held_copy, repair_where
 from lightning_async_ckpt.errors import CheckpointError
 from lightning_async_ckpt.storage.io import READ_CHUNK, read_verified
 from lightning_async_ckpt.storage.manifest import Manifest
-from lightning_async_ckpt.storage.promote import copy_objects
 from lightning_async_ckpt.storage.store import CheckpointStore
+from lightning_async_ckpt.tiers.promote import copy_objects
+from lightning_async_ckpt.tiers.replica_persist import DeferredSync, commit_in_background
+from lightning_async_ckpt.tiers.replica_repair import Held, held_copy, repair_where
 
 __all__ = [
     "REPLICA_OF_KEY",
@@ -249,10 +249,10 @@ def receive_generation(
     """Answer one ``GEN`` from ``src``: commit the generation in local folder ``root`` (its version folder, or
     ``where``), manifest last; the manifest committed, or ``None`` when the folder held it intact already or it
     failed (``src`` is told). A damaged committed copy there is left as it is and the generation is committed again
-    into a new version folder (:func:`~lightning_async_ckpt.core.replica_repair.repair_where`).
+    into a new version folder (:func:`~lightning_async_ckpt.tiers.replica_repair.repair_where`).
 
     ``background``: once every byte is received and checked against the source manifest (in the page cache), answer
-    and return; the objects' ``fsync`` and the commit run on a thread (:mod:`~lightning_async_ckpt.core.replica_persist`,
+    and return; the objects' ``fsync`` and the commit run on a thread (:mod:`~lightning_async_ckpt.tiers.replica_persist`,
     whose ``manifest_of`` answers the returned manifest meanwhile). For a restart, which loads the files at once."""
     try:  # a peer's message: anything wrong with it is answered, never left to kill the receiving thread
         manifest = Manifest.from_json(header["manifest"], where=f"replica from rank {src}")

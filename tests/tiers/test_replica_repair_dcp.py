@@ -1,4 +1,4 @@
-"""The core repair of a damaged replica (core/replica_repair.py) under the DCP layout: a replica in
+"""The core repair of a damaged replica (tiers/replica_repair.py) under the DCP layout: a replica in
 ``replica-of-rank-<r>`` damaged on disk is received again into ``v1/replica-of-rank-<r>`` when the same step is sent
 again, and a rank that lost its own part resumes from it. Two real gloo ranks, raw FSDP2 on CPU."""
 

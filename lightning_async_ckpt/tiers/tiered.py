@@ -1,7 +1,7 @@
 """Two tiers for plain loops: every save committed to a local store, the due ones promoted to a durable store.
 
 :class:`TieredCheckpointer` wraps an :class:`~lightning_async_ckpt.core.engine.AsyncCheckpointer` writing the local
-tier and a :class:`~lightning_async_ckpt.storage.promote.Promoter` copying committed local generations to the
+tier and a :class:`~lightning_async_ckpt.tiers.promote.Promoter` copying committed local generations to the
 durable tier in the background (verified, manifest last; ``docs/tiers.md``). With ``preemption_signal`` it records
 the signal; the loop asks :attr:`TieredCheckpointer.preempted` and calls :meth:`TieredCheckpointer.emergency_save`.
 """
@@ -20,8 +20,12 @@ from lightning_async_ckpt.core.engine import AsyncCheckpointer
 from lightning_async_ckpt.core.handle import SaveHandle
 from lightning_async_ckpt.core.options import CheckpointOptions
 from lightning_async_ckpt.core.preemption import PreemptionHandler, check_preemption
-from lightning_async_ckpt.core.replicas import Replicator
-from lightning_async_ckpt.core.tiered_replicas import (
+from lightning_async_ckpt.errors import ConfigError, renamed
+from lightning_async_ckpt.storage.generation import version_folders
+from lightning_async_ckpt.storage.store import CheckpointStore
+from lightning_async_ckpt.tiers.promote import Promoter
+from lightning_async_ckpt.tiers.replicas import Replicator
+from lightning_async_ckpt.tiers.tiered_replicas import (
     WRITERS,
     Restored,
     open_replicas,
@@ -29,10 +33,6 @@ from lightning_async_ckpt.core.tiered_replicas import (
     restore_across_ranks,
     restore_single,
 )
-from lightning_async_ckpt.errors import ConfigError, renamed
-from lightning_async_ckpt.storage.generation import version_folders
-from lightning_async_ckpt.storage.promote import Promoter
-from lightning_async_ckpt.storage.store import CheckpointStore
 
 __all__ = ["CommitRelay", "Copier", "TieredCheckpointer", "local_location"]
 
@@ -59,7 +59,7 @@ def local_location(local_dirpath: str, start_step: int) -> str:
 
 class Copier(Protocol):
     """The role that takes a tier's commits onward: told of every local commit, it applies local retention and
-    copies the due ones to the durable tier (:class:`~lightning_async_ckpt.storage.promote.Promoter`, the DCP
+    copies the due ones to the durable tier (:class:`~lightning_async_ckpt.tiers.promote.Promoter`, the DCP
     promoter)."""
 
     def committed(self, step: int, *, promote: bool) -> None:
@@ -163,7 +163,7 @@ class TieredCheckpointer:
             removed by :meth:`close`).
         replicas: Under ``torch.distributed``: copy each local commit to this many other ranks' local tiers over a
             separate gloo group (created here: construct it on every rank), on other nodes by the node layout
-            (:mod:`~lightning_async_ckpt.core.tiered_replicas`). Rank 0 saves, alone; :meth:`restore` on every rank.
+            (:mod:`~lightning_async_ckpt.tiers.tiered_replicas`). Rank 0 saves, alone; :meth:`restore` on every rank.
         ranks_per_node: The node layout for ``replicas`` (default ``LOCAL_WORLD_SIZE``, else one node).
         options: Engine options for the local tier (``keep_last`` there is ignored: retention is per tier).
         promote_every_n_steps: Former name of ``every_n_train_steps`` (a ``FutureWarning``).

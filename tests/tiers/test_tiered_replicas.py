@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from lightning_async_ckpt import CheckpointStore
-from lightning_async_ckpt.core.replicas import REPLICA_OF_KEY
+from lightning_async_ckpt.tiers.replicas import REPLICA_OF_KEY
 from tests.helpers.dist import launch_ranks
 
 WORKER = Path(__file__).resolve().parents[1] / "helpers" / "plain_replicas_worker.py"

@@ -1,5 +1,5 @@
 """The DCP layout's emergency save waits for its peer replicas within the grace period, as the single-writer layouts
-do, and says what was replicated where (sharded/tiered.py ``emergency_save``). Two real gloo ranks, a real signal."""
+do, and says what was replicated where (tiers/tiered_sharded.py ``emergency_save``). Two real gloo ranks, a real signal."""
 
 from __future__ import annotations
 

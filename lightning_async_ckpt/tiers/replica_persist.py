@@ -1,6 +1,6 @@
 """A generation restored from a peer, made durable in the background while the restarted job loads and trains.
 
-Restoring a lost local folder from a peer (:func:`~lightning_async_ckpt.core.replica_restore.restore_from_peers`)
+Restoring a lost local folder from a peer (:func:`~lightning_async_ckpt.tiers.replica_restore.restore_from_peers`)
 used to write the received bytes straight to disk and commit them before any rank could load: on the 2-core
 machine the disk's write rate (230-760 MB/s) then set the restart's time, and the copy added ~2 s per 500 MB
 (docs/benchmarks.md). The bytes a restart needs are already verified as they arrive (each object's size and

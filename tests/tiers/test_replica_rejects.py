@@ -1,4 +1,4 @@
-"""A replica message the receiver cannot accept (core/replicas.py, core/replica_wire.py) over real gloo processes:
+"""A replica message the receiver cannot accept (tiers/replicas.py, tiers/replica_wire.py) over real gloo processes:
 its target folder is checked against the receiver's own tier, a rejected message is answered with a failure the
 sender raises, the receiving thread lives on, and ``replicate()`` after ``close()`` says so."""
 
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from lightning_async_ckpt import CheckpointStore
-from lightning_async_ckpt.core.replica_wire import Kind
+from lightning_async_ckpt.tiers.replica_wire import Kind
 from tests.helpers.dist import run_ranks
 
 WORKER = Path(__file__).resolve().parents[1] / "helpers" / "replica_rejects_worker.py"

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from lightning_async_ckpt import CheckpointStore, latest_checkpoint
-from lightning_async_ckpt.core.tiered import TieredCheckpointer
+from lightning_async_ckpt.tiers.tiered import TieredCheckpointer
 
 
 def _steps(path):
@@ -77,7 +77,7 @@ def test_a_generation_committed_under_an_attempt_prefix_is_promoted(tmp_path):
     import subprocess
     import sys
 
-    from lightning_async_ckpt.storage.promote import promote_generation
+    from lightning_async_ckpt.tiers.promote import promote_generation
 
     # A writer killed mid-save: its claim on step 4 stays leased (another process, gone without aborting).
     code = "import os, sys; from lightning_async_ckpt import CheckpointStore; CheckpointStore(sys.argv[1]).begin(4); os._exit(0)"

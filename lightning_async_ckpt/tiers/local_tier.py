@@ -47,10 +47,10 @@ from lightning_async_ckpt.errors import StorageError
 from lightning_async_ckpt.sharded.commit import DCP_FORMAT
 from lightning_async_ckpt.sharded.dcp_writer import (
     METADATA_NAME,
+    AttemptPrefix,
     RankObjects,
     StoreStorageWriter,
-    _AttemptPrefix,
-    _below,
+    below_prefix,
 )
 from lightning_async_ckpt.sharded.handle import ShardedSaveError, describe_failure, is_torn
 from lightning_async_ckpt.storage.manifest import Manifest
@@ -134,7 +134,7 @@ class LocalTierWriter(StoreStorageWriter):
         if self.claim is None:
             raise StorageError(f"rank {self.rank} writes step {self.step} without a claim")
         prefix = self.claim.prefix + plan.storage_data.prefix
-        plan = dataclasses.replace(plan, storage_data=_AttemptPrefix(prefix, self.claim.token))
+        plan = dataclasses.replace(plan, storage_data=AttemptPrefix(prefix, self.claim.token))
         out = super().write_data(plan, planner)
         self.own = [wr for wr in out.value() if not isinstance(wr.storage_data, RankObjects)]
         return out
@@ -159,7 +159,7 @@ class LocalTierWriter(StoreStorageWriter):
             raise StorageError(f"rank {rank} has no claim on step {self.step}")
         prefix = claim.prefix
         own = {
-            wr.index: dataclasses.replace(wr.storage_data, relative_path=_below(prefix, wr))
+            wr.index: dataclasses.replace(wr.storage_data, relative_path=below_prefix(prefix, wr))
             if prefix
             else wr.storage_data
             for wr in self.own

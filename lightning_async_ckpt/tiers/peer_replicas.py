@@ -2,7 +2,7 @@
 
 :class:`DcpReplicas` (``TieredShardedCheckpointer(..., replicas=F)``) creates two gloo groups once, on every rank
 (collectives, never the training's or the checkpoint's group): one streams replicas, one serves :meth:`resume`.
-After each local commit, a :class:`~lightning_async_ckpt.core.replicas.Replicator` sends this rank's generation in
+After each local commit, a :class:`~lightning_async_ckpt.tiers.replicas.Replicator` sends this rank's generation in
 the background (at most one in flight, the newest pending) to the ranks :func:`replica_targets` picks on other
 nodes; each target commits it, objects checked against the source manifest and the manifest last, into
 ``<its local_dirpath>[/v<k>]/replica-of-rank-<r>``: a folder no rank ever reads as its own generation (its own are
@@ -27,14 +27,14 @@ from typing import Any
 import fsspec
 import torch.distributed as dist
 
-from lightning_async_ckpt.core.replica_wire import Kind, Wire, receive_generation, send_generation
-from lightning_async_ckpt.core.replicas import Replicator, replica_targets
 from lightning_async_ckpt.errors import ConfigError, StoreUnavailableError
-from lightning_async_ckpt.sharded.local_tier import LOCAL_TIER_KEY, rank_store
 from lightning_async_ckpt.sharded.once import latest_once
-from lightning_async_ckpt.sharded.tier_resume import TierChoice, local_roots, local_state, version_root
 from lightning_async_ckpt.storage.finder import durable_step_to_beat
 from lightning_async_ckpt.storage.store import CheckpointStore
+from lightning_async_ckpt.tiers.local_tier import LOCAL_TIER_KEY, rank_store
+from lightning_async_ckpt.tiers.replica_wire import Kind, Wire, receive_generation, send_generation
+from lightning_async_ckpt.tiers.replicas import Replicator, replica_targets
+from lightning_async_ckpt.tiers.sharded_resume import TierChoice, local_roots, local_state, version_root
 
 __all__ = [
     "REPLICA_PREFIX",

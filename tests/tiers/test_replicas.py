@@ -1,4 +1,4 @@
-"""Peer replicas of the local tier (core/replicas.py) over real gloo processes: where replicas go, a copy that
+"""Peer replicas of the local tier (tiers/replicas.py) over real gloo processes: where replicas go, a copy that
 never commits half, and a restart that restores a lost folder from a peer."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_async_ckpt.core.replicas import replica_targets
+from lightning_async_ckpt.tiers.replicas import replica_targets
 from tests.helpers.dist import launch_ranks
 
 WORKER = Path(__file__).resolve().parents[1] / "helpers" / "replicas_worker.py"

@@ -4,10 +4,10 @@ promoted to a durable store in the background.
 :class:`TieredShardedCheckpointer` is the :class:`~lightning_async_ckpt.sharded.checkpointer.ShardedCheckpointer`
 (one cut staged once: fences, guard, pooled buffers) writing the local tier (:mod:`.local_tier`: every rank a
 self-contained generation in ``<local_dirpath>/rank-<r>``), plus a
-:class:`~lightning_async_ckpt.sharded.promote_dcp.DcpPromoter` that copies the generations due on the durable
+:class:`~lightning_async_ckpt.tiers.promote_dcp.DcpPromoter` that copies the generations due on the durable
 cadence to ``durable`` (every rank its own files, verified, rank 0's manifest last), and :meth:`resume` (every rank
 agrees on one step of either tier: :mod:`.tier_resume`). Names follow
-:class:`~lightning_async_ckpt.core.tiered.TieredCheckpointer` (``every_n_train_steps``, ``keep_last``,
+:class:`~lightning_async_ckpt.tiers.tiered.TieredCheckpointer` (``every_n_train_steps``, ``keep_last``,
 ``local_keep_last``).
 """
 
@@ -24,15 +24,15 @@ from lightning_async_ckpt.core.handle import SaveHandle
 from lightning_async_ckpt.core.options import CheckpointOptions
 from lightning_async_ckpt.core.persist import RetryPolicy
 from lightning_async_ckpt.core.preemption import PreemptionHandler, check_preemption
-from lightning_async_ckpt.core.tiered import CommitRelay
 from lightning_async_ckpt.errors import ConfigError, renamed
 from lightning_async_ckpt.sharded.checkpointer import ShardedCheckpointer
-from lightning_async_ckpt.sharded.local_tier import LocalTierPersister, rank_store
-from lightning_async_ckpt.sharded.once import _gloo_group
-from lightning_async_ckpt.sharded.peer_replicas import DcpReplicas, check_replicas
-from lightning_async_ckpt.sharded.promote_dcp import DcpPromoter
-from lightning_async_ckpt.sharded.tier_resume import TierChoice, local_state, resolve_across_tiers, version_root
+from lightning_async_ckpt.sharded.once import gloo_group
 from lightning_async_ckpt.storage.store import CheckpointStore
+from lightning_async_ckpt.tiers.local_tier import LocalTierPersister, rank_store
+from lightning_async_ckpt.tiers.peer_replicas import DcpReplicas, check_replicas
+from lightning_async_ckpt.tiers.promote_dcp import DcpPromoter
+from lightning_async_ckpt.tiers.sharded_resume import TierChoice, local_state, resolve_across_tiers, version_root
+from lightning_async_ckpt.tiers.tiered import CommitRelay
 
 __all__ = ["TieredShardedCheckpointer"]
 
@@ -230,7 +230,7 @@ class TieredShardedCheckpointer(ShardedCheckpointer):
         flag = self.preempted
         if self.process_group is None:
             return flag
-        group = None if str(dist.get_backend()) == "gloo" else _gloo_group()
+        group = None if str(dist.get_backend()) == "gloo" else gloo_group()
         box = torch.tensor([int(flag)], dtype=torch.int32)
         dist.all_reduce(box, op=dist.ReduceOp.MAX, group=group)
         return bool(box.item())

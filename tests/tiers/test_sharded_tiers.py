@@ -17,10 +17,10 @@ import pytest
 import torch
 
 from lightning_async_ckpt.errors import ConfigError
-from lightning_async_ckpt.sharded.tier_resume import TierChoice
-from lightning_async_ckpt.sharded.tiered import TieredShardedCheckpointer
 from lightning_async_ckpt.storage.store import CheckpointStore
 from lightning_async_ckpt.testing import Fault
+from lightning_async_ckpt.tiers.sharded_resume import TierChoice
+from lightning_async_ckpt.tiers.tiered_sharded import TieredShardedCheckpointer
 from tests.helpers.dist import launch_ranks
 
 WORKER = Path(__file__).resolve().parents[1] / "helpers" / "sharded_tiers_worker.py"

@@ -26,10 +26,10 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from lightning_async_ckpt.sharded.local_tier import LOCAL_TIER_KEY, rank_store
-from lightning_async_ckpt.sharded.once import _gloo_group, job_broadcast, latest_once, once
+from lightning_async_ckpt.sharded.once import gloo_group, job_broadcast, latest_once, once
 from lightning_async_ckpt.sharded.spread import load_generation
 from lightning_async_ckpt.storage.store import CheckpointStore
+from lightning_async_ckpt.tiers.local_tier import LOCAL_TIER_KEY, rank_store
 
 __all__ = ["TierChoice", "latest_across_tiers", "local_roots", "local_state", "resolve_across_tiers", "version_root"]
 
@@ -133,7 +133,7 @@ def resolve_across_tiers(
     distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
     rank = dist.get_rank() if distributed else 0
     world = dist.get_world_size() if distributed else 1
-    group = None if not distributed or str(dist.get_backend()) == "gloo" else _gloo_group()
+    group = None if not distributed or str(dist.get_backend()) == "gloo" else gloo_group()
 
     def gather(obj: Any) -> list[Any]:
         if not distributed:

@@ -1,6 +1,6 @@
 """A receiver holding a damaged copy of a replicated generation (its manifest intact) is repaired, write-once: the
 held copy's bytes are re-read before "have it", a fresh copy goes to a new version folder, and a restore uses it
-(core/replica_repair.py, core/replica_wire.py, core/replica_restore.py). Two real gloo ranks."""
+(tiers/replica_repair.py, tiers/replica_wire.py, tiers/replica_restore.py). Two real gloo ranks."""
 
 from __future__ import annotations
 

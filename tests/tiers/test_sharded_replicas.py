@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 
 from lightning_async_ckpt.errors import ConfigError
-from lightning_async_ckpt.sharded.peer_replicas import replica_where
-from lightning_async_ckpt.sharded.tiered import TieredShardedCheckpointer
+from lightning_async_ckpt.tiers.peer_replicas import replica_where
+from lightning_async_ckpt.tiers.tiered_sharded import TieredShardedCheckpointer
 from tests.helpers.dist import launch_ranks
 
 WORKER = Path(__file__).resolve().parents[1] / "helpers" / "sharded_replicas_worker.py"

@@ -9,14 +9,14 @@ the source manifest's size and checksum, the manifest last, with ``extra["replic
 no manifest and is never listed as committed. Only the receiving rank writes its folder, so this works when each
 rank's folder is visible to that rank alone; a target whose folder already holds the generation intact (a folder
 shared by the ranks of a node; every byte re-read) answers "have it" and nothing is sent, and one holding a damaged
-copy receives it again into a new version folder (:mod:`~lightning_async_ckpt.core.replica_repair`).
+copy receives it again into a new version folder (:mod:`~lightning_async_ckpt.tiers.replica_repair`).
 
 :func:`restore_from_peers` is the restart side, collective over the group: every rank reports the newest intact
 generation of its local tier, the ranks agree on the newest one any rank holds (unless the durable tier is newer),
 and each folder that lacks it receives it from a rank that holds it. Every rank then loads the same step.
 
-The messages and one generation's transfer are in :mod:`~lightning_async_ckpt.core.replica_wire`,
-:func:`restore_from_peers` in :mod:`~lightning_async_ckpt.core.replica_restore` (re-exported here).
+The messages and one generation's transfer are in :mod:`~lightning_async_ckpt.tiers.replica_wire`,
+:func:`restore_from_peers` in :mod:`~lightning_async_ckpt.tiers.replica_restore` (re-exported here).
 """
 
 from __future__ import annotations
@@ -30,9 +30,10 @@ from typing import Any
 
 import torch.distributed as dist
 
-from lightning_async_ckpt.core.replica_persist import wait_restored
-from lightning_async_ckpt.core.replica_restore import folder_id, restore_from_peers
-from lightning_async_ckpt.core.replica_wire import (
+from lightning_async_ckpt.storage.store import CheckpointStore
+from lightning_async_ckpt.tiers.replica_persist import wait_restored
+from lightning_async_ckpt.tiers.replica_restore import folder_id, restore_from_peers
+from lightning_async_ckpt.tiers.replica_wire import (
     REPLICA_OF_KEY,
     Kind,
     ReplicaError,
@@ -41,7 +42,6 @@ from lightning_async_ckpt.core.replica_wire import (
     send_generation,
     tier_folder,
 )
-from lightning_async_ckpt.storage.store import CheckpointStore
 
 __all__ = [
     "REPLICA_OF_KEY",
@@ -187,7 +187,7 @@ class Replicator:
 
     def drain(self, timeout: float | None = None) -> bool:
         """Wait until no replication is pending or in flight, and this process's generations restored from a peer
-        are committed (:mod:`~lightning_async_ckpt.core.replica_persist`); whether that happened within
+        are committed (:mod:`~lightning_async_ckpt.tiers.replica_persist`); whether that happened within
         ``timeout``."""
         deadline = None if timeout is None else time.monotonic() + timeout
         restored = wait_restored(timeout)

@@ -1,6 +1,6 @@
 """A receiver's held copy of an offered generation: re-verified before "have it", repaired write-once when damaged.
 
-:func:`held_copy` tells a receiver (:func:`~lightning_async_ckpt.core.replica_wire.receive_generation`) what its
+:func:`held_copy` tells a receiver (:func:`~lightning_async_ckpt.tiers.replica_wire.receive_generation`) what its
 folder holds of the generation it is offered: nothing, an intact copy of it (every object re-read against the
 manifest's sizes and checksums, not only the manifests compared), a damaged copy of it, or another generation of
 that step. A damaged committed copy is never overwritten or truncated (its names are committed, and another attempt
