@@ -1,12 +1,8 @@
 """The checkpointer's collectives with a bound: a private gloo group whose operations time out.
 
-With a checkpointer attached, ``accelerator.save_state``/``load_state``, :func:`save_state`, :func:`load_state` and
-``close()`` are collectives. A call made on some processes only (``if accelerator.is_main_process:
-accelerator.save_state(...)``, a common pattern with plain accelerate) used to wait in accelerate's
-``gather_object`` until the process group's own timeout (30 minutes by default), with no message. Here the
-exchange runs on a dedicated gloo group created at ``attach`` (every process calls it) with a shorter timeout, so
-the processes that made the call raise a :class:`~lightning_async_ckpt.errors.CheckpointError` naming the fix.
-Once an exchange timed out the group cannot be trusted to pair calls again: every later one raises at once.
+A collective called on some processes only raises a :class:`~lightning_async_ckpt.errors.CheckpointError` naming the
+fix within the bound, instead of waiting for the process group's own timeout. Once an exchange timed out the group
+cannot be trusted to pair calls again: every later one raises at once.
 """
 
 from __future__ import annotations

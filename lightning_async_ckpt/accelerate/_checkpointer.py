@@ -38,14 +38,12 @@ from lightning_async_ckpt.core.collective import RankFailedError, agree
 from lightning_async_ckpt.core.commit_hooks import CommitFanOut
 from lightning_async_ckpt.core.engine import AsyncCheckpointer, CheckpointOptions, SaveHandle
 from lightning_async_ckpt.core.handle import DrainOnExit
-from lightning_async_ckpt.core.telemetry import SaveRecord
 from lightning_async_ckpt.core.workers import register_at_exit
 from lightning_async_ckpt.errors import CheckpointError, ConfigError
 from lightning_async_ckpt.storage.manifest import MANIFEST_NAME, Manifest
 from lightning_async_ckpt.storage.store import CheckpointStore
 
 
-# -- the checkpointer --------------------------------------------------------------------------------------
 class AccelerateCheckpointer(FolderSaves, CommitFanOut, DrainOnExit):
     """Asynchronous checkpoints for one ``Accelerator``; create it with :func:`attach` on every process.
 
@@ -119,28 +117,23 @@ class AccelerateCheckpointer(FolderSaves, CommitFanOut, DrainOnExit):
     def save_state(self, step: int | None = None, *, automatic: bool | None = None, final: bool = False) -> SaveHandle:
         """Capture everything ``accelerator.save_state`` would save and write it as one generation, asynchronously.
 
-        Collective: every process must call it. Weights and optimizer state are staged in the background behind
-        the optimizer-step fence when proven; buffers, RNG, schedulers, scaler, sampler/dataloader and custom state
-        are copied at the cut. accelerate's save-state pre-hooks run first, as ``accelerator.save_state`` runs them
-        (see :mod:`~lightning_async_ckpt.accelerate._prehooks`); what they write is part of the generation. Only
-        the main process writes: the other processes' RNG states are gathered to it at the cut, so the manifest is
-        written once, after every file of every rank.
+        Collective: every process must call it. Weights and optimizer state are staged behind the optimizer-step fence
+        when proven; everything else is copied at the cut. accelerate's save-state pre-hooks run first; what they write is
+        part of the generation. Only the main process writes (the other processes' RNG states are gathered to it).
 
-        Where: generation ``step`` of the store at :attr:`uri` (``<uri>/step-XXXXXXXX/``); or, with ``automatic``
-        (the default when there is no :attr:`uri`) and ``ProjectConfiguration(automatic_checkpoint_naming=True)``,
-        accelerate's own ``<project_dir>/checkpoints/checkpoint_<iteration>``: the iteration then advances as
-        accelerate's does (never onto an existing folder), and ``total_limit`` removes the oldest folders, never one
-        still being written nor the newest committed one.
+        Where: generation ``step`` of the store at :attr:`uri`; or, with ``automatic`` (the default without :attr:`uri`)
+        and ``ProjectConfiguration(automatic_checkpoint_naming=True)``, accelerate's own
+        ``<project_dir>/checkpoints/checkpoint_<iteration>``, with its iteration and ``total_limit`` (which never removes
+        a folder still being written nor the newest committed one).
 
         Args:
             step: The manifest's step; default :attr:`step`.
             automatic: Write accelerate's automatically named folder instead of a generation of :attr:`uri`.
-            final: The checkpoint that ends training: everything is copied at the cut (no deferral: no training
-                step follows, and code after the loop cannot reach it, so the guard can never refuse it).
+            final: The checkpoint that ends training: everything is copied at the cut (no deferral).
 
         Returns:
             The save's handle. On other processes ``staged`` resolves at the cut and ``uploaded``/``committed`` at
-            the next collective call (``save_state``, ``close``, a save via ``accelerator.save_state``).
+            the next collective call.
 
         Raises:
             ConfigError: No :attr:`uri` and no automatic checkpoint naming, or a bad ``step``.
@@ -189,15 +182,8 @@ class AccelerateCheckpointer(FolderSaves, CommitFanOut, DrainOnExit):
         )[0]
         if index is not None:
             acc.project_configuration.iteration = index + 1  # as accelerate's save_state does, on every process
-        if handle is None:
-            # This process wrote nothing: its handle mirrors the main process's save (resolved at collectives).
-            handle = SaveHandle(step=step, record=SaveRecord(requested_step=step), decision=decision)
-            if decision.admitted:
-                handle.staged.set_result(step)
-                self._book.mirror(handle)
-            else:
-                for fut in (handle.staged, handle.uploaded, handle.committed):
-                    fut.cancel()
+        if handle is None:  # this process wrote nothing: a mirror of the main process's save
+            handle = self._book.mirror_of(step, decision)
             self.handles.append(handle)
         return handle
 

@@ -1,10 +1,7 @@
 """Hook-path generations: the folders passed to ``accelerator.save_state``, as a store, writer and save.
 
-The folder store owns its own bookkeeping (which folder is being written, by which save) and its writer is
-composed from the storage layer's public I/O helpers (:mod:`lightning_async_ckpt.storage.io`); nothing of a
-``CheckpointStore``'s internals is used. ``_FolderStore`` still derives from ``CheckpointStore`` for one reason:
-the engine accepts only that type; it overrides every method the engine calls (``begin``, ``manifest``,
-``check_sizes``, ``gc``), and its base-class root (the working directory) is never read or written.
+``_FolderStore`` derives from ``CheckpointStore`` only because the engine accepts that type: it overrides every
+method the engine calls, and its base-class root is never read or written.
 """
 
 from __future__ import annotations

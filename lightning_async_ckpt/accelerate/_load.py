@@ -1,10 +1,7 @@
 """Restoring: :func:`load_state`, choosing the generation, and preparing the folder accelerate reads.
 
-Loading is never code execution by default. Accelerate reads model weights as safetensors and its other files
-with ``torch.load(weights_only=True)``, except ``custom_checkpoint_{i}.pkl``, which it unpickles with
-``weights_only=False``. :func:`load_state` therefore reads each custom object's bytes itself (checked against the
-manifest) with ``weights_only=True`` and hands accelerate a re-serialization of what that restricted unpickler
-accepted, in a private temporary folder; a file that needs arbitrary unpickling is refused unless the caller passes
+Loading is never code execution by default: each ``custom_checkpoint_{i}.pkl`` is read with ``weights_only=True``
+and re-serialized into a private folder; one that needs arbitrary unpickling is refused unless
 ``trust_pickled_objects=True``.
 """
 
