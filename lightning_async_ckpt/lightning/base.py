@@ -1,8 +1,6 @@
-"""The arguments of :class:`~lightning_async_ckpt.lightning.callback.AsyncCheckpointCallback`, documented here.
+"""The arguments of :class:`~lightning_async_ckpt.lightning.callback.AsyncCheckpointCallback`, validated here.
 
-They are validated here (a :class:`~lightning_async_ckpt.errors.ConfigError` naming the argument and the fix), and
-set the attributes ``ModelCheckpoint`` has, so what Lightning and the loggers read means what it means there
-(``monitor``, ``mode``, ``save_top_k``, ``save_last``, ``save_weights_only``, ``_every_n_train_steps``, ...).
+They set the attributes ``ModelCheckpoint`` has, so what Lightning and the loggers read means what it means there.
 """
 
 from __future__ import annotations

@@ -1,16 +1,8 @@
 """The persister of ``StagedCheckpointIO``: one ``torch.save`` file at the path Lightning names, published atomically.
 
-Plugged into the one engine (:class:`~lightning_async_ckpt.core.engine.AsyncCheckpointer`) by
-:class:`~lightning_async_ckpt.lightning.checkpoint_io.StagedCheckpointIO`: the engine admits, copies at the cut,
-stages and hands each save to :meth:`FilePersister.persist` on its upload thread. There is no generation folder and
-no manifest here (the files are ``TorchCheckpointIO``'s, for ``ModelCheckpoint`` to manage); what takes their place:
-
-* local disk: a temp name in the target folder carrying a fresh token (created exclusively, never reopened),
-  fsync, ``os.replace``, fsync the folder; object stores publish an upload only when it completes;
-* the bytes are counted and checksummed as they stream, the size is checked after publication, and ``verify=True``
-  re-reads the file against the checksum;
-* transient failures are retried (:class:`~lightning_async_ckpt.core.persist.RetryPolicy`), never a usage error or
-  a full disk.
+No generation folder and no manifest: a fresh temp name created exclusively, fsync, ``os.replace``, fsync the folder
+(object stores publish an upload when it completes); the bytes are checksummed as they stream and the size is
+checked after publication. Transient failures are retried, never a usage error or a full disk.
 """
 
 from __future__ import annotations

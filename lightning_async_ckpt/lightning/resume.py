@@ -1,23 +1,9 @@
 """Resuming: the newest checkpoint that is provably intact, and opening it with the store's ``storage_options``.
 
-Lightning opens ``ckpt_path`` with a filesystem built from the path alone (``get_filesystem(path)``), so an S3
-endpoint and credentials given only in the callback's ``storage_options`` are invisible to it. The callback closes
-that gap with a :class:`StoreReader`:
-
-* ``trainer.fit(ckpt_path=latest_checkpoint(dirpath, storage_options))``: from ``setup`` until ``teardown`` the
-  strategy's checkpoint IO reads paths inside ``dirpath`` through the store's filesystem (with the options); every
-  other path goes to Lightning's own loader unchanged.
-* ``trainer.fit(ckpt_path="last")``: Lightning checks that the candidate exists and compares modification times
-  with its own filesystem before any hook runs. For a remote ``dirpath`` the callback therefore answers with a
-  small in-memory marker (``memory://lightning_async_ckpt-resume/...``, naming the real object's path) that the
-  reader then loads from the store; local stores answer with the real path. Generations written with
-  ``save_weights_only=True`` are no candidates (nothing to resume training from): when only they exist, "last"
-  warns naming ``save_weights_only`` and training starts fresh, as ``ModelCheckpoint`` does without a last file.
-* ``trainer.fit(ckpt_path=f"{dirpath}/last.ckpt")`` (a resubmit script's hard-coded path): no such file is ever
-  written; while it does not exist the reader loads what ``"last"`` picks, or raises ``FileNotFoundError`` naming
-  ``ckpt_path="last"`` and ``latest_checkpoint(dirpath)`` when there is nothing to resume (both in ``last.py``).
-
-Once loaded, ``trainer.ckpt_path`` names the checkpoint read (the store URL, never the marker).
+Lightning opens ``ckpt_path`` with a filesystem built from the path alone, so from ``setup`` until ``teardown`` the
+callback routes loads inside ``dirpath`` through a :class:`StoreReader` with the store's options; for a remote
+``dirpath`` ``ckpt_path="last"`` is answered with an in-memory marker that the reader loads from the store. Once
+loaded, ``trainer.ckpt_path`` names the checkpoint read (the store URL, never the marker).
 """
 
 from __future__ import annotations
