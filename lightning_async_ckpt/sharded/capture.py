@@ -1,16 +1,8 @@
 """Capture of a rank's local shards: the core capture plan, proof, guard and buffer pool over DTensor local tensors.
 
-A sharded state dict (``get_state_dict`` under FSDP2 / tensor parallelism) holds ``DTensor`` leaves whose data
-is the rank's local shard. The core plan (:class:`~lightning_async_ckpt.core.capture.CapturePlan`) classifies
-plain tensors by storage identity with the live parameters, buffers and optimizer state; here every ``DTensor``
-is replaced by its local tensor before the plan is built (and rebuilt around its staged copy afterwards), and the
-modules and optimizers are shown to the plan through views whose parameters and state are local tensors. So the
-proof, the categories, the fences, the guard and the pooled buffers are the single-process engine's, on every
-rank, and the plan is local: no collective is needed to build or stage it.
-
-FSDP2 (``fully_shard``) registers forward pre/post hooks on every sharded module. They all-gather the shards
-into separate unsharded parameters and free those again; they never write a sharded parameter's local data
-(only the optimizer does), so the proof ignores them (:func:`is_fsdp_hook`).
+Every ``DTensor`` is replaced by its local tensor before the core plan is built (and rebuilt around its staged copy),
+and modules and optimizers are shown to the plan through local views, so the plan is local: no collective. FSDP2's
+forward hooks never write a sharded parameter's local data, so the proof ignores them (:func:`is_fsdp_hook`).
 """
 
 from __future__ import annotations

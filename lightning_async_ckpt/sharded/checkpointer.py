@@ -1,18 +1,8 @@
 """Asynchronous sharded checkpoints for plain loops and raw FSDP2: the one engine with a DCP persister.
 
-:class:`ShardedCheckpointer` is :class:`~lightning_async_ckpt.core.engine.AsyncCheckpointer` (admission, capture
-and proof, fenced staging and the guard, persist, commit, retention, errors raised once on the training thread,
-the interpreter-exit drain) with the two parts that differ plugged in: the sharded capturer
-(:class:`~lightning_async_ckpt.sharded.capture.ShardedCapturer`: every local shard, a DTensor's local tensor or a
-plain tensor, classified by the core plan) and the DCP persister
-(:class:`~lightning_async_ckpt.sharded.persister.DcpPersister`: ``dcp.save`` on the engine's upload thread over a
-gloo process group created once for checkpoints, so DCP's plan exchange and commit gather never interleave with the
-training's collectives). What is not proven safe to defer is copied at the cut into pooled host buffers; the rest
-(parameters and optimizer state, when the caller passes the fences: :meth:`ShardedCheckpointer.attach`) is copied
-while forward and backward run, and the training thread waits for it only at the fence. Every rank checks its guard
-before it reports its objects; the manifest is written last by the coordinator (see
-:mod:`~lightning_async_ckpt.sharded.commit`). One save is in flight at a time (``admission="wait"``,
-``max_outstanding=1``: every rank must take part in every save).
+The sharded capturer and the DCP persister (``dcp.save`` on the upload thread over a gloo group of its own) plug
+into :class:`~lightning_async_ckpt.core.engine.AsyncCheckpointer`. Every rank checks its guard before it reports its
+objects; the coordinator writes the manifest last. One save is in flight at a time.
 """
 
 from __future__ import annotations

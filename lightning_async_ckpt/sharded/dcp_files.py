@@ -1,11 +1,5 @@
 """DCP's file-system seam over a store: objects created exclusively under the attempt's token, each checksummed.
 
-:class:`StoreFileSystem` is what :class:`~lightning_async_ckpt.sharded.dcp_writer.StoreStorageWriter` hands to
-DCP's ``FileSystemWriter``: every stream DCP opens goes through the store's backend (``O_DIRECT`` and fsync on local
-disks, multipart uploads on S3), is counted and checksummed as its bytes pass (:class:`ChecksumStream`), and is
-recorded as an :class:`~lightning_async_ckpt.storage.manifest.ObjectEntry` once durable. What one attempt created
-can be removed again (:meth:`StoreFileSystem.undo`), so a throttled write is retried from a clean start.
-
 Thread-safety: DCP's I/O threads share one instance; its records are guarded by a lock.
 """
 

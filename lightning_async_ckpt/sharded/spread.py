@@ -1,10 +1,7 @@
 """Loading a sharded generation whose data files are spread over hashed key prefixes, on any fsspec backend.
 
-With ``CheckpointStore(hashed_prefixes=True)`` each rank's DCP data file lives at ``<root>/spread/<h>/step-N/``
-(:func:`~lightning_async_ckpt.storage.manifest.spread_path`), and DCP's ``.metadata`` records it relative to the
-generation folder as ``../spread/<h>/step-N/<file>``. A local path resolves ``..`` by itself, so ``dcp.load(...,
-checkpoint_id=info.dcp_path)`` works there unchanged; object stores have no ``..`` (the key would be taken
-literally), so :func:`storage_reader` gives DCP a reader whose joined paths are normalised first.
+DCP's ``.metadata`` records such files as ``../spread/<h>/step-N/<file>``; object stores have no ``..``, so
+:func:`storage_reader` gives DCP a reader whose joined paths are normalised first.
 """
 
 from __future__ import annotations

@@ -1,15 +1,8 @@
 """The backend seam: what differs between local disk, S3 and any other fsspec filesystem.
 
-Everything above this module (writer, store, retention) calls these few methods and never asks which
-filesystem it runs on. The guarantees differ per backend; ``docs/storage.md`` tabulates them:
-
-=========  ===============================================  ==========================================
-backend    exclusive create (manifest, writer claim)         durability
-=========  ===============================================  ==========================================
-local      ``os.link`` of a fsynced temp file (``EEXIST``)  fsync of file and folder
-s3         ``PutObject`` with ``If-None-Match: *``          the PUT is durable when acknowledged
-other      check, then write (best effort, racy)            whatever the filesystem promises
-=========  ===============================================  ==========================================
+Everything above this module calls these few methods and never asks which filesystem it runs on. Exclusive create
+is ``os.link`` of a fsynced temp file locally and ``If-None-Match: *`` on S3 (best effort elsewhere);
+``docs/storage.md`` tabulates each backend's guarantees.
 """
 
 from __future__ import annotations

@@ -1,15 +1,9 @@
 """Writer claims: who writes a generation, and the lease that proves a writer is still alive.
 
-Every attempt to write a generation has a random token. Each writing process of an attempt (the single writer,
-or every rank of a sharded save) holds an *attempt claim* ``.writer-<token>-r<rank>.json``: created exclusively
-before its first object, renewed while it writes (:class:`Lease`, at most every ``RENEW_S`` seconds, at each
-write), removed when its part ends. The writer that may use the step's plain object names also holds the *step
-claim* ``.writer.json`` (created exclusively, never rewritten; it names the token).
-
-A claim is live while its lease has not expired: ``expires`` (the writer's wall clock) plus ``CLOCK_SKEW_S``
-for clocks of other hosts. Host name and pid are recorded for operators, never used as proof of death: two
-writers in containers with the host's network share a host name but not a pid namespace. A claim written by an
-older version (no ``expires``) is never provably dead (:attr:`Liveness.UNKNOWN`).
+Each writing process of an attempt holds an attempt claim ``.writer-<token>-r<rank>.json`` (created exclusively,
+renewed while it writes: :class:`Lease`); the attempt that may use the step's plain names also holds the step claim
+``.writer.json``. A claim is live until ``expires`` plus ``CLOCK_SKEW_S``; host name and pid are never proof of
+death, and a claim without ``expires`` is never provably dead (:attr:`Liveness.UNKNOWN`).
 """
 
 from __future__ import annotations

@@ -1,12 +1,7 @@
 """What a store knows of its folder between retention passes, so a pass after a commit reads O(1) manifests.
 
-A committed manifest is never written over (a generation is removed manifest first, then data), so once read it
-stays true until its name leaves the listing. The ledger keeps what a pass read and what this store's writers
-committed; the next pass lists the folder once (names only) and reads only the manifests of names it does not
-know as committed: new generations of other writers, and folders that were uncommitted last time (a save in
-progress may have committed since). The first pass of a store reads every manifest once (the rebuild); later passes
-cost one listing plus the generations that changed, whatever the number of generations. Retention re-reads the
-manifests of the generations it counts as kept and of those it removes before acting (:mod:`.retention`).
+A committed manifest is never written over, so once read it stays true until its name leaves the listing: a pass
+lists the folder once and reads only the manifests of names it does not know as committed.
 
 Thread-safety: any thread; passes and commits may interleave (a commit a pass missed is read by the next pass).
 """

@@ -1,9 +1,4 @@
-"""The newest intact generation across a folder and its version folders, read through the store facade.
-
-:func:`newest_intact` is what ``latest_checkpoint`` and the resume paths ask: the highest version folder holding an
-acceptable intact generation wins (``dirpath`` itself is version 0), and within a folder the highest step
-(:mod:`.finder` has the rules and the listing).
-"""
+"""The newest intact generation across a folder and its version folders, read through the store facade."""
 
 from __future__ import annotations
 

@@ -1,10 +1,7 @@
 """One data object of a generation being written: a checksummed, counted, write-only stream.
 
-:class:`ObjectStream` is what :meth:`GenerationWriter.open <lightning_async_ckpt.storage.writer.GenerationWriter.open>`
-returns: every byte passes through the generation's checksum on its way to the backend's raw file, none is held
-whole, and closing it makes the object durable (the backend's ``finish``: flush and ``fsync`` on local disk, the
-multipart completion on S3) before it is recorded in the generation. A failed write is kept so that the storage
-error, not a serializer's wrapper of it, decides retries; an object whose write failed is never recorded.
+Closing it makes the object durable before it is recorded in the generation; an object whose write failed is never
+recorded, and the storage error (not a serializer's wrapper of it) decides retries.
 """
 
 from __future__ import annotations

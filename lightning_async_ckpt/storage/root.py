@@ -1,9 +1,6 @@
 """Where a store lives: its filesystem, root path and URL, and the naming facts its helpers share.
 
-:class:`StoreRoot` is what listing, reading, verification, claims and multipart sweeps need of a store; the
-:class:`~lightning_async_ckpt.storage.store.CheckpointStore` facade builds one and hands it down, so those helpers
-never import the facade back. It is frozen: a store's place never changes (its run id, which does, stays on the
-facade).
+The facade builds a frozen :class:`StoreRoot` and hands it down, so the helpers never import the facade back.
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
 """Checking a committed generation against its manifest: where each object is, its size, and (``verify``) its bytes.
 
-The one place that decides what "intact" means for readers (``latest()``, ``latest_checkpoint()``, ``verify``,
-retention's counting): every object the manifest lists resolves inside the store's root, is a regular file (a FIFO
-or device is never opened, :mod:`.regular`), has the manifest's size and, when verified, its checksum. Nothing is
-ever unpickled.
+The one place that decides what "intact" means for readers. Nothing is ever unpickled.
 """
 
 from __future__ import annotations

@@ -1,18 +1,10 @@
 """The generation writer: data objects as checksummed streams, then the manifest, exclusively, last.
 
-Call sequence of one generation (``CheckpointStore.begin`` does step 0):
-
-0. claim the step (:mod:`.claims`): each attempt has a token and an attempt claim with a lease renewed while it
-   writes. The attempt that creates the step claim ``<generation>/.writer.json`` (or takes it over from an
-   attempt whose lease expired) first removes what earlier attempts left and writes objects at their plain
-   names; any other attempt writes under its own prefix ``w-<token>/``, so two writers of one step never
-   overwrite each other's data;
-1. ``open(name)`` each object (created exclusively: never a path another attempt could have opened), stream
-   into it, close it (size and checksum recorded);
-2. ``commit()``: check that this attempt still holds its claim and every object is still the one it wrote,
-   create the manifest exclusively (the loser gets :class:`GenerationExistsError` and its own objects are
-   removed), check the objects again;
-3. or ``abort()`` at any point: only this writer's objects and claims are removed.
+After ``CheckpointStore.begin`` claimed the step (:mod:`.claims`; an attempt without the step claim writes under its
+own prefix ``w-<token>/``): ``open(name)`` each object (created exclusively), stream into it, close it; ``commit()``
+checks the claim and every object, creates the manifest exclusively (the loser gets
+:class:`GenerationExistsError` and its objects are removed) and checks the objects again; ``abort()`` removes only
+this writer's objects and claims.
 """
 
 from __future__ import annotations
