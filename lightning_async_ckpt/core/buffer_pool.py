@@ -1,5 +1,4 @@
-"""The staging pool: host buffers reused across checkpoints within a host-memory budget
-(:class:`BufferPool`, :func:`resolve_budget`; re-exported by :mod:`lightning_async_ckpt.core.staging`).
+"""The staging pool: host buffers reused across checkpoints within a host-memory budget.
 
 Pinned buffers for CUDA storages; pageable ones of at least 1 MiB are page-aligned private mappings, so a
 direct-I/O file writes the staged bytes from them without a copy (:mod:`lightning_async_ckpt.storage.direct`).

@@ -1,9 +1,7 @@
 """The deferral proof: how late each category of state may be staged after the cut, and why.
 
-A category may be staged in the background only up to the point of its first mutation after the cut (its fence).
 :func:`prove_deferral` checks the rules under which parameters and optimizer state are first written by the next
-optimizer update, and demotes them to an earlier fence when a rule does not hold. Parameters that a module writes
-in its own forward (``nn.Embedding(max_norm=...)`` renormalizes the rows it looks up) are pinned to the cut.
+optimizer update, and demotes them to an earlier fence when a rule does not hold.
 """
 
 from __future__ import annotations

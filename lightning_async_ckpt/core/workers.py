@@ -1,12 +1,8 @@
 """Where the engine's work runs: named worker threads, and the one interpreter-exit trampoline.
 
-Worker threads are daemons (a non-daemon thread would be joined by the interpreter *before* any exit handler
-runs, so an outstanding save could never be drained or bounded), but they are never left to the interpreter
-while they may still touch torch or storage: every checkpointer registers its exit drain through
-:func:`register_at_exit`, which drains within the configured bound, then flags the rest abandoned and joins the
-threads (bounded) before finalization starts. A daemon thread that wakes up inside a C++ frame (``torch.save``
-calling back into a file's ``write``) after finalization started is killed by ``pthread_exit`` and takes the
-process down with SIGABRT or SIGSEGV; that is what the join prevents.
+Worker threads are daemons, but never left to the interpreter while they may touch torch or storage:
+:func:`register_at_exit` drains within the bound, flags the rest abandoned and joins the threads (bounded) before
+finalization, where a daemon thread waking in a C++ frame would abort the process.
 """
 
 from __future__ import annotations

@@ -1,19 +1,7 @@
 """The ``lightning-async-ckpt`` command line: list, verify, garbage-collect and export a store, plan, plot, bench.
 
-Every command exits 0 on success, 1 when ``verify`` finds a damaged generation, and 2 on bad input (unknown URI
-scheme, a store path that does not exist, missing generation, malformed event log, negative rates), with a
-one-line message on stderr and no traceback. ``--debug`` before the command shows the traceback of an unexpected
-error. This module is the parser and the dispatch; the commands live in ``commands`` (``ls``, ``verify``,
-``gc``) and ``plan_commands`` (``plan``, ``timeline``, ``bench``), the number formatting in ``fmt``.
-
-Examples::
-
-    lightning-async-ckpt ls runs/demo
-    lightning-async-ckpt verify s3://bucket/run --storage-option endpoint_url=http://127.0.0.1:9000
-    lightning-async-ckpt gc runs/demo --keep-last 3 --dry-run
-    lightning-async-ckpt export runs/demo latest --format safetensors --dtype bfloat16
-    lightning-async-ckpt plan --bytes 10GiB --interval 300 --bandwidth 200MB/s
-    lightning-async-ckpt timeline runs/demo/events.jsonl -o timeline.png
+Every command exits 0 on success, 1 when ``verify`` finds a damaged generation, and 2 on bad input, with a
+one-line message on stderr and no traceback (``--debug`` before the command shows it). See ``docs/cli.md``.
 """
 
 from __future__ import annotations

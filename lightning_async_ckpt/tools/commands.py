@@ -1,9 +1,5 @@
 """What ``ls``, ``verify`` and ``gc`` run for a location: both tiers with ``--local-dirpath`` (``tier_commands``),
 accelerate's folders (``folder_commands``), else one store (``store_commands``, ``gc_command``).
-
-Each takes the parsed arguments and returns the exit status; bad input raises
-:class:`~lightning_async_ckpt.tools.store_commands.UsageError` (or a library ``ConfigError``/``CheckpointError``),
-which ``cli.main`` prints as one line with exit status 2.
 """
 
 from __future__ import annotations

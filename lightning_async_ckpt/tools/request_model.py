@@ -1,26 +1,8 @@
 """Object-store requests and time per save and per resume, predicted from request counts measured on S3's API.
 
-The counts are those of ``benchmarks/bench_requests.py`` and ``tests/storage/test_commit_requests.py`` (a moto S3
-server, every request counted): a later save with ``keep_last=K`` of ``N`` objects (one per rank of a sharded save)
-into a folder of ``G`` generations, and ``store.latest()`` (what resume runs) of a generation of ``N`` objects.
-Listings cost one request per 1,000 keys (a *page*). The model:
-
-* save: PUT ``N + 3`` (the objects, the step claim, the attempt claim, the manifest); LIST ``4 + 2 pages(N) +
-  pages(G) + K pages(N)`` (the commit lists the generation before and after its manifest, retention lists the
-  folder and each kept generation); GET ``4 + K``; HEAD 1; POST ``pages(N)`` (one batch delete of the removed
-  generation); DELETE 3. Nothing grows with ``G`` beyond the folder's listing pages;
-* resume: LIST ``pages(G)``, GET ``1 + N`` (the manifest, each object's bytes), HEAD ``N`` (each object's size);
-  ``latest_checkpoint(dirpath)`` costs the same for a single-file generation;
-* a sharded save of ``N`` ranks (:func:`predict_sharded_save`, measured on 2-16 gloo ranks by
-  ``benchmarks/bench_scale.py``): every rank's attempt claim (PUT, DELETE) and data file (PUT), DCP's ``.metadata``
-  published through a temporary object (PUT 2, HEAD 2, LIST 1, GET 1, DELETE 1), each other rank reading the
-  manifest after the commit (GET ``N - 1``), then the commit and retention as above: PUT ``2N + 4``, DELETE
-  ``N + 3``, HEAD 3, GET ``N + K + 4``, LIST ``3 + 2 pages(2N + 2) + pages(G) + (K + 2) pages(N + 2)``, POST
-  ``pages(N + 2)``.
-
-Time: requests one after another at ``latency_s`` each, except what the ranks send at once (their claims, data
-files and manifest reads); never faster than the store's rate limits: ``put_rate`` for PUT, POST and DELETE,
-``get_rate`` for GET, HEAD and LIST (S3: ~3,500 and ~5,500 per second per prefix), ``rate_limit`` for all.
+The counts and formulas are those of ``docs/backlog-model.md`` (measured by ``benchmarks/bench_requests.py`` and
+``tests/storage/test_commit_requests.py``). Time: requests one after another at ``latency_s`` each, except what
+the ranks send at once; never faster than the store's rate limits.
 """
 
 from __future__ import annotations
