@@ -106,7 +106,7 @@ def predict_save(
     put_rate: float | None = None,
     get_rate: float | None = None,
 ) -> RequestPlan:
-    """Requests and time of a later save with retention (see the module docstring for the formula).
+    """Requests and time of a later save with retention (the formula is in ``docs/backlog-model.md``).
 
     Args:
         objects: Objects the save writes (one per rank for a sharded save).
@@ -121,16 +121,7 @@ def predict_save(
     Raises:
         ConfigError: A negative or non-numeric argument.
     """
-    _check(
-        objects=objects,
-        generations=generations,
-        keep_last=keep_last,
-        ranks=ranks,
-        latency_s=latency_s,
-        rate_limit=rate_limit,
-        put_rate=put_rate,
-        get_rate=get_rate,
-    )
+    _check(**locals())
     n = pages(objects)
     requests = Counter(
         PUT=objects + 3,
@@ -156,7 +147,7 @@ def predict_sharded_save(
 ) -> RequestPlan:
     """Requests (all ranks) and time of a later ``ShardedCheckpointer`` save of ``ranks`` ranks with retention.
 
-    One data file per rank (DCP's default), ``.metadata`` and the manifest; the formula is in the module docstring.
+    One data file per rank (DCP's default), ``.metadata`` and the manifest; the formula is in ``docs/backlog-model.md``.
     Each rank's claim, data file and manifest read run at once with the other ranks'; the coordinator's steps
     (the step claim, the ``.metadata`` publish, the commit and retention) one after another.
 
@@ -172,15 +163,7 @@ def predict_sharded_save(
     Raises:
         ConfigError: A negative or non-numeric argument.
     """
-    _check(
-        ranks=ranks,
-        generations=generations,
-        keep_last=keep_last,
-        latency_s=latency_s,
-        rate_limit=rate_limit,
-        put_rate=put_rate,
-        get_rate=get_rate,
-    )
+    _check(**locals())
     n = max(1, ranks)
     during, kept = pages(2 * n + 2), pages(n + 2)  # keys while the ranks write (claims too), then once committed
     requests = Counter(
@@ -217,14 +200,7 @@ def predict_resume(
     Raises:
         ConfigError: A negative or non-numeric argument.
     """
-    _check(
-        objects=objects,
-        generations=generations,
-        latency_s=latency_s,
-        rate_limit=rate_limit,
-        put_rate=put_rate,
-        get_rate=get_rate,
-    )
+    _check(**locals())
     requests = Counter(LIST=pages(generations), GET=1 + objects, HEAD=objects)
     return _plan(requests, 0, latency_s, rate_limit, put_rate, get_rate)
 
