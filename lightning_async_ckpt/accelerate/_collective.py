@@ -13,8 +13,6 @@ import datetime
 import logging
 from typing import Any
 
-from typing_extensions import override
-
 from lightning_async_ckpt.core.collective import Collective
 from lightning_async_ckpt.errors import CheckpointError
 
@@ -87,7 +85,6 @@ class BoundedCollective(AccelerateCollective):
                 dist.destroy_process_group(group)
         self._broken = self._broken or "the checkpointer was closed"
 
-    @override
     def all_gather(self, obj: Any) -> list[Any]:
         """Every process's ``obj``, indexed by process.
 

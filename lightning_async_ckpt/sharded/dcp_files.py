@@ -17,7 +17,7 @@ from torch.distributed.checkpoint.filesystem import FileSystemBase
 
 from lightning_async_ckpt.errors import StorageError
 from lightning_async_ckpt.storage.claims import Lease
-from lightning_async_ckpt.storage.io import Checksum, WriteOnlyStream, file_identity, fsync_dir, same_file
+from lightning_async_ckpt.storage.io import ChecksumWriter, file_identity, fsync_dir, same_file
 from lightning_async_ckpt.storage.manifest import SPREAD_FOLDER, ObjectEntry, spread_path, validate_object_name
 
 if TYPE_CHECKING:
@@ -31,22 +31,17 @@ _TOKENED_RE = re.compile(r"^(__[0-9]+_[0-9]+\.distcp|.*\.tmp)$")
 _DATA_RE = re.compile(r"^__[0-9]+_[0-9]+\.distcp$")  # DCP's per-rank data files: spread with hashed_prefixes
 
 
-class ChecksumStream(WriteOnlyStream):
+class ChecksumStream(ChecksumWriter):
     """Write-only stream over a backend object: counts and checksums bytes; closing is left to the file system."""
 
     def __init__(self, raw: IO[bytes], algorithm: str, renew: Callable[[], None]) -> None:
-        self.raw = raw
-        self.digest = Checksum(algorithm)
-        self.size = 0
+        super().__init__(raw, algorithm)
         self._renew = renew
 
     def write(self, data: Any) -> int:
-        view = memoryview(data).cast("B")
-        self.raw.write(view)
-        self.digest.update(view)
-        self.size += len(view)
+        n = super().write(data)
         self._renew()
-        return len(view)
+        return n
 
     def flush(self) -> None:
         # The backend flushes and syncs once at the end; a direct-I/O file must not flush its tail early.
@@ -144,7 +139,7 @@ class StoreFileSystem(FileSystemBase):
         except Exception as exc:
             raise StorageError(f"could not finish {physical!r}: {exc}") from exc
         with self._lock:
-            self.objects[entry.name] = self._entry(path, stream.size, stream.digest.hexdigest(), physical)
+            self.objects[entry.name] = self._entry(path, stream.size, stream.checksum, physical)
 
     def concat_path(self, path: str | os.PathLike, suffix: str) -> str:
         return f"{str(path).rstrip('/')}/{suffix}"

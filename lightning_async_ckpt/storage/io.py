@@ -21,6 +21,7 @@ __all__ = [
     "DEFAULT_CHECKSUM",
     "READ_CHUNK",
     "Checksum",
+    "ChecksumWriter",
     "DirectFile",
     "WriteOnlyStream",
     "atomic_local_write",
@@ -304,3 +305,27 @@ class WriteOnlyStream:
 
     def tell(self) -> int:
         return self.size
+
+
+class ChecksumWriter(WriteOnlyStream):
+    """A write-only stream that counts and checksums every byte on its way to ``raw``."""
+
+    def __init__(self, raw: Any, algorithm: str) -> None:
+        self.raw = raw
+        self.digest = Checksum(algorithm)
+        self.size = 0
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        self.raw.write(view)
+        self.digest.update(view)
+        self.size += len(view)
+        return len(view)
+
+    def flush(self) -> None:
+        self.raw.flush()
+
+    @property
+    def checksum(self) -> str:
+        """``"<algorithm>:<hex>"`` of the bytes written so far."""
+        return self.digest.hexdigest()
