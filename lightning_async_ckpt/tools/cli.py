@@ -2,6 +2,8 @@
 
 Every command exits 0 on success, 1 when ``verify`` finds a damaged generation, and 2 on bad input, with a
 one-line message on stderr and no traceback (``--debug`` before the command shows it). See ``docs/cli.md``.
+``ls``, ``verify`` and ``gc`` dispatch here by location: both tiers with ``--local-dirpath`` (``tier_commands``),
+accelerate's folders (``folder_commands``), else one store (``store_commands``, ``gc_command``).
 """
 
 from __future__ import annotations
@@ -15,9 +17,10 @@ from collections.abc import Sequence
 from typing import NoReturn
 
 from lightning_async_ckpt.errors import CheckpointError, ConfigError
-from lightning_async_ckpt.tools.commands import cmd_gc, cmd_ls, cmd_verify
 from lightning_async_ckpt.tools.export_command import add_export_parser
 from lightning_async_ckpt.tools.fmt import one_line
+from lightning_async_ckpt.tools.folder_commands import ls_folders, verify_folders
+from lightning_async_ckpt.tools.gc_command import check_gc, gc_store
 from lightning_async_ckpt.tools.plan_commands import (
     cmd_plan,
     cmd_timeline,
@@ -26,9 +29,36 @@ from lightning_async_ckpt.tools.plan_commands import (
     parse_size,
     run_bench,
 )
-from lightning_async_ckpt.tools.store_commands import PROG, UsageError
+from lightning_async_ckpt.tools.store_commands import PROG, UsageError, accelerate_folders_at, ls_store, verify_one
+from lightning_async_ckpt.tools.tier_commands import gc_tiers, ls_tiers, verify_tiers
 
 __all__ = ["build_parser", "main"]
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    """``ls``: list generations (committed or not) with step, size, age and run, also those of the version folders;
+    or accelerate's folders; with ``--local-dirpath``, both tiers in one table."""
+    if getattr(args, "local_dirpath", None):
+        return ls_tiers(args)
+    folders = accelerate_folders_at(args)
+    return ls_store(args) if folders is None else ls_folders(args, folders)
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    """``verify``: re-read generations (or accelerate's folders) and check sizes and checksums; 1 when any failed.
+    With ``--local-dirpath``, both tiers."""
+    if getattr(args, "local_dirpath", None):
+        return verify_tiers(args)
+    folders = accelerate_folders_at(args)
+    return verify_one(args) if folders is None else verify_folders(args, folders)
+
+
+def cmd_gc(args: argparse.Namespace) -> int:
+    """``gc``: delete old generations, keeping the newest ``--keep-last`` committed ones and the ``--keep-best``
+    best ones by the score their manifests record (the callback's ``best_model_path`` and its top k); both tiers
+    with ``--local-dirpath``."""
+    check_gc(args)
+    return gc_tiers(args) if getattr(args, "local_dirpath", None) else gc_store(args, args.uri)
 
 
 class _Parser(argparse.ArgumentParser):
