@@ -47,17 +47,11 @@ def latest_checkpoint(
     script run on every rank does; with a non-gloo default group (NCCL) the first call creates a gloo group (a
     collective). ``collective=False`` looks on this rank alone (a call made on some ranks only).
 
-    The generation returned was verified: its manifest is valid and every object was read once and matched
-    its size and checksum, so a truncated file or a flipped bit is never resumed from. A generation that fails
-    is skipped with a warning naming the problem and the next older one is tried. ``dirpath``'s version folders
-    (``<dirpath>/v1``, ..., written by re-runs of a script, see :mod:`~lightning_async_ckpt.lightning.rerun`) are
-    included: the newest version holding one wins, and within a folder the highest step, never the writers' clocks
-    (a job resumed on a node whose clock is behind stays the latest). A generation that retention removes while it
-    is read is not "no checkpoint": the folder is listed again. Use it as
-    ``trainer.fit(model, ckpt_path=latest_checkpoint(dirpath, storage_options))`` with an
-    ``AsyncCheckpointCallback`` for the same ``dirpath`` in the Trainer: the callback opens the path with the
-    same ``storage_options``. Verifying reads the checkpoint once more than loading does (see
-    ``docs/benchmarks.md`` for the cost).
+    The generation returned was verified (every object read once against its size and checksum); one that fails is
+    skipped with a warning and the next older one is tried. ``dirpath``'s version folders (``<dirpath>/v1``, ...)
+    are included: the newest version holding one wins, and within a folder the highest step, never the writers'
+    clocks. Use it as ``trainer.fit(model, ckpt_path=latest_checkpoint(dirpath, storage_options))`` with an
+    ``AsyncCheckpointCallback`` for the same ``dirpath`` in the Trainer.
 
     Args:
         dirpath: The callback's ``dirpath`` (local folder or fsspec URL).

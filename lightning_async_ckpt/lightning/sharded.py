@@ -129,13 +129,9 @@ class ShardedSetup:
 def setup_sharded(callback: Any, trainer: pl.Trainer, current: ShardedSetup | None = None) -> ShardedSetup | None:
     """Open a sharded checkpointer on every rank when the strategy writes DCP folders (or DDP writes slices).
 
-    Called from ``AsyncCheckpointCallback.setup`` on every rank, after ``dirpath`` and ``run_id`` are set; reads
-    the callback's arguments and changes nothing on it. Collective (creates the checkpoint's gloo group); a failure
-    on any rank raises on every rank.
-
-    Under DDP with the callback's ``ddp_layout="sliced"`` every rank writes a slice of the replicated state
-    (:mod:`~lightning_async_ckpt.lightning.sliced`). File-based strategies get a checkpoint IO that also loads
-    Lightning DCP folders.
+    Called from ``AsyncCheckpointCallback.setup`` on every rank; changes nothing on the callback. Collective
+    (creates the checkpoint's gloo group); a failure on any rank raises on every rank. File-based strategies get a
+    checkpoint IO that also loads Lightning DCP folders.
 
     Args:
         callback: The ``AsyncCheckpointCallback`` (its arguments are read).

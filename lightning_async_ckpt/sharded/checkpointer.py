@@ -31,16 +31,11 @@ _log = logging.getLogger(__name__)
 class ShardedCheckpointer(AsyncCheckpointer):
     """Asynchronous DCP-format checkpoints of a sharded (or plain) state dict into a :class:`CheckpointStore`.
 
-    Every rank constructs one (the constructor creates the gloo group: a collective call) and calls :meth:`save`
-    at the same steps. One save is in flight at a time: the next ``save`` waits for the previous one, because the
-    host buffers are reused. Local shards are copied at the cut unless the caller passes fences (:meth:`attach`
-    for a plain loop, :meth:`declare_fences` plus :meth:`wait` for an integration) and the deferral proof holds;
-    then parameters and optimizer state are staged while forward and backward run (see
-    :mod:`~lightning_async_ckpt.sharded.capture`). A background failure is raised once, on the training thread, at
-    the next ``save``, ``wait``, ``poll`` or :meth:`drain`; every rank raises it (DCP agrees on failures across
-    ranks). A save the guard refused on any rank ends ``torn`` on every rank, like the single-writer engine's: its
-    futures fail with a :class:`ShardedSaveError` whose ``torn`` is set, nothing is raised, :attr:`retake_due` says
-    to take a fresh cut, and the torn categories are copied at the cut from then on.
+    Every rank constructs one (a collective: it creates the gloo group) and calls :meth:`save` at the same steps;
+    one save is in flight at a time. Local shards are copied at the cut unless the caller passes fences
+    (:meth:`attach`, or :meth:`declare_fences` plus :meth:`wait`) and the deferral proof holds. A background failure
+    is raised once on the training thread, on every rank. A save the guard refused on any rank ends ``torn`` on
+    every rank (:class:`ShardedSaveError` with ``torn`` set, :attr:`retake_due`), as with the single-writer engine.
 
     Thread-safety: call ``save``, ``drain`` and ``close`` from one thread (the training thread).
 

@@ -70,9 +70,8 @@ def planned_bytes(plan: SavePlan) -> int:
 class StoreStorageWriter(FileSystemWriter):
     """DCP ``StorageWriter`` for one generation (``<root>/step-XXXXXXXX/``) of a store; one instance per save.
 
-    Reuses DCP's ``FileSystemWriter`` for planning, file layout and serialization, through a file system that
-    writes with the store's backend (``O_DIRECT`` and fsync on local disks, multipart uploads on S3) and
-    checksums every object. Not thread-safe: DCP's ``save`` drives one instance from one thread.
+    Reuses DCP's ``FileSystemWriter`` through a file system that writes with the store's backend and checksums every
+    object. Not thread-safe: DCP's ``save`` drives one instance from one thread.
 
     Args:
         store: The store; its ``root`` holds the generation.
