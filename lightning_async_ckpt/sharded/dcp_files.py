@@ -162,7 +162,7 @@ class StoreFileSystem(FileSystemBase):
                     # Exclusive, throttling retried in the backend (a retry that finds its own bytes succeeds).
                     self.store.backend.create_claim(new_path, data)
                 except FileExistsError:
-                    if not self._holds(new_path, data):
+                    if not self.store.backend.holds(new_path, data):  # another attempt's names its own files
                         raise
                 self.store.fs.rm_file(source)
         except FileExistsError as exc:
@@ -173,16 +173,6 @@ class StoreFileSystem(FileSystemBase):
             entry = self.objects.pop(old)
             renamed = self._entry(new_path, entry.size, entry.checksum)
             self.objects[renamed.name] = renamed
-
-    def _holds(self, path: str, data: bytes) -> bool:
-        """Whether ``path`` holds exactly ``data``: this attempt's publish landed earlier (its answer was lost).
-
-        Another attempt's ``.metadata`` names its own token-suffixed files, so equal bytes are this attempt's.
-        """
-        try:
-            return self.store.fs.cat_file(path) == data
-        except Exception:  # noqa: BLE001 - unreadable is not provably ours
-            return False
 
     def init_path(self, path: str | os.PathLike) -> str:
         return str(path)

@@ -127,14 +127,17 @@ class Backend:
         """
         self._retried(lambda: self._claim(path, data), path, data)
 
-    def _retried(self, put: Any, path: str, data: bytes) -> None:
-        def landed() -> bool:
-            try:
-                return self.fs.cat_file(path) == data
-            except Exception:  # noqa: BLE001 - unreadable is not provably this writer's
-                return False
+    def holds(self, path: str, data: bytes) -> bool:
+        """Whether ``path`` holds exactly ``data`` (a PUT whose answer was lost landed); unreadable: not provably."""
+        try:
+            return self.fs.cat_file(path) == data
+        except Exception:  # noqa: BLE001 - unreadable is not provably this writer's
+            return False
 
-        put_exclusive(put, landed=landed, policy=self.put_retry, what=f"exclusive PUT of {path}")
+    def _retried(self, put: Any, path: str, data: bytes) -> None:
+        put_exclusive(
+            put, landed=lambda: self.holds(path, data), policy=self.put_retry, what=f"exclusive PUT of {path}"
+        )
 
     def _exclusive(self, path: str, data: bytes) -> None:
         if self.fs.exists(path):

@@ -211,7 +211,7 @@ class GenerationWriter:
             try:
                 self.store.backend.create_exclusive(path, data)
             except FileExistsError as exc:
-                if not self._landed(path, data):
+                if not self.store.backend.holds(path, data):  # a retried PUT whose first attempt landed wins
                     self._remove_own()
                     raise GenerationExistsError(
                         f"generation step {self.step} at {self.store.url(self.step)} was committed by another "
@@ -289,13 +289,6 @@ class GenerationWriter:
                 f"was written ({'; '.join(problems)}); another process removed or rewrote them (retention of "
                 "another run on the same dirpath?). The step is NOT committed"
             )
-
-    def _landed(self, path: str, data: bytes) -> bool:
-        # A retried PUT whose first attempt landed finds its own manifest: that is a win, not a loss.
-        try:
-            return self.store.fs.cat_file(path) == data
-        except Exception:  # noqa: BLE001 - unreadable means not provably ours
-            return False
 
     def _remove_manifest(self, path: str) -> None:
         try:
