@@ -19,7 +19,7 @@ from lightning_async_ckpt.core.engine import SaveHandle
 from lightning_async_ckpt.errors import CheckpointError, GenerationExistsError, ManifestError, StorageError
 from lightning_async_ckpt.storage.io import (
     Checksum,
-    WriteOnlyStream,
+    ChecksumWriter,
     exclusive_local_write,
     file_identity,
     fsync_dir,
@@ -65,39 +65,33 @@ class _FolderSave:
         self.settled.set()
 
 
-class _FolderStream(WriteOnlyStream):
+class _FolderStream(ChecksumWriter):
     """One of our objects in the folder: checksummed as it is written, fsynced and recorded on close."""
 
     def __init__(self, writer: _FolderWriter, name: str, raw: IO[bytes]) -> None:
-        self._writer, self.name, self._raw = writer, name, raw
-        self._sum = Checksum(writer.checksum)
-        self.size = 0
+        super().__init__(raw, writer.checksum)
+        self._writer, self.name = writer, name
         self.closed = False
 
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
         try:
-            self._raw.write(view)
+            self.raw.write(view)
         except Exception as exc:
             raise StorageError(f"could not write {self.name!r} into {self._writer.path}: {exc}") from exc
-        self._sum.update(view)
-        self.size += len(view)
-        return len(view)
-
-    def flush(self) -> None:
-        self._raw.flush()
+        return self.count(view)
 
     def close(self) -> None:
         if self.closed:
             return
         self.closed = True
         try:
-            self._raw.flush()
-            os.fsync(self._raw.fileno())
-            self._raw.close()
+            self.raw.flush()
+            os.fsync(self.raw.fileno())
+            self.raw.close()
         except Exception as exc:
             raise StorageError(f"could not finish {self.name!r} in {self._writer.path}: {exc}") from exc
-        self._writer._record(ObjectEntry(name=self.name, size=self.size, checksum=self._sum.hexdigest()))
+        self._writer._record(ObjectEntry(name=self.name, size=self.size, checksum=self.checksum))
 
     def __enter__(self) -> _FolderStream:
         return self
@@ -107,7 +101,7 @@ class _FolderStream(WriteOnlyStream):
             self.close()
         elif not self.closed:
             self.closed = True
-            self._raw.close()
+            self.raw.close()
 
 
 class _FolderWriter:

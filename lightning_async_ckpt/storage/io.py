@@ -318,6 +318,10 @@ class ChecksumWriter(WriteOnlyStream):
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
         self.raw.write(view)
+        return self.count(view)
+
+    def count(self, view: memoryview) -> int:
+        """Add ``view`` (just written) to the size and the checksum; returns its length."""
         self.digest.update(view)
         self.size += len(view)
         return len(view)
