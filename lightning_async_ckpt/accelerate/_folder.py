@@ -6,6 +6,7 @@ method the engine calls, and its base-class root is never read or written.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import os
 import threading
@@ -136,10 +137,8 @@ class _FolderWriter:
         path = os.path.join(self.path, *name.split("/"))
         try:
             os.makedirs(os.path.dirname(path), exist_ok=True)
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)  # an earlier save's object: its descriptor, if still open, keeps the old inode
-            except FileNotFoundError:
-                pass
             raw = open_local_write(path, self.store.direct_io)
         except OSError as exc:
             raise StorageError(f"could not open {path!r} for writing: {exc}") from exc
@@ -218,10 +217,8 @@ class _FolderWriter:
         for name in self._own:
             if not self._mine(name):
                 continue  # a later save's object at the same name: ours was orphaned
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 os.unlink(os.path.join(self.path, *name.split("/")))
-            except FileNotFoundError:
-                pass
         self.store.end_write(self.step)
 
     def _mine(self, name: str) -> bool:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 import uuid
@@ -194,7 +195,5 @@ class StoreReader:
             return
         import fsspec
 
-        try:
+        with contextlib.suppress(FileNotFoundError):
             fsspec.filesystem("memory").rm_file(alias)
-        except FileNotFoundError:
-            pass

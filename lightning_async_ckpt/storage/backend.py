@@ -7,6 +7,7 @@ is ``os.link`` of a fsynced temp file locally and ``If-None-Match: *`` on S3 (be
 
 from __future__ import annotations
 
+import contextlib
 import os
 import uuid
 from typing import IO, Any
@@ -99,10 +100,8 @@ class Backend:
         discard = getattr(raw, "discard", None)
         if callable(discard):
             discard()
-        try:
+        with contextlib.suppress(Exception):  # a discarded buffer cannot be flushed; nothing was published
             raw.close()
-        except Exception:  # noqa: BLE001 - a discarded buffer cannot be flushed; nothing was published
-            pass
 
     def create_exclusive(self, path: str, data: bytes) -> None:
         """Write ``data`` at ``path`` only if nothing is there.
@@ -151,10 +150,8 @@ class Backend:
             with self.fs.open(path, "wb") as f:
                 f.write(data)
         except BaseException:
-            try:
+            with contextlib.suppress(Exception):  # the write's own error is the one to report
                 self.fs.rm_file(path)  # a torn claim would name an unknown writer
-            except Exception:  # noqa: BLE001 - the write's own error is the one to report
-                pass
             raise
 
     def prepare_folder(self, path: str) -> None:

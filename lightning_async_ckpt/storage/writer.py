@@ -9,6 +9,7 @@ this writer's objects and claims.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.metadata
 import logging
@@ -249,10 +250,8 @@ class GenerationWriter:
 
     def _release_claim(self) -> None:
         if self._claim is not None and self._holds_claim():
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 self.store.fs.rm_file(self._claim)
-            except FileNotFoundError:
-                pass
 
     def _holds_claim(self) -> bool:
         body = read_claim(self.store.fs, self._claim) if self._claim else None
@@ -301,10 +300,8 @@ class GenerationWriter:
         for key in sorted(self._written):
             if not self._owns(key):
                 continue  # a later attempt's object at the same name: this writer's was orphaned
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 self.store.fs.rm_file(f"{self.path}/{key}")
-            except FileNotFoundError:
-                pass
         self._release_claim()
         if self.lease is not None:
             self.lease.release()

@@ -9,6 +9,7 @@ accelerate's folders (``folder_commands``), else one store (``store_commands``, 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import sys
@@ -100,10 +101,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
     except BrokenPipeError:
         # The reader went away (`... | head`); point stdout at devnull so the exit-time flush stays quiet.
-        try:
+        with contextlib.suppress(OSError, ValueError):
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        except (OSError, ValueError):
-            pass
         return 1
     except (ConfigError, CheckpointError, UsageError, OSError) as exc:
         if debug:
