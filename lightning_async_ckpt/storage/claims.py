@@ -206,11 +206,9 @@ class Lease:
 def take_step_claim(store: StoreRoot, folder: str, body: bytes) -> bool:
     """Create the step claim of ``folder`` for a new attempt, or take it over from an attempt that is gone.
 
-    Takeover needs proof of death: every claim of the holding attempt expired (:func:`token_liveness`). It is
-    done only on local disks, where the taker unlinks every leftover before writing (:func:`clear_leftovers`),
-    so a late write of the old attempt lands in an orphaned inode; on object stores a frozen writer's upload
-    could still complete at a plain key, so the new attempt writes under its own prefix instead. Of two takers,
-    the one that creates the marker ``.writer-<old token>.taken`` exclusively wins.
+    Takeover needs proof of death (every claim of the holding attempt expired, :func:`token_liveness`) and is done only
+    on local disks, after :func:`clear_leftovers`; on object stores the new attempt writes under its own prefix. Of two
+    takers, the one that creates ``.writer-<old token>.taken`` exclusively wins.
 
     Returns:
         Whether this attempt now holds the step claim.
@@ -246,13 +244,10 @@ def take_step_claim(store: StoreRoot, folder: str, body: bytes) -> bool:
 def clear_leftovers(store: StoreRoot, folder: str, keep: set[str]) -> list[str]:
     """Before an attempt writes plain names: remove what earlier attempts left at them.
 
-    Every file of ``folder`` goes except the names in ``keep`` (the new attempt's claims), other writers'
-    ``w-<token>/`` folders and live attempt claims. An earlier attempt's writer that still holds a descriptor
-    then writes to an orphaned inode, and one that opens a name later finds it taken (objects are created
-    exclusively), so nothing it writes can land in this attempt's objects.
-
-    Files with no claim of an earlier attempt beside them were not written by the library: nothing is removed,
-    and they are returned (the attempt then writes under its own prefix, :func:`claim_step`).
+    Every file of ``folder`` goes except ``keep``, other writers' ``w-<token>/`` folders and live attempt claims, so a
+    late writer of an earlier attempt writes to an orphaned inode. Files with no earlier attempt's claim beside them
+    were not written by the library: nothing is removed, and they are returned (the attempt then writes under its own
+    prefix, :func:`claim_step`).
     """
     try:
         files = store.fs.find(folder)
