@@ -16,7 +16,7 @@ from lightning_async_ckpt.accelerate._layout import INCOMPLETE_MARKER
 from lightning_async_ckpt.errors import CheckpointError, ManifestError
 from lightning_async_ckpt.storage.finder import RELISTS
 from lightning_async_ckpt.storage.generation import subfolders_holding_checkpoints
-from lightning_async_ckpt.storage.io import read_verified
+from lightning_async_ckpt.storage.io import Discard, read_verified
 from lightning_async_ckpt.storage.manifest import MANIFEST_NAME, Manifest
 from lightning_async_ckpt.storage.store import CheckpointStore
 
@@ -116,17 +116,12 @@ def folder_manifest(fs: Any, folder: str, *, verify: bool = False) -> Manifest:
             problems.append(f"{obj.name}: size {size}, manifest says {obj.size}")
         elif verify:
             try:
-                read_verified(fs, f"{folder}/{obj.key}", obj, into=_Discard())
+                read_verified(fs, f"{folder}/{obj.key}", obj, into=Discard())
             except ManifestError as exc:
                 problems.append(f"{obj.name}: {' '.join(str(exc).split())}")
     if problems:
         raise ManifestError(f"{folder} does not match its manifest: {'; '.join(problems)}")
     return manifest
-
-
-class _Discard:
-    def write(self, data: bytes) -> int:
-        return len(data)
 
 
 def _automatic_folders(fs: Any, root: str) -> list[tuple[int, str]]:

@@ -98,7 +98,7 @@ def load_generation(
 def _verify_read(store: CheckpointStore, step: int, reader: Any, plan: Any) -> list[str]:
     """Verify the objects of ``step`` that ``plan`` (this rank's load plan) reads; their names."""
     from lightning_async_ckpt.errors import ManifestError
-    from lightning_async_ckpt.storage.io import read_verified
+    from lightning_async_ckpt.storage.io import Discard, read_verified
     from lightning_async_ckpt.storage.verification import object_path
 
     folder = reader.path
@@ -111,13 +111,8 @@ def _verify_read(store: CheckpointStore, step: int, reader: Any, plan: Any) -> l
         if store.backend.url(path) not in wanted and path not in wanted:
             continue
         try:
-            read_verified(store.fs, path, obj, into=_Discard())
+            read_verified(store.fs, path, obj, into=Discard())
         except ManifestError as exc:
             raise ManifestError(f"generation step {step}: {obj.name} failed verification at load: {exc}") from exc
         names.append(obj.name)
     return names
-
-
-class _Discard:
-    def write(self, data: bytes) -> int:
-        return len(data)

@@ -23,6 +23,7 @@ __all__ = [
     "Checksum",
     "ChecksumWriter",
     "DirectFile",
+    "Discard",
     "WriteOnlyStream",
     "atomic_local_write",
     "checksum_algorithm",
@@ -283,6 +284,13 @@ def _chunks(f: Any, *, reuse: bool) -> Any:
     view = memoryview(buffer)
     while n := readinto(view):
         yield view[:n]
+
+
+class Discard:
+    """A sink for :func:`read_verified` that keeps nothing: the check reads every byte once."""
+
+    def write(self, data: bytes | memoryview) -> int:
+        return len(data)
 
 
 class WriteOnlyStream:
