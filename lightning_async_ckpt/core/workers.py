@@ -135,10 +135,8 @@ _installed = False
 def register_at_exit(method: Callable[[], Any]) -> ExitHook:
     """Call the bound method ``method`` at interpreter exit, before finalization, unless its object is gone.
 
-    Every checkpointer (the engine, and integrations that own engines, e.g. Accelerate's) registers here instead
-    of with :mod:`atexit` directly: one trampoline runs the callbacks newest first (like :mod:`atexit`, so an
-    integration that registers after creating its engines runs before them), each with its exceptions logged,
-    and the owner is only weakly referenced (an unclosed checkpointer can still be garbage-collected).
+    One trampoline runs every checkpointer's callback newest first (like :mod:`atexit`), each with its exceptions
+    logged; the owner is only weakly referenced, so an unclosed checkpointer can still be garbage-collected.
 
     Args:
         method: A bound method (held through a weak reference) or a plain function (held strongly).

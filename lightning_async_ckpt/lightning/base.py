@@ -259,11 +259,8 @@ class CallbackArguments(ModelCheckpoint):
         self._fit_start_step = 0
         self._fit_closed = True
         self._schedule = CutSchedule()
-        self.save_top_k, self.save_weights_only, self.auto_insert_metric_name = (
-            args.save_top_k,
-            save_weights_only,
-            (auto_insert_metric_name),
-        )
+        self.save_top_k, self.save_weights_only = args.save_top_k, save_weights_only
+        self.auto_insert_metric_name = auto_insert_metric_name
         self._every_n_train_steps, self._train_time_interval = every_n_train_steps or 0, train_time_interval
         self._save_on_train_epoch_end, self._enable_version_counter = save_on_train_epoch_end, enable_version_counter
         self.triggers = Triggers(

@@ -87,12 +87,11 @@ def render_timeline(
     ax_train, ax_gantt, ax_steps, ax_backlog = axes
     totals = _draw_aggregated(ax_gantt, saves, t0) if aggregate else _draw_gantt(ax_gantt, saves, t0)
     _draw_training(ax_train, steps, saves, by_kind.get("fence_wait", []), t0)
-    t_end = max(float(ev["t"]) for ev in events) - t0
-    _draw_steps(ax_steps, requests, by_kind.get("committed", []), saves, t0, t_end)
+    span = max(float(ev["t"]) for ev in events) - t0
+    _draw_steps(ax_steps, requests, by_kind.get("committed", []), saves, t0, span)
     _draw_backlog(ax_backlog, requests, saves, t0)
     ax_backlog.set_xlabel("seconds since the first event")
 
-    span = max(float(ev["t"]) for ev in events) - t0
     committed = sum(1 for s in saves if s.get("outcome") == "committed")
     failed = sum(1 for s in saves if s.get("outcome") in ("failed", "torn", "abandoned"))
     dropped = sum(1 for s in saves if s.get("outcome") in _DROPPED)
