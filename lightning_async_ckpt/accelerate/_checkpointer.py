@@ -33,7 +33,7 @@ from lightning_async_ckpt.accelerate._numbering import (
     uncommitted_load_message,
 )
 from lightning_async_ckpt.accelerate._prehooks import remove_when_done, run_save_pre_hooks
-from lightning_async_ckpt.core.capture import DeferralProof, Fence
+from lightning_async_ckpt.core.capture import Fence
 from lightning_async_ckpt.core.collective import RankFailedError, agree
 from lightning_async_ckpt.core.commit_hooks import CommitFanOut
 from lightning_async_ckpt.core.engine import AsyncCheckpointer, CheckpointOptions, SaveHandle
@@ -306,7 +306,7 @@ class AccelerateCheckpointer(FolderSaves, CommitFanOut, DrainOnExit):
             state,
             modules=acc._models,
             optimizers=acc._optimizers,
-            proof=self._proof() if self.defer and not self._final_save else None,
+            proof=deferral_proof(acc, self._is_own) if self.defer and not self._final_save else None,
             defer=self.defer,
             cut={"accelerator_step": acc.step, "num_processes": acc.num_processes},
             extra=extra,
@@ -317,9 +317,6 @@ class AccelerateCheckpointer(FolderSaves, CommitFanOut, DrainOnExit):
 
     def _is_own(self, hook: Any) -> bool:
         return getattr(hook, "__self__", None) is self
-
-    def _proof(self) -> DeferralProof:
-        return deferral_proof(self.accelerator, self._is_own)
 
     def _install_fences(self) -> None:
         first = install_fences(self.accelerator, self._fences, self._on_optimizer_step, self._on_load_weights)

@@ -259,11 +259,9 @@ class Selection:
     ) -> None:
         """Rebuild the committed view from the manifests of ``run_id`` up to step ``up_to`` (a resumed run).
 
-        ``foreign``: ``store`` is not where this fit writes (it resumed an older step and branched into a new
-        version): those generations rank like ``ModelCheckpoint``'s restored ``best_k_models``, but best-k
-        retention only forgets them, never removes them (they belong to the branch they were written in).
-        ``remembered``: the ``best_k_models`` restored from the checkpoint's callback state; those outside
-        ``store`` (the history a branch came from) still exist and rank the same way.
+        ``foreign``: ``store`` is not where this fit writes (a branch into a new version): its generations rank like
+        ``ModelCheckpoint``'s restored ``best_k_models`` but retention never removes them. ``remembered``: the restored
+        ``best_k_models``; those outside ``store`` rank the same way.
         """
         self.topk.entries.clear()
         self._pending.clear()

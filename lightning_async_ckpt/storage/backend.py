@@ -44,10 +44,8 @@ MAX_PART_SIZE = 256 << 20
 def part_size(size: int | None, configured: int | None = None, *, parts: int = PARTS_PER_OBJECT) -> int:
     """The multipart part size for an object of ``size`` bytes (``None``: unknown), whole MiB.
 
-    ``configured`` (the store's ``block_size``, default :data:`DEFAULT_PART_SIZE`) for objects up to ``parts``
-    parts of it; larger objects get larger parts so that they take ``parts`` parts, up to :data:`MAX_PART_SIZE`
-    (or ``configured``, if larger); above that only as large as S3's 10,000-part limit needs (objects over 2.4 TiB
-    at the defaults, which 32 MiB parts could not upload at all past 312 GiB).
+    ``configured`` for objects up to ``parts`` parts of it; larger objects get larger parts (so they take ``parts``
+    parts) up to :data:`MAX_PART_SIZE`, and beyond that only as large as S3's 10,000-part limit needs.
     """
     base = max(configured or DEFAULT_PART_SIZE, _S3_MIN_PART)
     if not size or size <= 0:
