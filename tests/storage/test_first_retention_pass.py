@@ -87,3 +87,32 @@ def test_a_new_stores_first_pass_costs_the_same_at_10_and_300_generations(uri: s
         others = [g.step for g in listed if g.run_id == "other-run"]
         expected = generations if scenario is _another_runs_pass else generations - 3
         assert others == list(range(expected))
+
+
+def test_two_runs_interleaving_steps_retire_their_own_generations_written_since(uri: str) -> None:
+    """Names above the first pass's lineage end are looked at on every pass: another run's commits between this
+    run's do not hide this run's older generations from its later passes."""
+    _fill(uri, range(5), "other-run")
+    mine = CheckpointStore(uri, run_id="this-run")
+    _commit(mine, 5)
+    assert mine.gc(2) == []
+    _fill(uri, [6, 8], "other-run")
+    _commit(mine, 7)
+    _commit(mine, 9)
+    assert mine.gc(2) == [5]
+    listed = CheckpointStore(uri, check_writable=False).generations()
+    assert [(g.step, g.run_id) for g in listed if g.run_id == "this-run"] == [(7, "this-run"), (9, "this-run")]
+    assert [g.step for g in listed if g.run_id == "other-run"] == [0, 1, 2, 3, 4, 6, 8]
+
+
+def test_this_runs_generations_below_another_runs_are_left_alone_until_a_pass_for_all_runs(uri: str) -> None:
+    """Below the end of the lineage nothing is read or removed: a restarted run whose old generations lie under
+    another run's keeps them (never a removal it did not prove), and the operator's pass for all runs sees them."""
+    _fill(uri, range(3), "the-run")
+    _fill(uri, range(3, 6), "other-run")
+    store = CheckpointStore(uri, run_id="the-run")
+    _commit(store, 6)
+    _commit(store, 7)
+    assert store.gc(1) == [6]
+    assert [g.step for g in store.generations() if g.run_id == "the-run"] == [0, 1, 2, 7]
+    assert store.gc(1, all_runs=True) == [0, 1, 2, 3, 4, 5]
