@@ -13,9 +13,9 @@ newest generation, another run starts above the old ones), so what lies below is
 read nor touched: a new store's first pass (another run's ``keep_last`` pass, a restarted job) reads the
 generations above that boundary, whatever the number below it. Names above it are looked at on every pass, so two
 runs interleaving their steps in one folder still retire their own generations written since; only generations of
-a run that lie below another run's, older than its store's first pass, are left to the operator's
-``gc --all-runs``. A walk for all runs reads every name. Retention re-reads the manifests of the generations it
-counts as kept and of those it removes before acting (:mod:`.retention`).
+a run that lie below another run's, older than its store's first pass, are left to ``gc --run-id`` (which reads the
+whole folder). A walk for all runs reads every name. Retention re-reads the manifests of the generations it counts
+as kept and of those it removes before acting (:mod:`.retention`).
 
 Thread-safety: any thread; passes and commits may interleave (a commit a pass missed is read by the next pass).
 """

@@ -17,7 +17,9 @@ generation, whether its objects are complete, who claims an uncommitted one) and
   writer, whatever its run id: its leftover is refused even for this run. A folder with neither a manifest nor a
   claim holds files the library never wrote (every writer claims a step before writing data), unless this store
   wrote or removed that step (a failed attempt releases its claims): it is left alone and reported once at WARNING;
-- removing a committed generation removes its manifest's objects, claims and manifest, never other files there.
+- removing a committed generation removes its manifest's objects, claims and manifest, never other files there;
+- only what the pass looked at is decided on: the folder is walked newest first down to the end of this run's
+  lineage (:mod:`.ledger`); what lies below is neither read nor removed.
 """
 
 from __future__ import annotations
