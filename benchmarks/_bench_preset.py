@@ -26,7 +26,8 @@ the page cache, this library fsyncs before it commits. Per mode and repeat:
 * **ckpt CPU s/GB**: the process's CPU seconds (every thread, OpenMP's too) minus the same repeat's baseline, per GB
   written: all the checkpoint work of the mode;
 * **library CPU s/GB** (ours): CPU seconds of this library's named threads (their own thread clocks), per GB: its
-  background work (staging copy, checksum, writes), the training thread's work at the cut not included;
+  background work (staging copy, checksum, writes), the training thread's work at the cut not included (nor the
+  CPU of OpenMP threads a copy of torch's may start from them: that is in **ckpt CPU** only);
 * **reported slowdown s/ckpt**: this library's own ``step_slowdown_s`` (median over its saves), for comparison.
 
 The **CPU floor per GB** is measured in the same run, once per repeat, on the training thread's clock: one memcpy,
