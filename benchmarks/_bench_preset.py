@@ -24,7 +24,7 @@ the page cache, this library fsyncs before it commits. Per mode and repeat:
   repeat's median step without checkpointing (the background copy, checksum and write compete for the cores);
 * **wall overhead s** and **%**: the fit's durable wall time minus the same repeat's run without checkpointing;
 * **ckpt CPU s/GB**: the process's CPU seconds (every thread, OpenMP's too) minus the same repeat's baseline, per GB
-  written: all the checkpoint work of the mode;
+  written: all the checkpoint work of the mode, and more (OpenMP's idle threads spin, so a longer fit adds CPU);
 * **library CPU s/GB** (ours): CPU seconds of this library's named threads (their own thread clocks), per GB: its
   background work (staging copy, checksum, writes), the training thread's work at the cut not included (nor the
   CPU of OpenMP threads a copy of torch's may start from them: that is in **ckpt CPU** only);
