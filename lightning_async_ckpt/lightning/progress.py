@@ -179,10 +179,8 @@ def log_commit(future: Any) -> None:
 def preallocate(ck: TrainingCheckpointer, pl_module: pl.LightningModule, optimizers: list[Any]) -> None:
     """Fill the staging pool in the background once the checkpoint's shape is known (after the first step).
 
-    The first cut then reuses buffers instead of allocating them at the cut (pinned memory on CUDA costs about
-    0.5 s per GB, on the training thread). Built from the module's and optimizers' own state dicts: no
-    collective (a ``ZeroRedundancyOptimizer`` consolidation needs every rank) and no user hook runs here. The
-    small remainder of the checkpoint (RNG, schedulers, loop state) is still allocated at the first cut.
+    The first cut then reuses buffers instead of allocating them on the training thread. Built from the module's and
+    optimizers' own state dicts: no collective and no user hook runs here.
     """
     try:
         state = {"state_dict": pl_module.state_dict(), "optimizer_states": [o.state_dict() for o in optimizers]}

@@ -123,10 +123,8 @@ def _reader(callback: Any, dirpath: str) -> StoreReader:
 def find_last(callback: Any, trainer: Any) -> set[str]:
     """Lightning's ``ckpt_path="last"`` lookup for ``callback``: the newest committed checkpoint only.
 
-    A store that cannot be listed raises (a typo must never restart training from scratch); "no checkpoint"
-    means it was listed and holds no committed generation it can resume training from. Lightning asks on every
-    rank; with several, rank 0 alone lists and verifies and ``trainer.strategy.broadcast`` hands its answer (or its
-    error) to the others (:func:`~lightning_async_ckpt.sharded.once.once`).
+    A store that cannot be listed raises (a typo must never restart training from scratch). With several ranks, rank 0
+    alone lists and verifies, and ``trainer.strategy.broadcast`` hands its answer (or its error) to the others.
     """
     reader = _reader(callback, _dirpath(callback, trainer))
     find = lambda: _last_candidates(callback, trainer)  # noqa: E731 - rank 0 lists and verifies, the others receive

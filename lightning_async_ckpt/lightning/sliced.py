@@ -126,11 +126,9 @@ def _int_param_ids(osd: dict[str, Any]) -> dict[str, Any]:
 def guard_strategy_dcp_loads(strategy: Any) -> None:
     """Check a DCP folder before a sharded strategy's own loader (FSDP, ``ModelParallelStrategy``) unpickles it.
 
-    Those loaders read ``.metadata`` and every byte item with plain ``pickle`` / ``torch.load(weights_only=False)``:
-    anyone who can write the store could run code in the training job. Before delegating, the folder is read
-    through the allow-listed unpicklers (:func:`~lightning_async_ckpt.storage.dcp_metadata.check_dcp_folder`, which
-    never runs what it refuses) unless Lightning passes ``weights_only=False`` (``trainer.fit(...,
-    weights_only=False)``: the caller's explicit trust). Idempotent; paths that are not local DCP folders pass.
+    The folder is read first through the allow-listed unpicklers
+    (:func:`~lightning_async_ckpt.storage.dcp_metadata.check_dcp_folder`) unless Lightning passes
+    ``weights_only=False`` (the caller's explicit trust). Idempotent; paths that are not local DCP folders pass.
     """
     if getattr(strategy, _GUARDED, False):
         return

@@ -150,10 +150,8 @@ class StoreStorageWriter(FileSystemWriter):
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         """Claim the step on the coordinator (DCP step 2): a committed step is refused.
 
-        When another writer holds the step's claim (a live writer, or a crashed one that is not provably gone),
-        the claim comes with a prefix: every rank then writes its files below it (the plan tells each rank), and
-        DCP's ``.metadata`` goes there too, so the two writers never touch each other's files; the first manifest
-        wins, as for single-writer generations.
+        When another writer holds the step's claim, every rank writes below this attempt's prefix (the plan tells each
+        rank), ``.metadata`` included; the first manifest wins, as for single-writer generations.
         """
         self.claim = self.store.begin(self.step)
         planned = super().prepare_global_plan(plans)
