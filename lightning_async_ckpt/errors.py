@@ -6,6 +6,7 @@ Messages name the parameter or object at fault and how to fix it.
 
 from __future__ import annotations
 
+import math
 import warnings
 from typing import Any
 
@@ -21,6 +22,7 @@ __all__ = [
     "StoreUnavailableError",
     "TornSnapshotError",
     "WriterUsageError",
+    "check_number",
     "renamed",
 ]
 
@@ -89,3 +91,43 @@ def renamed(new: str, new_value: Any, old: str, old_value: Any) -> Any:
         stacklevel=3,
     )
     return old_value
+
+
+def check_number(
+    name: str,
+    value: Any,
+    minimum: float = 0,
+    *,
+    integer: bool = True,
+    above: bool = False,
+    optional: bool = False,
+    finite: bool = False,
+    hint: str = "",
+) -> None:
+    """Check that ``value`` is an int (a number when ``integer`` is False; never a bool) at least ``minimum``.
+
+    Args:
+        name: the parameter, as the user spells it.
+        value: what was given.
+        minimum: the smallest value allowed (excluded when ``above``); NaN is always refused.
+        integer: an int is required; else any int or float.
+        above: ``value`` must be greater than ``minimum``.
+        optional: ``None`` is allowed too.
+        finite: infinity is refused.
+        hint: what the value means, added to the message (e.g. ``" (0 disables it)"``).
+
+    Raises:
+        ConfigError: naming ``name``, what is allowed and what was given.
+    """
+    if optional and value is None:
+        return
+    kind = int if integer else int | float
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, kind)
+        or not (value > minimum if above else value >= minimum)
+        or (finite and not math.isfinite(value))
+    ):
+        noun = "an int" if integer else "a finite number" if finite else "a number"
+        bound = f"{'>' if above else '>='} {minimum}"
+        raise ConfigError(f"{name} must be {'None or ' if optional else ''}{noun} {bound}{hint}, got {value!r}")

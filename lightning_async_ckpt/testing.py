@@ -22,7 +22,7 @@ from typing import Any
 import fsspec
 from fsspec.spec import AbstractFileSystem
 
-from lightning_async_ckpt.errors import ConfigError
+from lightning_async_ckpt.errors import ConfigError, check_number
 
 __all__ = ["OPS", "Fault", "FaultCall", "FaultyFileSystem", "register_faulty"]
 
@@ -105,12 +105,8 @@ class Fault:
     def __post_init__(self) -> None:
         if self.op not in OPS:
             raise ConfigError(f"Fault.op must be one of {', '.join(OPS)}; got {self.op!r}")
-        if isinstance(self.at, bool) or not isinstance(self.at, int) or self.at < 1:
-            raise ConfigError(f"Fault.at must be an int >= 1 (the k-th matching call), got {self.at!r}")
-        if self.times is not None and (
-            isinstance(self.times, bool) or not isinstance(self.times, int) or self.times < 1
-        ):
-            raise ConfigError(f"Fault.times must be None (persistent) or an int >= 1, got {self.times!r}")
+        check_number("Fault.at", self.at, 1, hint=" (the k-th matching call)")
+        check_number("Fault.times", self.times, 1, optional=True, hint=" (None: persistent)")
         if self.path is not None and not isinstance(self.path, str):
             raise ConfigError(f"Fault.path must be a substring or None, got {self.path!r}")
         err = self.error
@@ -123,12 +119,7 @@ class Fault:
             raise ConfigError(f"Fault.error must be one of {sorted(_ERRORS)}, an exception or None; got {err!r}")
         if self.stall is not None and not callable(getattr(self.stall, "wait", None)):
             raise ConfigError("Fault.stall must be a threading.Event (or None)")
-        if self.stall_timeout_s is not None and (
-            isinstance(self.stall_timeout_s, bool)
-            or not isinstance(self.stall_timeout_s, int | float)
-            or self.stall_timeout_s < 0
-        ):
-            raise ConfigError(f"Fault.stall_timeout_s must be None or a number >= 0, got {self.stall_timeout_s!r}")
+        check_number("Fault.stall_timeout_s", self.stall_timeout_s, integer=False, optional=True)
         if self.callback is not None and not callable(self.callback):
             raise ConfigError("Fault.callback must be callable (or None)")
         if err is None and self.stall is None and self.callback is None:
@@ -198,10 +189,7 @@ class FaultyFileSystem(AbstractFileSystem):
         for fault in faults:
             if not isinstance(fault, Fault):
                 raise ConfigError(f"faults must be Fault instances, got {type(fault).__name__}")
-        if bandwidth_bps is not None and (
-            isinstance(bandwidth_bps, bool) or not isinstance(bandwidth_bps, int | float) or bandwidth_bps <= 0
-        ):
-            raise ConfigError(f"bandwidth_bps must be None or a number > 0, got {bandwidth_bps!r}")
+        check_number("bandwidth_bps", bandwidth_bps, integer=False, above=True, optional=True)
         if fs is None:
             protocol = target_protocol or "file"
             options = dict(target_options or {})

@@ -11,7 +11,7 @@ from lightning_async_ckpt.accelerate._layout import _ATTR, _check_supported
 from lightning_async_ckpt.accelerate._replicas import agree_local_location, open_accelerate_replicas, replica_layout
 from lightning_async_ckpt.accelerate._tiers import TieredAccelerateCheckpointer, check_tier_options
 from lightning_async_ckpt.core.engine import CheckpointOptions, SaveHandle
-from lightning_async_ckpt.errors import ConfigError, renamed
+from lightning_async_ckpt.errors import ConfigError, check_number, renamed
 
 
 # -- module-level API --------------------------------------------------------------------------------------
@@ -123,12 +123,9 @@ def attach(
             )
     if not isinstance(defer, bool):
         raise ConfigError(f"defer must be True or False, got {defer!r}")
-    if collective_timeout_s is not None and (
-        isinstance(collective_timeout_s, bool)
-        or not isinstance(collective_timeout_s, int | float)
-        or not collective_timeout_s > 0
-    ):
-        raise ConfigError(f"collective_timeout_s must be a positive number of seconds, got {collective_timeout_s!r}")
+    check_number(
+        "collective_timeout_s", collective_timeout_s, integer=False, above=True, optional=True, hint=" (seconds)"
+    )
     opts = CheckpointOptions(**options)
     if opts.admission == "coalesce":
         raise ConfigError("admission='coalesce' is not supported with Accelerate; use 'wait', 'skip' or 'abort'")

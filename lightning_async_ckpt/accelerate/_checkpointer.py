@@ -39,7 +39,7 @@ from lightning_async_ckpt.core.commit_hooks import CommitFanOut
 from lightning_async_ckpt.core.engine import AsyncCheckpointer, CheckpointOptions, SaveHandle
 from lightning_async_ckpt.core.handle import DrainOnExit
 from lightning_async_ckpt.core.workers import register_at_exit
-from lightning_async_ckpt.errors import CheckpointError, ConfigError
+from lightning_async_ckpt.errors import CheckpointError, ConfigError, check_number
 from lightning_async_ckpt.storage.manifest import MANIFEST_NAME, Manifest
 from lightning_async_ckpt.storage.store import CheckpointStore
 
@@ -147,8 +147,7 @@ class AccelerateCheckpointer(FolderSaves, CommitFanOut, DrainOnExit):
                 "or attach(accelerator, uri=...) and save to that uri"
             )
         step = self.step if step is None else step
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise ConfigError(f"step must be a non-negative int, got {step!r}")
+        check_number("step", step)
         self._install_fences()
         acc = self.accelerator
         rngs = self._settle_collectively(payload=_rng_state(acc))

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Literal
 
-from lightning_async_ckpt.errors import AdmissionError, ConfigError
+from lightning_async_ckpt.errors import AdmissionError, ConfigError, check_number
 
 __all__ = ["POLICIES", "Admission", "AdmissionDecision", "AdmissionPolicy", "AdmissionResult", "validate_admission"]
 
@@ -40,8 +40,7 @@ def validate_admission(policy: object, max_outstanding: object) -> None:
     """Raise :class:`ConfigError` naming the parameter if either setting is invalid."""
     if policy not in POLICIES:
         raise ConfigError(f"admission must be one of {', '.join(POLICIES)}; got {policy!r}")
-    if isinstance(max_outstanding, bool) or not isinstance(max_outstanding, int) or max_outstanding < 1:
-        raise ConfigError(f"max_outstanding must be an int >= 1 (1 is the safe default), got {max_outstanding!r}")
+    check_number("max_outstanding", max_outstanding, 1, hint=" (1 is the safe default)")
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from lightning_async_ckpt.errors import ConfigError, GenerationExistsError
+from lightning_async_ckpt.errors import ConfigError, GenerationExistsError, check_number
 from lightning_async_ckpt.storage.dcp_metadata import load_dcp_folder
 from lightning_async_ckpt.storage.io import read_verified
 from lightning_async_ckpt.storage.manifest import Manifest
@@ -131,8 +131,7 @@ def export_safetensors(
         ConfigError: Bad ``dtype``, ``max_shard_size`` or ``model_key``.
         ManifestError: ``step`` is not committed in ``source``, or an object failed its size or checksum.
     """
-    if isinstance(max_shard_size, bool) or not isinstance(max_shard_size, int) or max_shard_size < 1:
-        raise ConfigError(f"max_shard_size must be a positive number of bytes, got {max_shard_size!r}")
+    check_number("max_shard_size", max_shard_size, 1, hint=" (bytes)")
     cast = parse_dtype(dtype)
     options = storage_options or {}
     src = source if isinstance(source, CheckpointStore) else CheckpointStore(source, options, check_writable=False)

@@ -13,7 +13,7 @@ from typing import Any
 
 from lightning_async_ckpt.core.commit_hooks import Committed
 from lightning_async_ckpt.core.export import EXPORT_FORMAT, export_location, export_safetensors, parse_dtype
-from lightning_async_ckpt.errors import CheckpointError, ConfigError, ManifestError
+from lightning_async_ckpt.errors import CheckpointError, ConfigError, ManifestError, check_number
 from lightning_async_ckpt.storage.manifest import Manifest
 from lightning_async_ckpt.storage.store import CheckpointStore
 
@@ -57,12 +57,8 @@ class SafetensorsExport:
 
     def __post_init__(self) -> None:
         parse_dtype(self.dtype)
-        if self.every_n is not None and (isinstance(self.every_n, bool) or not isinstance(self.every_n, int)):
-            raise ConfigError(f"every_n must be None or an int >= 1, got {self.every_n!r}")
-        if self.every_n is not None and self.every_n < 1:
-            raise ConfigError(f"every_n must be None or an int >= 1, got {self.every_n!r}")
-        if isinstance(self.max_shard_size, bool) or not isinstance(self.max_shard_size, int) or self.max_shard_size < 1:
-            raise ConfigError(f"max_shard_size must be a positive number of bytes, got {self.max_shard_size!r}")
+        check_number("every_n", self.every_n, 1, optional=True)
+        check_number("max_shard_size", self.max_shard_size, 1, hint=" (bytes)")
 
 
 def check_export(export: Any) -> SafetensorsExport | None:

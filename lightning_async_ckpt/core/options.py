@@ -10,7 +10,7 @@ import torch
 from lightning_async_ckpt.core.admission import AdmissionPolicy, validate_admission
 from lightning_async_ckpt.core.guard import resolve_guard_mode
 from lightning_async_ckpt.core.staging import resolve_budget
-from lightning_async_ckpt.errors import ConfigError
+from lightning_async_ckpt.errors import ConfigError, check_number
 from lightning_async_ckpt.storage.store import GenerationWriter
 
 __all__ = ["CheckpointOptions", "Serializer", "TorchSaveSerializer"]
@@ -147,30 +147,18 @@ class CheckpointOptions:
         budget = resolve_budget(self.host_memory_budget)  # validates the budget; with the reserve below
         if isinstance(self.host_memory_budget, str) and self.host_memory_budget != "auto":
             object.__setattr__(self, "host_memory_budget", budget)  # "4GiB" (YAML) kept as its bytes
-        if (
-            isinstance(self.reserved_host_bytes, bool)
-            or not isinstance(self.reserved_host_bytes, int)
-            or (self.reserved_host_bytes < 0)
-        ):
-            raise ConfigError(f"reserved_host_bytes must be an int >= 0, got {self.reserved_host_bytes!r}")
+        check_number("reserved_host_bytes", self.reserved_host_bytes)
         if self.host_memory_budget not in (None, "auto"):
             resolve_budget(self.host_memory_budget, self.reserved_host_bytes)
-        if self.keep_last is not None and (
-            isinstance(self.keep_last, bool) or not isinstance(self.keep_last, int) or self.keep_last < 1
-        ):
-            raise ConfigError(f"keep_last must be None (keep all) or an int >= 1, got {self.keep_last!r}")
+        check_number("keep_last", self.keep_last, 1, optional=True, hint=" (None keeps all)")
         if self.on_error not in ("raise", "warn"):
             raise ConfigError(f"on_error must be 'raise' or 'warn', got {self.on_error!r}")
-        if isinstance(self.retries, bool) or not isinstance(self.retries, int) or self.retries < 0:
-            raise ConfigError(f"retries must be an int >= 0, got {self.retries!r}")
+        check_number("retries", self.retries)
         if not isinstance(self.guard, bool | str):
             raise ConfigError(f"guard must be True, False, 'sample', 'full' or 'off', got {self.guard!r}")
         resolve_guard_mode(self.guard)  # names the accepted values
         for name in ("retry_backoff_s", "drain_timeout_s"):
-            value = getattr(self, name)
-            # `not value >= 0` also rejects NaN, which compares false with everything.
-            if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < float("inf"):
-                raise ConfigError(f"{name} must be a finite number >= 0, got {value!r}")
+            check_number(name, getattr(self, name), integer=False, finite=True)
         if self.event_log is not None and (not isinstance(self.event_log, str) or not self.event_log.strip()):
             raise ConfigError(f"event_log must be None or a non-empty path or URL string, got {self.event_log!r}")
         if (

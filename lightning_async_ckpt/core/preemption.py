@@ -15,7 +15,7 @@ import threading
 from types import FrameType
 from typing import Any
 
-from lightning_async_ckpt.errors import ConfigError
+from lightning_async_ckpt.errors import ConfigError, check_number
 
 __all__ = ["PreemptionHandler", "check_preemption"]
 
@@ -43,8 +43,7 @@ def check_preemption(signum: Any, grace_s: Any) -> tuple[signal.Signals | None, 
             ) from exc
         if signum in (signal.SIGKILL, signal.SIGSTOP):
             raise ConfigError(f"preemption_signal={signum.name} cannot be caught; use SIGUSR1 or SIGTERM")
-    if grace_s is not None and (isinstance(grace_s, bool) or not isinstance(grace_s, int | float) or grace_s < 0):
-        raise ConfigError(f"preemption_grace_s must be None (no bound) or a number of seconds >= 0, got {grace_s!r}")
+    check_number("preemption_grace_s", grace_s, integer=False, optional=True, hint=" seconds (None: no bound)")
     return signum, None if grace_s is None else float(grace_s)
 
 

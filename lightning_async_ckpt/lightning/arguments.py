@@ -9,7 +9,7 @@ from typing import Any
 
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 
-from lightning_async_ckpt.errors import ConfigError, GenerationExistsError
+from lightning_async_ckpt.errors import ConfigError, GenerationExistsError, check_number
 from lightning_async_ckpt.lightning.naming import comparable_path, model_key_for
 
 __all__ = [
@@ -199,8 +199,7 @@ def check_selection(
         reported = 0 if save_top_k == 0 else (-1 if engine_keep is None else engine_keep)
         return Selection(filename, None, mode, reported, 0, save_last, engine_keep, 1)
     top_k = 1 if save_top_k is None else save_top_k
-    if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
-        raise ConfigError(f"keep_last must be None or an int >= 1, got {keep_last!r}")
+    check_number("keep_last", keep_last, 1, optional=True)
     return Selection(filename, monitor, mode, top_k, top_k, save_last, None, keep_last or 1)
 
 
@@ -259,8 +258,7 @@ def check_tiers(
     """
     named = (("local_every_n_train_steps", local_every_n_train_steps), ("local_keep_last", local_keep_last))
     for name, value in (*named, ("replicas", replicas)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise ConfigError(f"{name} must be None or an int >= 1, got {value!r}")
+        check_number(name, value, 1, optional=True)
     local = normalize_dirpath(local_dirpath, "local_dirpath")
     if local is None and replicas is not None:
         raise ConfigError(

@@ -26,7 +26,7 @@ from lightning_async_ckpt.core.engine import AsyncCheckpointer
 from lightning_async_ckpt.core.options import CheckpointOptions
 from lightning_async_ckpt.core.persist import RetryPolicy
 from lightning_async_ckpt.core.staging import BufferPool, resolve_budget
-from lightning_async_ckpt.errors import CheckpointError, ConfigError
+from lightning_async_ckpt.errors import CheckpointError, ConfigError, check_number
 from lightning_async_ckpt.lightning.file_persister import CommittedFile, FilePersister
 from lightning_async_ckpt.storage.backend import open_filesystem
 from lightning_async_ckpt.storage.io import DEFAULT_CHECKSUM, Checksum
@@ -75,10 +75,8 @@ class StagedCheckpointIO(CheckpointIO):
     ) -> None:
         if storage_options is not None and not isinstance(storage_options, dict):
             raise ConfigError(f"storage_options must be a dict or None, got {type(storage_options).__name__}")
-        if isinstance(max_outstanding, bool) or not isinstance(max_outstanding, int) or max_outstanding < 1:
-            raise ConfigError(f"max_outstanding must be an int >= 1, got {max_outstanding!r}")
-        if not isinstance(drain_timeout_s, int | float) or drain_timeout_s < 0:
-            raise ConfigError(f"drain_timeout_s must be a number >= 0, got {drain_timeout_s!r}")
+        check_number("max_outstanding", max_outstanding, 1)
+        check_number("drain_timeout_s", drain_timeout_s, integer=False)
         self.checksum = checksum or DEFAULT_CHECKSUM
         Checksum(self.checksum)  # validates the algorithm now, not at the first save
         resolve_budget(host_memory_budget)  # validates the budget now

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from lightning_async_ckpt.core.engine import AsyncCheckpointer
 from lightning_async_ckpt.core.options import CheckpointOptions
 from lightning_async_ckpt.core.persist import RetryPolicy
-from lightning_async_ckpt.errors import ConfigError
+from lightning_async_ckpt.errors import ConfigError, check_number
 from lightning_async_ckpt.sharded.capture import ShardedCapturer
 from lightning_async_ckpt.sharded.handle import ShardedSaveError, ShardedSaveHandle
 from lightning_async_ckpt.sharded.persister import DcpPersister
@@ -85,12 +85,9 @@ class ShardedCheckpointer(AsyncCheckpointer):
         plan_caching: bool = True,
         options: CheckpointOptions | None = None,
     ) -> None:
-        if isinstance(timeout_s, bool) or not isinstance(timeout_s, int | float) or timeout_s <= 0:
-            raise ConfigError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
-        if isinstance(thread_count, bool) or not isinstance(thread_count, int) or thread_count < 1:
-            raise ConfigError(f"thread_count must be an int >= 1, got {thread_count!r}")
-        if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
-            raise ConfigError(f"keep_last must be None (keep everything) or an int >= 1, got {keep_last!r}")
+        check_number("timeout_s", timeout_s, integer=False, above=True, hint=" (seconds)")
+        check_number("thread_count", thread_count, 1)
+        check_number("keep_last", keep_last, 1, optional=True, hint=" (None keeps everything)")
         if write_retry is not None and not isinstance(write_retry, RetryPolicy):
             raise ConfigError(f"write_retry must be a RetryPolicy or None, got {write_retry!r}")
         if options is not None and not isinstance(options, CheckpointOptions):

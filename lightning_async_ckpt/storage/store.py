@@ -25,6 +25,7 @@ from lightning_async_ckpt.errors import (
     GenerationExistsError,
     ManifestError,
     StorageError,
+    check_number,
 )
 from lightning_async_ckpt.storage import inflight, multipart, retention
 from lightning_async_ckpt.storage.backend import backend_for, open_filesystem
@@ -117,8 +118,7 @@ class CheckpointStore(StoreReading):
             raise ConfigError(f"checksum must be 'crc32c', 'crc32' or 'sha256', got {checksum!r}")
         if checksum == "crc32c" and crc32c_module() is None:
             raise ConfigError("checksum 'crc32c' needs the google-crc32c package: pip install google-crc32c")
-        if block_size is not None and (not isinstance(block_size, int) or block_size < 5 << 20):
-            raise ConfigError(f"block_size must be an int of at least 5 MiB (S3's part minimum), got {block_size!r}")
+        check_number("block_size", block_size, 5 << 20, optional=True, hint=" (5 MiB, S3's part minimum)")
         if run_id is not None and not isinstance(run_id, str):
             raise ConfigError(f"run_id must be a string or None (a new random id), got {run_id!r}")
         if not isinstance(check_writable, bool):
@@ -174,8 +174,7 @@ class CheckpointStore(StoreReading):
             ConfigError: If ``step`` is not a non-negative int.
             GenerationExistsError: If that step is already committed, or being written by this store.
         """
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise ConfigError(f"step must be a non-negative int, got {step!r}")
+        check_number("step", step)
         with self._lock:
             if step in self._writing:
                 raise GenerationExistsError(f"generation step {step} is already being written in this process")
@@ -306,10 +305,7 @@ class CheckpointStore(StoreReading):
         Unless ``dry_run``, S3 multipart uploads left open by killed writers are aborted first (:mod:`.multipart`;
         always with ``all_runs``, else at most every 10 minutes); ``upload_sweeper.last`` reports it.
         """
-        if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1:
-            raise ConfigError(
-                f"keep_last must be an int >= 1 (the newest committed generation is kept), got {keep_last!r}"
-            )
+        check_number("keep_last", keep_last, 1, hint=" (the newest committed generation is kept)")
         if not dry_run:
             self.upload_sweeper.maybe(self.location, force=all_runs)  # before retention removes the claims it reads
         return retention.execute(

@@ -16,6 +16,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from lightning_async_ckpt.errors import check_number
+
 __all__ = ["DEFAULT_PUT_RETRY", "PutRetry", "is_throttled", "put_exclusive"]
 
 _log = logging.getLogger(__name__)
@@ -71,10 +73,8 @@ class PutRetry:
     backoff_s: float = 0.5
 
     def __post_init__(self) -> None:
-        if isinstance(self.retries, bool) or not isinstance(self.retries, int) or self.retries < 0:
-            raise ValueError(f"PutRetry.retries must be an int >= 0, got {self.retries!r}")
-        if isinstance(self.backoff_s, bool) or not isinstance(self.backoff_s, int | float) or self.backoff_s < 0:
-            raise ValueError(f"PutRetry.backoff_s must be a number >= 0, got {self.backoff_s!r}")
+        check_number("PutRetry.retries", self.retries)
+        check_number("PutRetry.backoff_s", self.backoff_s, integer=False)
 
     def delay(self, attempt: int) -> float:
         """Seconds before retry ``attempt`` (1-based): as ``RetryPolicy.delay`` (spreads ranks throttled together)."""

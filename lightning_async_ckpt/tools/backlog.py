@@ -10,7 +10,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from lightning_async_ckpt.errors import ConfigError
+from lightning_async_ckpt.errors import check_number
 from lightning_async_ckpt.tools.fmt import fmt_bytes
 
 __all__ = [
@@ -263,10 +263,5 @@ def _advice(
 
 
 def _number(value: Any, flag: str, unit: str, *, positive: bool = False) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise ConfigError(f"{flag} must be a finite number of {unit}, got {value!r}")
-    if positive and value <= 0:
-        raise ConfigError(f"{flag} must be > 0 {unit}, got {value!r}")
-    if value < 0:
-        raise ConfigError(f"{flag} must be >= 0 {unit}, got {value!r}; rates and backlogs cannot be negative")
+    check_number(flag, value, integer=False, above=positive, finite=True, hint=f" ({unit})")
     return float(value)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from lightning_async_ckpt.errors import ConfigError
+from lightning_async_ckpt.errors import ConfigError, check_number
 
 __all__ = ["RecoveryInputs", "RecoveryPlan", "plan_recovery"]
 
@@ -41,10 +41,10 @@ class RecoveryInputs:
 
     def __post_init__(self) -> None:
         for name in ("state_bytes", "startup_s", "blocking_s"):
-            _number(name, getattr(self, name), minimum=0.0, strict=False)
+            check_number(name, getattr(self, name), integer=False)
         for name in ("local_bandwidth", "durable_bandwidth", "local_every_s", "durable_every_s", "preempt_every_s"):
-            _number(name, getattr(self, name), minimum=0.0, strict=True)
-        _number("node_loss", self.node_loss, minimum=0.0, strict=False)
+            check_number(name, getattr(self, name), integer=False, above=True)
+        check_number("node_loss", self.node_loss, integer=False)
         if self.node_loss > 1:
             raise ConfigError(f"node_loss is a fraction of preemptions, 0 to 1; got {self.node_loss!r}")
 
@@ -113,9 +113,3 @@ def plan_recovery(inputs: RecoveryInputs) -> list[RecoveryPlan]:
             x.blocking_s,
         ),
     ]
-
-
-def _number(name: str, value: object, *, minimum: float, strict: bool) -> None:
-    bad = isinstance(value, bool) or not isinstance(value, int | float) or value != value  # NaN
-    if bad or (value <= minimum if strict else value < minimum):
-        raise ConfigError(f"{name} must be a number {'>' if strict else '>='} {minimum:g}, got {value!r}")

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
-from lightning_async_ckpt.errors import ConfigError
+from lightning_async_ckpt.errors import check_number
 
 __all__ = [
     "GET_CLASS",
@@ -70,8 +70,7 @@ def _check(**values: float | None) -> None:
     for name, value in values.items():
         if value is None and name in ("rate_limit", "put_rate", "get_rate"):
             continue
-        if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
-            raise ConfigError(f"{name} must be a number >= 0, got {value!r}")
+        check_number(name, value, integer=False)
 
 
 def _plan(
