@@ -29,6 +29,7 @@ from lightning_async_ckpt.storage.io import (
 )
 from lightning_async_ckpt.storage.manifest import MANIFEST_NAME, Manifest, ObjectEntry, validate_object_name
 from lightning_async_ckpt.storage.store import CheckpointStore
+from lightning_async_ckpt.storage.writer import GenerationWriter
 
 _READ_CHUNK = 8 << 20
 
@@ -146,16 +147,9 @@ class _FolderWriter:
         self._idents[name] = file_identity(raw)
         return _FolderStream(self, name, raw)  # type: ignore[arg-type]
 
-    def write_bytes(self, name: str, data: bytes) -> ObjectEntry:
-        """Write a small object in one call and return its entry."""
-        with self.open(name) as stream:
-            stream.write(data)
-        return self._objects[name]
-
-    @property
-    def objects(self) -> tuple[ObjectEntry, ...]:
-        """Entries of our objects closed so far."""
-        return tuple(self._objects.values())
+    # The generation writer's: they read only ``open`` and ``_objects``, which this writer has too.
+    write_bytes = GenerationWriter.write_bytes
+    objects = GenerationWriter.objects
 
     def commit(self, **kwargs: Any) -> Manifest:
         """Wait for accelerate's part, seal its files, write the manifest last, then drop the incomplete marker."""

@@ -19,6 +19,7 @@ from lightning_async_ckpt.errors import StorageError
 from lightning_async_ckpt.storage.claims import Lease
 from lightning_async_ckpt.storage.io import ChecksumWriter, file_identity, fsync_dir, same_file
 from lightning_async_ckpt.storage.manifest import SPREAD_FOLDER, ObjectEntry, spread_path, validate_object_name
+from lightning_async_ckpt.storage.writer import GenerationWriter
 
 if TYPE_CHECKING:
     from lightning_async_ckpt.storage.store import CheckpointStore
@@ -91,10 +92,7 @@ class StoreFileSystem(FileSystemBase):
         """The full path of a recorded object (in the generation folder, or spread)."""
         return f"{self.store.root}/{entry.root_path}" if entry.root_path else f"{self.generation}/{entry.key}"
 
-    def renew(self) -> None:
-        """Renew this rank's lease when due (at each write)."""
-        if self.lease is not None:
-            self.lease.renew()
+    renew = GenerationWriter.renew  # reads only ``lease``, this rank's
 
     def _entry(self, path: str, size: int, checksum: str, physical: str | None = None) -> ObjectEntry:
         # Relative to the generation folder: a writer under another writer's claim writes below its own prefix.

@@ -46,6 +46,7 @@ __all__ = [
     "describe_entry",
     "durable_step_to_beat",
     "list_steps",
+    "manifest_gone",
     "newest_committed_above",
     "newest_first",
     "newest_in",
@@ -159,7 +160,7 @@ def newest_first(store: StoreRoot, steps: Iterable[int]) -> Iterator[GenerationI
         yield store.read_generation(step)
 
 
-def _manifest_gone(store: StoreRoot, step: int) -> bool:
+def manifest_gone(store: StoreRoot, step: int) -> bool:
     """Whether generation ``step`` has no manifest now (retired, or never committed)."""
     info = store.read_generation(step)
     return not info.committed and info.error is None and not info.unreadable
@@ -206,7 +207,7 @@ def newest_in(
             problems = check(info)
             if not problems:
                 return info
-            if _manifest_gone(store, info.step):
+            if manifest_gone(store, info.step):
                 seen.append((info.step, "vanished"))  # retired while being read: never reported as damage
                 continue
             seen.append((info.step, "damaged"))

@@ -12,6 +12,7 @@ import sys
 import time
 from typing import Any
 
+from lightning_async_ckpt.storage.finder import manifest_gone
 from lightning_async_ckpt.storage.generation import subfolders_holding_checkpoints, version_folders
 from lightning_async_ckpt.tools.fmt import fmt_age, fmt_bytes, one_line, print_table
 
@@ -208,7 +209,7 @@ def verify_store(
             )
     results = [store.verify(step) for step in targets]
     # A committed generation whose manifest is gone now was retired by a running writer while it was read: not damage.
-    removed = {r.step for r in results if not r.ok and gens[r.step].committed and _gone(store, r.step)}
+    removed = {r.step for r in results if not r.ok and gens[r.step].committed and manifest_gone(store, r.step)}
     results = [r for r in results if r.step not in removed]
     body = {
         "ok": all(r.ok for r in results),
@@ -243,12 +244,6 @@ def verify_store(
     if skipped:
         lines.append(f"skipped uncommitted (no manifest; in progress or a crashed write): steps {skipped}")
     return body, lines
-
-
-def _gone(store: Any, step: int) -> bool:
-    """Whether generation ``step`` has no manifest now (removed since it was listed)."""
-    info = store.read_generation(step)
-    return not info.committed and info.error is None and not info.unreadable
 
 
 def _on_disk(store: Any, g: Any) -> str:
