@@ -7,7 +7,6 @@ method the engine calls, and its base-class root is never read or written.
 from __future__ import annotations
 
 import contextlib
-import importlib.metadata
 import os
 import threading
 import time
@@ -29,7 +28,7 @@ from lightning_async_ckpt.storage.io import (
 )
 from lightning_async_ckpt.storage.manifest import MANIFEST_NAME, Manifest, ObjectEntry, validate_object_name
 from lightning_async_ckpt.storage.store import CheckpointStore
-from lightning_async_ckpt.storage.writer import GenerationWriter
+from lightning_async_ckpt.storage.writer import GenerationWriter, package_versions
 
 _READ_CHUNK = 8 << 20
 
@@ -179,7 +178,7 @@ class _FolderWriter:
             run_id=self.store.run_id,
             objects=tuple(self._objects.values()),
             cut=dict(kwargs.get("cut") or {}),
-            versions=_versions(),
+            versions=dict(package_versions("accelerate")),
             plan=dict(kwargs.get("plan") or {}),
             timings=dict(kwargs.get("timings") or {}),
             extra=dict(kwargs.get("extra") or {}),
@@ -317,16 +316,6 @@ class _FolderStore(CheckpointStore):
     def gc(self, keep_last: int, **_: Any) -> list[int]:
         """Nothing: accelerate's ``ProjectConfiguration(total_limit=...)`` owns retention of these folders."""
         return []
-
-
-def _versions() -> dict[str, str]:
-    out = {}
-    for dist in ("lightning_async_ckpt", "torch", "accelerate", "fsspec"):
-        try:
-            out[dist] = importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            continue
-    return out
 
 
 def _release_unsettled(unsettled: list[_FolderSave], multi: bool) -> None:

@@ -42,6 +42,7 @@ __all__ = [
     "claim_body",
     "claim_step",
     "new_token",
+    "package_versions",
 ]
 
 _log = logging.getLogger(__name__)
@@ -198,7 +199,7 @@ class GenerationWriter:
             run_id=self.store.run_id,
             objects=self.objects,
             cut=dict(cut or {}),
-            versions=dict(_versions()),
+            versions=dict(package_versions()),
             plan=dict(plan or {}),
             timings=dict(timings or {}),
             extra=dict(extra or {}),
@@ -330,11 +331,14 @@ class GenerationWriter:
 
 
 @functools.cache
-def _versions() -> dict[str, str]:
-    # Read once per process: looking the distributions up scans every site-packages entry (5-30 ms per commit on
-    # the 2-core machine, docs/benchmarks.md); callers copy the dict.
+def package_versions(framework: str = "lightning") -> dict[str, str]:
+    """The versions of this library, torch, ``framework`` and fsspec that a manifest records; callers copy it.
+
+    Read once per process: looking the distributions up scans every site-packages entry (5-30 ms per commit on
+    the 2-core machine, docs/benchmarks.md).
+    """
     out = {}
-    for dist in ("lightning_async_ckpt", "torch", "lightning", "fsspec"):
+    for dist in ("lightning_async_ckpt", "torch", framework, "fsspec"):
         try:
             out[dist] = importlib.metadata.version(dist)
         except importlib.metadata.PackageNotFoundError:
