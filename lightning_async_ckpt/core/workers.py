@@ -92,8 +92,7 @@ class Worker:
             self._stopping = True
             if thread is None:
                 return True
-        thread.join(timeout)
-        return not thread.is_alive()
+        return self.join(timeout)
 
     def join(self, timeout: float | None) -> bool:
         """Join the thread (after :meth:`stop`) for at most ``timeout`` seconds; True when it ended."""

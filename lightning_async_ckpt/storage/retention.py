@@ -24,6 +24,7 @@ generation, whether its objects are complete, who claims an uncommitted one) and
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -314,10 +315,8 @@ def remove_best_k(store: StoreView, steps: list[int], keep: set[int]) -> list[in
 def _remove(store: StoreView, info: GenerationInfo) -> None:
     path = store.generation_path(info.step)
     if info.manifest is None:
-        try:
+        with contextlib.suppress(FileNotFoundError):
             store.fs.rm(path, recursive=True)
-        except FileNotFoundError:
-            pass
         if store.hashed_prefixes:
             _sweep_spread(store, info.step)  # a failed attempt's spread data files (no manifest lists them)
     else:
@@ -332,10 +331,8 @@ def _remove(store: StoreView, info: GenerationInfo) -> None:
         foreign = [f for f in files if _prefix(f, path) not in own and not written_beside(f, path, keys)]
         _remove_spread(store, info.manifest)
         if not foreign:
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 store.fs.rm(path, recursive=True)
-            except FileNotFoundError:
-                pass
             store.invalidate_cache()
             return
         for f in files:
@@ -359,10 +356,8 @@ def _remove_files(store: StoreView, paths: list[str]) -> None:
         store.fs.rm(paths)  # missing keys are no error there
     else:
         for path in paths:
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 store.fs.rm_file(path)
-            except FileNotFoundError:
-                pass
     for folder in sorted({path.rsplit("/", 1)[0] for path in paths}):
         store.backend.remove_folder_if_empty(folder)  # local disk: the emptied folders (object stores: none)
 

@@ -14,6 +14,7 @@ per filesystem is :mod:`.backend`.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import uuid
@@ -194,10 +195,8 @@ class CheckpointStore(StoreReading):
             raise
         except Exception as exc:
             self.end_write(step)
-            try:
+            with contextlib.suppress(Exception):  # the preparation's own error is the one to report
                 self.backend.remove_folder_if_empty(self.generation_path(step))
-            except Exception:  # noqa: BLE001 - the preparation's own error is the one to report
-                pass
             raise StorageError(f"could not prepare generation {self.url(step)}: {exc}") from exc
 
     def _holds_manifest(self, step: int, manifest_path: str) -> bool:
