@@ -154,8 +154,6 @@ class CheckpointOptions:
         if self.on_error not in ("raise", "warn"):
             raise ConfigError(f"on_error must be 'raise' or 'warn', got {self.on_error!r}")
         check_number("retries", self.retries)
-        if not isinstance(self.guard, bool | str):
-            raise ConfigError(f"guard must be True, False, 'sample', 'full' or 'off', got {self.guard!r}")
         resolve_guard_mode(self.guard)  # names the accepted values
         for name in ("retry_backoff_s", "drain_timeout_s"):
             check_number(name, getattr(self, name), integer=False, finite=True)

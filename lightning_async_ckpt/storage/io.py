@@ -87,10 +87,12 @@ class Checksum:
         algorithm: ``"crc32c"``, ``"crc32"`` or ``"sha256"``.
 
     Raises:
-        ConfigError: ``crc32c`` without the ``crc32c`` package.
+        ConfigError: another algorithm, or ``crc32c`` without the ``crc32c`` package.
     """
 
     def __init__(self, algorithm: str) -> None:
+        if algorithm not in ("crc32c", "crc32", "sha256"):
+            raise ConfigError(f"checksum must be 'crc32c', 'crc32' or 'sha256', got {algorithm!r}")
         self.algorithm = algorithm
         self._value = 0
         self._sha = hashlib.sha256() if algorithm == "sha256" else None

@@ -42,7 +42,6 @@ from lightning_async_ckpt.storage.generation import (
 from lightning_async_ckpt.storage.io import (
     DEFAULT_CHECKSUM,
     Checksum,
-    crc32c_module,
     fsync_dir,
 )
 from lightning_async_ckpt.storage.ledger import Ledger
@@ -115,10 +114,7 @@ class CheckpointStore(StoreReading):
         if storage_options is not None and not isinstance(storage_options, dict):
             raise ConfigError(f"storage_options must be a dict or None, got {type(storage_options).__name__}")
         checksum = checksum or DEFAULT_CHECKSUM
-        if checksum not in ("crc32c", "crc32", "sha256"):
-            raise ConfigError(f"checksum must be 'crc32c', 'crc32' or 'sha256', got {checksum!r}")
-        if checksum == "crc32c" and crc32c_module() is None:
-            raise ConfigError("checksum 'crc32c' needs the google-crc32c package: pip install google-crc32c")
+        Checksum(checksum)  # names the accepted algorithms
         check_number("block_size", block_size, 5 << 20, optional=True, hint=" (5 MiB, S3's part minimum)")
         if run_id is not None and not isinstance(run_id, str):
             raise ConfigError(f"run_id must be a string or None (a new random id), got {run_id!r}")
