@@ -21,7 +21,13 @@ from lightning_async_ckpt import (
     latest_checkpoint,
 )
 from lightning_async_ckpt.core.options import CheckpointOptions
-from lightning_async_ckpt.errors import CheckpointError, ConfigError, GenerationExistsError, StorageError
+from lightning_async_ckpt.errors import (
+    CheckpointError,
+    ConfigError,
+    GenerationExistsError,
+    StorageError,
+    check_number,
+)
 from lightning_async_ckpt.storage.manifest import MANIFEST_NAME
 from tests.helpers.models import BNDropoutModel, make_loader, trainer_kwargs
 
@@ -102,6 +108,34 @@ def test_checkpoint_options_and_checkpointer_reject_bad_values(tmp_path, name, v
         AsyncCheckpointer(store, **{name: value})
     with pytest.raises(ConfigError, match=name):
         AsyncCheckpointer(store, CheckpointOptions(), **{name: value})
+
+
+NUMBER_CASES = [
+    ({"value": 0, "minimum": 1}, "keep_last must be an int >= 1, got 0"),
+    ({"value": True, "minimum": 1}, "keep_last must be an int >= 1, got True"),
+    ({"value": 2.0, "minimum": 1}, "keep_last must be an int >= 1, got 2.0"),
+    ({"value": None, "minimum": 1}, "keep_last must be an int >= 1, got None"),
+    (
+        {"value": -1, "optional": True, "hint": " (None keeps all)"},
+        "keep_last must be None or an int >= 0 (None keeps all)",
+    ),
+    ({"value": float("nan"), "integer": False}, "keep_last must be a number >= 0, got nan"),
+    ({"value": 0, "integer": False, "above": True}, "keep_last must be a number > 0, got 0"),
+    ({"value": float("inf"), "integer": False, "finite": True}, "keep_last must be a finite number >= 0, got inf"),
+]
+
+
+@pytest.mark.parametrize(("kwargs", "message"), NUMBER_CASES, ids=[m for _, m in NUMBER_CASES])
+def test_check_number_names_the_parameter_the_bound_and_the_value(kwargs, message):
+    with pytest.raises(ConfigError) as info:
+        check_number("keep_last", **kwargs)
+    assert str(info.value).startswith(message)
+
+
+def test_check_number_accepts_what_it_names():
+    check_number("keep_last", 1, 1)
+    check_number("keep_last", None, 1, optional=True)
+    check_number("timeout_s", 0.5, integer=False, above=True, finite=True)
 
 
 @pytest.mark.parametrize("store", [None, 5, object(), ""])
