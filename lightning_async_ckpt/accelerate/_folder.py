@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import threading
 import time
 import zipfile
@@ -18,8 +19,9 @@ from lightning_async_ckpt.accelerate._layout import _ARCHIVE_RE, INCOMPLETE_MARK
 from lightning_async_ckpt.core.engine import SaveHandle
 from lightning_async_ckpt.errors import CheckpointError, GenerationExistsError, ManifestError, StorageError
 from lightning_async_ckpt.storage.io import (
-    Checksum,
+    READ_CHUNK,
     ChecksumWriter,
+    Discard,
     exclusive_local_write,
     file_identity,
     fsync_dir,
@@ -29,8 +31,6 @@ from lightning_async_ckpt.storage.io import (
 from lightning_async_ckpt.storage.manifest import MANIFEST_NAME, Manifest, ObjectEntry, validate_object_name
 from lightning_async_ckpt.storage.store import CheckpointStore
 from lightning_async_ckpt.storage.writer import GenerationWriter, package_versions
-
-_READ_CHUNK = 8 << 20
 
 
 @dataclass(eq=False)
@@ -224,18 +224,16 @@ class _FolderWriter:
     def _seal(self, name: str) -> ObjectEntry:
         """Checksum and fsync one of accelerate's files; refuse a truncated torch.save archive."""
         path = os.path.join(self._save.folder, *name.split("/"))
-        digest, size = Checksum(self.checksum), 0
+        sink = ChecksumWriter(Discard(), self.checksum)
         with open(path, "rb") as f:
-            while chunk := f.read(_READ_CHUNK):
-                digest.update(chunk)
-                size += len(chunk)
+            shutil.copyfileobj(f, sink, READ_CHUNK)
             os.fsync(f.fileno())
         if _ARCHIVE_RE.match(name) and not zipfile.is_zipfile(path):
             raise CheckpointError(
                 f"{path} is not a complete torch.save archive (did save_state fail while writing it?); "
                 "the folder stays uncommitted"
             )
-        return ObjectEntry(name=name, size=size, checksum=digest.hexdigest())
+        return ObjectEntry(name=name, size=sink.size, checksum=sink.checksum)
 
 
 class _FolderStore(CheckpointStore):

@@ -11,6 +11,7 @@ import json
 import logging
 import random
 import re
+import shutil
 import struct
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -98,8 +99,7 @@ class _LayoutSerializer:
                     torch.save(payload, stream)
                 elif kind == "file":  # a file a save-state pre-hook wrote (see _prehooks.py)
                     with open(payload, "rb") as f:
-                        while chunk := f.read(8 << 20):
-                            stream.write(chunk)
+                        shutil.copyfileobj(f, stream, 8 << 20)
                 else:
                     stream.write(payload)
 
