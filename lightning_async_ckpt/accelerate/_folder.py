@@ -10,7 +10,6 @@ import contextlib
 import os
 import shutil
 import threading
-import time
 import zipfile
 from dataclasses import dataclass, field
 from typing import IO, Any
@@ -30,7 +29,7 @@ from lightning_async_ckpt.storage.io import (
 )
 from lightning_async_ckpt.storage.manifest import MANIFEST_NAME, Manifest, ObjectEntry, validate_object_name
 from lightning_async_ckpt.storage.store import CheckpointStore
-from lightning_async_ckpt.storage.writer import GenerationWriter, package_versions
+from lightning_async_ckpt.storage.writer import GenerationWriter, new_manifest
 
 
 @dataclass(eq=False)
@@ -173,17 +172,7 @@ class _FolderWriter:
         for name in save.listing:
             if name not in self._own:
                 self._record(self._seal(name))
-        manifest = Manifest(
-            step=self.step,
-            run_id=self.store.run_id,
-            objects=tuple(self._objects.values()),
-            cut=dict(kwargs.get("cut") or {}),
-            versions=dict(package_versions("accelerate")),
-            plan=dict(kwargs.get("plan") or {}),
-            timings=dict(kwargs.get("timings") or {}),
-            extra=dict(kwargs.get("extra") or {}),
-            committed_at=time.time(),
-        )
+        manifest = new_manifest(self, "accelerate", **kwargs)
         try:
             fsync_dir(save.folder)
             exclusive_local_write(os.path.join(save.folder, MANIFEST_NAME), manifest.to_json())

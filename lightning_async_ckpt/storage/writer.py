@@ -41,8 +41,8 @@ __all__ = [
     "ObjectStream",
     "claim_body",
     "claim_step",
+    "new_manifest",
     "new_token",
-    "package_versions",
 ]
 
 _log = logging.getLogger(__name__)
@@ -194,17 +194,7 @@ class GenerationWriter:
         self._check_open()
         if self._open:
             raise WriterUsageError(f"objects {sorted(self._open)} of step {self.step} are still open; close them first")
-        manifest = Manifest(
-            step=self.step,
-            run_id=self.store.run_id,
-            objects=self.objects,
-            cut=dict(cut or {}),
-            versions=dict(package_versions()),
-            plan=dict(plan or {}),
-            timings=dict(timings or {}),
-            extra=dict(extra or {}),
-            committed_at=time.time(),
-        )
+        manifest = new_manifest(self, cut=cut, plan=plan, timings=timings, extra=extra)
         data = manifest.to_json()
         path = f"{self.path}/{MANIFEST_NAME}"
         try:
@@ -330,13 +320,24 @@ class GenerationWriter:
             raise WriterUsageError(f"generation step {self.step} is already committed or aborted")
 
 
-@functools.cache
-def package_versions(framework: str = "lightning") -> dict[str, str]:
-    """The versions of this library, torch, ``framework`` and fsspec that a manifest records; callers copy it.
+def new_manifest(writer: Any, framework: str = "lightning", **parts: dict[str, Any] | None) -> Manifest:
+    """The manifest of ``writer``'s generation (its step, run and objects so far) committed now, recording the
+    versions of this library, torch, ``framework`` and fsspec, and the ``cut``, ``plan``, ``timings`` and ``extra``
+    among ``parts``."""
+    return Manifest(
+        step=writer.step,
+        run_id=writer.store.run_id,
+        objects=writer.objects,
+        versions=dict(_versions(framework)),
+        committed_at=time.time(),
+        **{key: dict(parts.get(key) or {}) for key in ("cut", "plan", "timings", "extra")},
+    )
 
-    Read once per process: looking the distributions up scans every site-packages entry (5-30 ms per commit on
-    the 2-core machine, docs/benchmarks.md).
-    """
+
+@functools.cache
+def _versions(framework: str) -> dict[str, str]:
+    # Read once per process: looking the distributions up scans every site-packages entry (5-30 ms per commit on
+    # the 2-core machine, docs/benchmarks.md); callers copy the dict.
     out = {}
     for dist in ("lightning_async_ckpt", "torch", framework, "fsspec"):
         try:
