@@ -48,6 +48,7 @@ from lightning_async_ckpt.core.fingerprint import (
     combine_partials,
     device_partials,
     fingerprint,
+    fingerprints,
 )
 from lightning_async_ckpt.core.write_tracker import WriteTracker, page_interior, tracker
 from lightning_async_ckpt.errors import ConfigError
@@ -213,8 +214,8 @@ class CutGuard:
                 self._sums[slot.index] = fingerprint(_as_bytes(slot.storage))
             return
         with ThreadPoolExecutor(workers, thread_name_prefix="lightning_async_ckpt-fingerprint") as pool:
-            for slot in host:
-                self._sums[slot.index] = fingerprint(_as_bytes(slot.storage), pool)
+            sums = fingerprints([_as_bytes(slot.storage) for slot in host], pool)
+        self._sums.update((slot.index, value) for slot, value in zip(host, sums, strict=True))
 
     def _track(self, host: list[StorageSlot]) -> list[StorageSlot]:
         """Write-protect the whole pages of the large host slots (their partial pages fingerprinted here); returns
