@@ -311,8 +311,15 @@ class CutGuard:
                     found.append((slot, "version counter before its fence"))
         return found
 
-    def check(self, buffers: Sequence[torch.Tensor]) -> list[tuple[StorageSlot, str]]:
-        """After the copies: the slots whose staged copy may differ from the cut, each with the check that saw it."""
+    def check(
+        self, buffers: Sequence[torch.Tensor], staged: dict[int, tuple[int, ...]] | None = None
+    ) -> list[tuple[StorageSlot, str]]:
+        """After the copies: the slots whose staged copy may differ from the cut, each with the check that saw it.
+
+        ``staged``: the exact fingerprint of staged host buffers already computed while they were copied (by slot
+        index; CRC-32C per :data:`FINGERPRINT_CHUNK`); the others are read here.
+        """
+        staged_sums = staged or {}
         if self.mode == GuardMode.OFF:
             return []
         torn: dict[int, tuple[StorageSlot, str]] = {}
@@ -330,8 +337,11 @@ class CutGuard:
                 expected = self._sums[slot.index]
                 if isinstance(expected, torch.Tensor):
                     expected = (combine_partials(expected.tolist()),)
-                staged = fingerprint(buf) if slot.device.type == "cpu" else (checksum(buf),)
-                if staged != expected:
+                if slot.device.type != "cpu":
+                    copy: tuple[int, ...] = (checksum(buf),)
+                else:
+                    copy = staged_sums.get(slot.index) or fingerprint(buf)
+                if copy != expected:
                     torn[slot.index] = (slot, "checksum")
             else:
                 idx, expected = self._samples[slot.index]

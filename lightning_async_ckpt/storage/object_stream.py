@@ -59,13 +59,18 @@ class ObjectStream(WriteOnlyStream):
 
     def write(self, data: Any) -> int:
         """Write ``data``; a storage failure is kept so it, not a serializer's wrapper, decides retries."""
+        return self.write_checksummed(data, None)
+
+    def write_checksummed(self, data: Any, crc32c: int | None) -> int:
+        """:meth:`write` of ``data`` whose CRC-32C the caller computed from these very bytes (``None``: unknown):
+        with the object's checksum CRC-32C, they are not read again to checksum them."""
         view = memoryview(data).cast("B")
         try:
             self._raw.write(view)
         except Exception as exc:
             self.failure = StorageError(f"could not write object {self.name!r} of {self._writer.path}: {exc}")
             raise self.failure from exc
-        self._sum.update(view)
+        self._sum.extend(view, crc32c)
         self.size += len(view)
         self._writer.renew()
         return len(view)
