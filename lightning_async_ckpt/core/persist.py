@@ -118,25 +118,13 @@ class PumpedWriter:
     """
 
     def __init__(
-        self,
-        writer: Any,
-        io: Worker,
-        abandon: threading.Event,
-        owners: Sequence[torch.Tensor],
-        checksums: Mapping[int, int] | None = None,
+        self, writer: Any, io: Worker, abandon: threading.Event, owners: Sequence[torch.Tensor], checksums: Any = None
     ) -> None:
         self._writer = writer
         self._io = io
         self._abandon = abandon
-        known = checksums or {}
-        self._ranges = sorted(
-            (
-                (b.data_ptr(), b.data_ptr() + b.numel() * b.element_size(), b, known.get(b.data_ptr()))
-                for b in owners
-                if b.numel()
-            ),
-            key=lambda r: r[0],
-        )
+        known, spans = checksums or {}, [(b.data_ptr(), b.numel() * b.element_size(), b) for b in owners if b.numel()]
+        self._ranges = sorted(((at, at + n, b, known.get(at)) for at, n, b in spans), key=lambda r: r[0])
 
     def open(self, name: str) -> PumpedStream:
         """Open object ``name`` (on this thread) and return a stream whose writes run on the I/O thread."""

@@ -99,15 +99,9 @@ def _multiply(a: int, b: int) -> int:
     return product
 
 
-def _powers() -> list[int]:
-    # x^(2^k) modulo the polynomial for k = 0..63: x^1 is 1 << 30 in reflected order.
-    powers = [1 << 30]
-    for _ in range(63):
-        powers.append(_multiply(powers[-1], powers[-1]))
-    return powers
-
-
-_X_POWERS = _powers()
+_X_POWERS = [1 << 30]  # x^(2^k) modulo the polynomial for k = 0..63 (x^1 is 1 << 30 in reflected order)
+for _ in range(63):
+    _X_POWERS.append(_multiply(_X_POWERS[-1], _X_POWERS[-1]))
 
 
 def crc32c_combine(first: int, second: int, second_length: int) -> int:
