@@ -25,7 +25,7 @@ from lightning_async_ckpt.accelerate._choose import Choice, choose
 from lightning_async_ckpt.accelerate._collective import collective_for
 from lightning_async_ckpt.accelerate._layout import _ATTR, _RNG_FILE_RE
 from lightning_async_ckpt.accelerate._numbering import continue_numbering, next_free_index
-from lightning_async_ckpt.accelerate._replicas import agree_local_location, choose_with_peers
+from lightning_async_ckpt.accelerate._replicas import agree_local_location
 from lightning_async_ckpt.accelerate._tier_load import choose_across_tiers
 from lightning_async_ckpt.core.collective import agree
 from lightning_async_ckpt.errors import CheckpointError
@@ -118,10 +118,8 @@ def load_state(
     if attached and callable(getattr(checkpointer, "drain", None)):
         checkpointer.drain(_wait_bound(collective))  # two tiers: this process's local commits and promotions first
     replicas = getattr(checkpointer, "replicas", None) if attached else None
-    if local_dirpath is not None and replicas is not None:  # a lost local folder is refilled from a peer
-        choice = choose_with_peers(accelerator, collective, replicas, uri, local_dirpath, options, step)
-    elif local_dirpath is not None:
-        choice = choose_across_tiers(accelerator, collective, uri, local_dirpath, options, step)
+    if local_dirpath is not None:  # with replicas, a lost local folder is refilled from a peer
+        choice = choose_across_tiers(collective, uri, local_dirpath, options, step, replicas)
     if choice is None:
         if accelerator.is_main_process:
             try:

@@ -248,7 +248,7 @@ class _PeerResume:
             version = self._restore(step, everyone, sources, verify)
             if version is not None:
                 store = rank_store(version_root(local, version), rank)
-                return TierChoice(step, "local", store, max(candidates), version)
+                return TierChoice(step, "local", store)
         return None
 
     def _restore(self, step: int, everyone: list[Any], sources: Any, verify: bool) -> int | None:
