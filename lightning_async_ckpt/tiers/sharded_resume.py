@@ -23,21 +23,30 @@ names are never rewritten.
 from __future__ import annotations
 
 import logging
-import re
 from dataclasses import dataclass
 from typing import Any
+
+import fsspec
 
 from lightning_async_ckpt.core.collective import TorchCollective
 from lightning_async_ckpt.sharded.once import gloo_group, latest_once
 from lightning_async_ckpt.sharded.spread import load_generation
+from lightning_async_ckpt.storage.generation import version_folders
 from lightning_async_ckpt.storage.store import CheckpointStore
 from lightning_async_ckpt.tiers.local_tier import LOCAL_TIER_KEY, rank_store
 from lightning_async_ckpt.tiers.resume import durable_roots, pick_local
 
-__all__ = ["RankParts", "TierChoice", "latest_across_tiers", "local_roots", "local_state", "version_root"]
+__all__ = [
+    "RankParts",
+    "TierChoice",
+    "latest_across_tiers",
+    "local_roots",
+    "local_state",
+    "part_problem",
+    "version_root",
+]
 
 _log = logging.getLogger("lightning_async_ckpt")
-_VERSION_RE = re.compile(r"^v([0-9]+)$")
 
 
 @dataclass(frozen=True)
@@ -71,19 +80,8 @@ def version_root(local_dirpath: str, version: int) -> str:
 
 def local_roots(local_dirpath: str) -> list[int]:
     """The local version folders that exist (always including 0), ascending."""
-    import fsspec
-
     fs, path = fsspec.core.url_to_fs(local_dirpath)
-    versions = {0}
-    try:
-        names = [str(p).rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(path, detail=False)]
-    except FileNotFoundError:
-        names = []
-    for name in names:
-        match = _VERSION_RE.match(name)
-        if match:
-            versions.add(int(match.group(1)))
-    return sorted(versions)
+    return [0, *version_folders(fs, path)]
 
 
 def local_state(local_dirpath: str, rank: int, world_size: int) -> tuple[dict[int, int], int, int | None]:
@@ -154,14 +152,7 @@ class RankParts:
         against its checksums (a damaged one is skipped with a warning), or ``None``."""
         steps, _, _ = local_state(self.local_dirpath, self.rank, self.world_size)
         for step in sorted((s for s in steps if ceiling is None or s <= ceiling), reverse=True):
-            store = self.store(steps[step])
-            problem = None
-            if self.verify:
-                try:
-                    result = store.verify(step)
-                    problem = None if result.ok else "; ".join(result.problems) or "failed verification"
-                except Exception as exc:  # noqa: BLE001 - this rank's part is unusable
-                    problem = f"{type(exc).__name__}: {exc}"
+            problem = part_problem(self.store(steps[step]), step, self.verify)
             if problem is None:
                 return steps[step], step
             _log.warning("rank %d: local step %d is damaged: %s", self.rank, step, problem)
@@ -170,3 +161,16 @@ class RankParts:
     def store(self, version: int) -> CheckpointStore:
         """This rank's store in local version folder ``version``."""
         return rank_store(version_root(self.local_dirpath, version), self.rank)
+
+
+def part_problem(store: CheckpointStore, step: int, verify: bool) -> str | None:
+    """``None`` when committed generation ``step`` of ``store`` is intact (``verify``: every object re-read against
+    its checksum), else what is wrong."""
+    try:
+        store.manifest(step)
+        if not verify:
+            return None
+        result = store.verify(step)
+        return None if result.ok else "; ".join(result.problems) or "failed verification"
+    except Exception as exc:  # noqa: BLE001 - this copy is unusable
+        return f"{type(exc).__name__}: {exc}"
