@@ -22,7 +22,7 @@ from lightning_async_ckpt.lightning.sharded_tiers import find_last_sharded
 from lightning_async_ckpt.lightning.sliced import writes_sharded
 from lightning_async_ckpt.storage.store import CheckpointStore
 from lightning_async_ckpt.tiers.replica_persist import manifest_of
-from lightning_async_ckpt.tiers.resume import Local, OneStream, durable_roots, pick_local, pick_with_peers
+from lightning_async_ckpt.tiers.resume import Local, OneStream, durable_roots, keeps_local, pick_local, pick_with_peers
 
 __all__ = ["find_last_across", "latest_checkpoint"]
 
@@ -61,7 +61,7 @@ def latest_checkpoint(
     durable = CheckpointStore(dirpath, storage_options, check_writable=False)
     local = pick_local(_tier(local_dirpath, durable, resumable=False), durable_roots(durable))
     if local is not None and local.beaten_by is None:
-        return _path(local)
+        return _path(local)  # dirpath only listed
     found = resume.latest_checkpoint(dirpath, storage_options, collective=False)
     return _pick(local, {found} if found else set(), single=True)
 
@@ -90,9 +90,6 @@ def find_last_across(callback: Any, trainer: Any) -> set[str]:
     if trainer.num_nodes > 1:
         _log.info("ckpt_path='last': %d nodes; resuming from dirpath, not from the node-local tier", trainer.num_nodes)
     found = resume.find_last(callback, trainer)  # on every rank: a collective once the process group exists
-    if local is not None and local.beaten_by is None:
-        _log.info("ckpt_path='last' resumes from the local tier: %s", _path(local))
-        return {_path(local)}
     return _pick(local, found, single=False)
 
 
@@ -112,14 +109,12 @@ def _path(local: Local) -> str:
 
 
 def _pick(local: Local | None, durable: set[str], *, single: bool) -> Any:
-    """The durable answer, unless it is older than the local generation (the newer durable one was damaged)."""
-    steps = [_step_of(p) for p in durable]
-    newest = max((s for s in steps if s is not None), default=-1)
-    if local is not None and local.step >= newest:
+    """The durable answer, unless the local generation is kept (:func:`~lightning_async_ckpt.tiers.resume.keeps_local`)."""
+    newest = max((s for s in map(_step_of, durable) if s is not None), default=None)
+    if keeps_local(local, newest):
+        assert local is not None
         return _path(local) if single else {_path(local)}
-    if single:
-        return next(iter(durable), None)
-    return durable
+    return next(iter(durable), None) if single else durable
 
 
 def _step_of(path: str) -> int | None:

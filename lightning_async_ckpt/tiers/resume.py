@@ -40,6 +40,7 @@ __all__ = [
     "LocalTier",
     "OneStream",
     "durable_roots",
+    "keeps_local",
     "pick_local",
     "pick_with_peers",
     "this_lineage",
@@ -178,6 +179,12 @@ def pick_local(
     if beat is not None:
         _log.info("%s: the durable tier holds step %d, newer than the local tier's %d", doing, beat, step)
     return Local(step, mine[0], tier.store(mine[0]), beat)
+
+
+def keeps_local(local: Local | None, durable_step: int | None) -> bool:
+    """Whether ``local`` is resumed from when the durable tier's newest verified step is ``durable_step``: it won, or
+    the newer durable generation that beat it is damaged (the newest verified one is not newer)."""
+    return local is not None and (local.beaten_by is None or durable_step is None or durable_step <= local.step)
 
 
 def pick_with_peers(

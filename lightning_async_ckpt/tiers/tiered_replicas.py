@@ -23,7 +23,7 @@ from lightning_async_ckpt.storage.manifest import Manifest
 from lightning_async_ckpt.storage.store import CheckpointStore
 from lightning_async_ckpt.tiers.replica_persist import manifest_of
 from lightning_async_ckpt.tiers.replicas import Replicator, replica_plan
-from lightning_async_ckpt.tiers.resume import OneStream, durable_roots, pick_local, pick_with_peers
+from lightning_async_ckpt.tiers.resume import OneStream, durable_roots, keeps_local, pick_local, pick_with_peers
 
 __all__ = [
     "WRITERS",
@@ -134,12 +134,13 @@ def restore_tiered(group: Any, local_dirpath: str, durable: CheckpointStore) -> 
         local = pick_local(tier, durable_roots(durable))
     else:
         local = pick_with_peers(group, tier, durable_roots(durable))
-    if local is not None and local.beaten_by is None:
+    step = None if local is not None and local.beaten_by is None else _durable_latest(group, durable)
+    if keeps_local(local, step):
+        assert local is not None
         _log.info("resuming from the local tier, step %d (%s)", local.step, local.store.uri)
         return Restored(local.store, local.step, "local", manifest_of(local.store, local.step))
-    step = _durable_latest(group, durable)
-    if step is None or (local is not None and step <= local.step):  # the newer one was damaged
-        return None if local is None else Restored(local.store, local.step, "local", local.store.manifest(local.step))
+    if step is None:
+        return None
     _log.info("resuming from %s, step %d (no newer local generation)", durable.uri, step)
     return Restored(durable, step, "durable", durable.manifest(step))
 
