@@ -34,7 +34,7 @@ from lightning_async_ckpt.storage.manifest import MANIFEST_NAME, Manifest
 from lightning_async_ckpt.storage.regular import url_to_regular_fs
 from lightning_async_ckpt.storage.store import CheckpointStore
 from lightning_async_ckpt.tiers.replica_persist import manifest_of
-from lightning_async_ckpt.tiers.resume import OneStream, durable_roots, pick_local, pick_with_peers
+from lightning_async_ckpt.tiers.resume import OneStream, pick_local, pick_with_peers
 
 _log = logging.getLogger("lightning_async_ckpt")
 _CUSTOM_RE = re.compile(r"^custom_checkpoint_(\d+)\.pkl$")
@@ -172,13 +172,13 @@ def _across_tiers(
     (every process loads from ``uri``); with ``replicas`` a process lacking it receives it from a peer first."""
     durable = CheckpointStore(uri, options, check_writable=False)
     tier = OneStream(local_dirpath, durable, lambda m: m.extra.get("layout") == "accelerate", step)
-    roots = [] if step is not None else durable_roots(durable)  # an asked-for step is never outranked
+    beaten_by = None if step is not None else durable  # an asked-for step is never outranked
     if replicas is not None:
         if replicas.group is None:
             raise CheckpointError("the replicas of this checkpointer were closed; attach() a new one")
-        local = pick_with_peers(replicas.group, tier, roots, collective=collective)
+        local = pick_with_peers(replicas.group, tier, beaten_by, collective=collective)
     else:
-        local = pick_local(tier, roots, collective=collective, doing="load_state")
+        local = pick_local(tier, beaten_by, collective=collective, doing="load_state")
     if local is None or local.beaten_by is not None:
         return None
     manifest = manifest_of(local.store, local.step) if replicas is not None else None  # a peer's copy: being committed

@@ -22,7 +22,7 @@ from lightning_async_ckpt.lightning.sharded_tiers import find_last_sharded
 from lightning_async_ckpt.lightning.sliced import writes_sharded
 from lightning_async_ckpt.storage.store import CheckpointStore
 from lightning_async_ckpt.tiers.replica_persist import manifest_of
-from lightning_async_ckpt.tiers.resume import Local, OneStream, durable_roots, keeps_local, pick_local, pick_with_peers
+from lightning_async_ckpt.tiers.resume import Local, OneStream, keeps_local, pick_local, pick_with_peers
 
 __all__ = ["find_last_across", "latest_checkpoint"]
 
@@ -59,7 +59,7 @@ def latest_checkpoint(
     if local_dirpath is None:
         return resume.latest_checkpoint(dirpath, storage_options, collective=collective)
     durable = CheckpointStore(dirpath, storage_options, check_writable=False)
-    local = pick_local(_tier(local_dirpath, durable, resumable=False), durable_roots(durable))
+    local = pick_local(_tier(local_dirpath, durable, resumable=False), durable)
     if local is not None and local.beaten_by is None:
         return _path(local)  # dirpath only listed
     found = resume.latest_checkpoint(dirpath, storage_options, collective=False)
@@ -77,7 +77,7 @@ def find_last_across(callback: Any, trainer: Any) -> set[str]:
     )
     tier = _tier(callback.local_dirpath, durable, resumable=True)
     if callback.tiers.replicas and trainer.world_size > 1:
-        local = pick_with_peers(ensure_group(callback.tiers, trainer), tier, durable_roots(durable))
+        local = pick_with_peers(ensure_group(callback.tiers, trainer), tier, durable)
         if local is None:
             _log.info("ckpt_path='last': every rank resumes from dirpath (no local generation newer on any rank)")
             return resume.find_last(callback, trainer)
@@ -86,7 +86,7 @@ def find_last_across(callback: Any, trainer: Any) -> set[str]:
     # Lightning resolves "last" on each rank before any collective exists. On one node the ranks read the same
     # node-local folder, so they agree; across nodes only rank 0's node holds the local generations (no peer
     # replicas), so every rank resumes from dirpath together.
-    local = pick_local(tier, durable_roots(durable)) if trainer.num_nodes <= 1 else None
+    local = pick_local(tier, durable) if trainer.num_nodes <= 1 else None
     if trainer.num_nodes > 1:
         _log.info("ckpt_path='last': %d nodes; resuming from dirpath, not from the node-local tier", trainer.num_nodes)
     found = resume.find_last(callback, trainer)  # on every rank: a collective once the process group exists

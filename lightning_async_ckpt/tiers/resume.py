@@ -45,7 +45,6 @@ __all__ = [
     "pick_with_peers",
     "this_lineage",
     "version_store",
-    "warn_skipped",
 ]
 
 _log = logging.getLogger("lightning_async_ckpt")
@@ -95,7 +94,7 @@ def durable_roots(durable: CheckpointStore) -> list[StoreRoot]:
     return [root, *(version_store(durable.uri, v, durable.storage_options).location for v in versions)]
 
 
-def warn_skipped(url: str, problems: tuple[str, ...]) -> None:
+def _warn_skipped(url: str, problems: tuple[str, ...]) -> None:
     """Warn (log and ``warnings``) that local generation ``url`` is skipped for ``problems``."""
     message = f"skipping local generation {url}: {'; '.join(problems)}"
     _log.warning("%s", message)
@@ -131,7 +130,7 @@ class OneStream:
                 return False
             return (ceiling is None or manifest.step <= ceiling) and self.accept(manifest) and lineage(manifest)
 
-        found = newest_intact(self.local_dirpath, None, accept=accept, on_skip=warn_skipped)
+        found = newest_intact(self.local_dirpath, None, accept=accept, on_skip=_warn_skipped)
         return None if found is None else (found.version, found.info.step)
 
     def store(self, version: int) -> CheckpointStore:
@@ -140,11 +139,12 @@ class OneStream:
 
 
 def pick_local(
-    tier: LocalTier, durable: list[StoreRoot], *, collective: Collective | None = None, doing: str = "resuming"
+    tier: LocalTier, durable: CheckpointStore | None, *, collective: Collective | None = None, doing: str = "resuming"
 ) -> Local | None:
     """The newest local generation every rank holds intact, ``beaten_by`` the durable tier's newer committed step
     when it holds one; ``None`` when some rank holds none (every rank resumes from the durable tier). Collective
-    over ``collective`` (``None``: this process alone); rank 0 of it reads ``durable``.
+    over ``collective`` (``None``: this process alone); rank 0 of it lists ``durable`` and its version folders
+    (``None``: an asked-for step, never outranked).
 
     Raises:
         RankFailedError: Another rank failed to look (its own error is raised there).
@@ -167,7 +167,7 @@ def pick_local(
         try:
             if mine is not None and mine[1] != step:
                 mine = tier.newest(step)
-            beat = newest_committed_above(durable, step) if lead else None
+            beat = newest_committed_above(durable_roots(durable), step) if lead and durable is not None else None
         except Exception as exc:  # noqa: BLE001 - raised on every rank by agree
             error = exc
         answers = agree(collective, error, (beat, None if mine is None else mine[1]), doing=f"{doing}: step {step}")
@@ -188,7 +188,7 @@ def keeps_local(local: Local | None, durable_step: int | None) -> bool:
 
 
 def pick_with_peers(
-    group: Any, tier: OneStream, durable: list[StoreRoot], *, collective: Collective | None = None
+    group: Any, tier: OneStream, durable: CheckpointStore | None, *, collective: Collective | None = None
 ) -> Local | None:
     """:func:`pick_local` with peer replicas (collective over the replicas' gloo ``group``): the newest step any
     rank holds intact, received from a peer into each folder that lacks it
@@ -204,7 +204,7 @@ def pick_with_peers(
     mine, beat, error = None, None, None
     try:
         mine = tier.newest(None)
-        beat = None if mine is None else newest_committed_above(durable, mine[1])
+        beat = None if mine is None or durable is None else newest_committed_above(durable_roots(durable), mine[1])
     except Exception as exc:  # noqa: BLE001 - raised on every rank by agree
         error = exc
     agree(collective, error, doing="resuming: the local tiers' newest step")

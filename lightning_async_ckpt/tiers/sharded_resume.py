@@ -34,7 +34,7 @@ from lightning_async_ckpt.sharded.spread import load_generation
 from lightning_async_ckpt.storage.generation import version_folders
 from lightning_async_ckpt.storage.store import CheckpointStore
 from lightning_async_ckpt.tiers.local_tier import LOCAL_TIER_KEY, rank_store
-from lightning_async_ckpt.tiers.resume import durable_roots, pick_local
+from lightning_async_ckpt.tiers.resume import pick_local
 
 __all__ = [
     "RankParts",
@@ -126,7 +126,7 @@ def latest_across_tiers(local_dirpath: str, durable: CheckpointStore, *, verify:
     if distributed:
         collective = TorchCollective(None if str(dist.get_backend()) == "gloo" else gloo_group())
     parts = RankParts(local_dirpath, rank, world, verify)
-    local = pick_local(parts, durable_roots(durable), collective=collective, doing="resuming sharded")
+    local = pick_local(parts, durable, collective=collective, doing="resuming sharded")
     if local is not None and local.beaten_by is None:
         _log.info("resuming step %d from the local tier %s (every rank holds it intact)", local.step, local_dirpath)
         return TierChoice(local.step, "local", local.store)

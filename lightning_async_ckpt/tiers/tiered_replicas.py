@@ -23,7 +23,7 @@ from lightning_async_ckpt.storage.manifest import Manifest
 from lightning_async_ckpt.storage.store import CheckpointStore
 from lightning_async_ckpt.tiers.replica_persist import manifest_of
 from lightning_async_ckpt.tiers.replicas import Replicator, replica_plan
-from lightning_async_ckpt.tiers.resume import OneStream, durable_roots, keeps_local, pick_local, pick_with_peers
+from lightning_async_ckpt.tiers.resume import OneStream, keeps_local, pick_local, pick_with_peers
 
 __all__ = [
     "WRITERS",
@@ -130,10 +130,7 @@ def restore_tiered(group: Any, local_dirpath: str, durable: CheckpointStore) -> 
         StoreUnavailableError: ``durable`` cannot be listed.
     """
     tier = OneStream(local_dirpath, durable)
-    if group is None:
-        local = pick_local(tier, durable_roots(durable))
-    else:
-        local = pick_with_peers(group, tier, durable_roots(durable))
+    local = pick_local(tier, durable) if group is None else pick_with_peers(group, tier, durable)
     step = None if local is not None and local.beaten_by is None else _durable_latest(group, durable)
     if keeps_local(local, step):
         assert local is not None
