@@ -39,6 +39,7 @@ class ModeResult:
     persist_mbps: float | None = None
     checkpoints: int = 0
     fit_s: float = 0.0
+    sync_s: float = 0.0
     note: str = ""
     error: str | None = None
     step_times: list[float] = field(default_factory=list)

@@ -1,29 +1,12 @@
 """Test helpers: a fault-injecting fsspec filesystem that wraps any other one, to test your own storage.
 
-:class:`FaultyFileSystem` delegates every call to a wrapped filesystem (local disk, S3, memory, ...) and
-injects the faults you plan with :class:`Fault`: fail the k-th ``open``/``write``/``close``/``info``/``rm``/
-``pipe_file``/... call with an ``OSError``, ``ENOSPC`` or ``TimeoutError``; stall a call on a
-``threading.Event`` (optionally timing out); or run a callback at an exact call (a crash test kills its own process
-there). ``bandwidth_bps`` caps write throughput.
-
+:class:`FaultyFileSystem` delegates every call to a wrapped filesystem and injects the faults you plan with
+:class:`Fault` (an ``OSError``, ``ENOSPC`` or ``TimeoutError`` at the k-th call of an operation, a stall on a
+``threading.Event``, or a callback at an exact call); ``bandwidth_bps`` caps write throughput.
 :func:`register_faulty` registers the ``faulty`` protocol with fsspec (nothing is registered by installing or
-importing the package), so the wrapper can be named by URL and configured through ``storage_options`` wherever a
-store is opened::
-
-    from lightning_async_ckpt.testing import Fault, register_faulty
-
-    register_faulty()
-
-    callback = AsyncCheckpointCallback(
-        dirpath="faulty:///tmp/ckpt",
-        storage_options={
-            "target_protocol": "file",
-            "faults": [Fault(op="write", path="checkpoint.ckpt", at=3, error="oserror")],
-        },
-    )
-
-The wrapper is not a ``LocalFileSystem``, so the store uses its object-store commit path (one ``pipe_file`` for
-the manifest) even around a local folder.
+importing the package), so a store can be opened as ``faulty:///tmp/ckpt`` with the plan in ``storage_options``
+(``docs/testing.md`` has examples). The wrapper is not a ``LocalFileSystem``, so the store uses its object-store
+commit path even around a local folder.
 """
 
 from __future__ import annotations

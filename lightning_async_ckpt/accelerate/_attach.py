@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from lightning_async_ckpt.accelerate._bounded import bounded_collective
 from lightning_async_ckpt.accelerate._checkpointer import AccelerateCheckpointer
+from lightning_async_ckpt.accelerate._collective import bounded_collective
 from lightning_async_ckpt.accelerate._fsdp import check_fsdp, is_fsdp
 from lightning_async_ckpt.accelerate._layout import _ATTR, _check_supported
 from lightning_async_ckpt.accelerate._replicas import agree_local_location, open_accelerate_replicas, replica_layout

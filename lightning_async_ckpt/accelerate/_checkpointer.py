@@ -33,19 +33,17 @@ from lightning_async_ckpt.accelerate._numbering import (
     uncommitted_load_message,
 )
 from lightning_async_ckpt.accelerate._prehooks import remove_when_done, run_save_pre_hooks
-from lightning_async_ckpt.core.capture import DeferralProof, Fence
+from lightning_async_ckpt.core.capture import Fence
 from lightning_async_ckpt.core.collective import RankFailedError, agree
 from lightning_async_ckpt.core.commit_hooks import CommitFanOut
 from lightning_async_ckpt.core.engine import AsyncCheckpointer, CheckpointOptions, SaveHandle
 from lightning_async_ckpt.core.handle import DrainOnExit
-from lightning_async_ckpt.core.telemetry import SaveRecord
 from lightning_async_ckpt.core.workers import register_at_exit
 from lightning_async_ckpt.errors import CheckpointError, ConfigError
 from lightning_async_ckpt.storage.manifest import MANIFEST_NAME, Manifest
 from lightning_async_ckpt.storage.store import CheckpointStore
 
 
-# -- the checkpointer --------------------------------------------------------------------------------------
 class AccelerateCheckpointer(FolderSaves, CommitFanOut, DrainOnExit):
     """Asynchronous checkpoints for one ``Accelerator``; create it with :func:`attach` on every process.
 
@@ -119,28 +117,23 @@ class AccelerateCheckpointer(FolderSaves, CommitFanOut, DrainOnExit):
     def save_state(self, step: int | None = None, *, automatic: bool | None = None, final: bool = False) -> SaveHandle:
         """Capture everything ``accelerator.save_state`` would save and write it as one generation, asynchronously.
 
-        Collective: every process must call it. Weights and optimizer state are staged in the background behind
-        the optimizer-step fence when proven; buffers, RNG, schedulers, scaler, sampler/dataloader and custom state
-        are copied at the cut. accelerate's save-state pre-hooks run first, as ``accelerator.save_state`` runs them
-        (see :mod:`~lightning_async_ckpt.accelerate._prehooks`); what they write is part of the generation. Only
-        the main process writes: the other processes' RNG states are gathered to it at the cut, so the manifest is
-        written once, after every file of every rank.
+        Collective: every process must call it. Weights and optimizer state are staged behind the optimizer-step fence
+        when proven; everything else is copied at the cut. accelerate's save-state pre-hooks run first; what they write is
+        part of the generation. Only the main process writes (the other processes' RNG states are gathered to it).
 
-        Where: generation ``step`` of the store at :attr:`uri` (``<uri>/step-XXXXXXXX/``); or, with ``automatic``
-        (the default when there is no :attr:`uri`) and ``ProjectConfiguration(automatic_checkpoint_naming=True)``,
-        accelerate's own ``<project_dir>/checkpoints/checkpoint_<iteration>``: the iteration then advances as
-        accelerate's does (never onto an existing folder), and ``total_limit`` removes the oldest folders, never one
-        still being written nor the newest committed one.
+        Where: generation ``step`` of the store at :attr:`uri`; or, with ``automatic`` (the default without :attr:`uri`)
+        and ``ProjectConfiguration(automatic_checkpoint_naming=True)``, accelerate's own
+        ``<project_dir>/checkpoints/checkpoint_<iteration>``, with its iteration and ``total_limit`` (which never removes
+        a folder still being written nor the newest committed one).
 
         Args:
             step: The manifest's step; default :attr:`step`.
             automatic: Write accelerate's automatically named folder instead of a generation of :attr:`uri`.
-            final: The checkpoint that ends training: everything is copied at the cut (no deferral: no training
-                step follows, and code after the loop cannot reach it, so the guard can never refuse it).
+            final: The checkpoint that ends training: everything is copied at the cut (no deferral).
 
         Returns:
             The save's handle. On other processes ``staged`` resolves at the cut and ``uploaded``/``committed`` at
-            the next collective call (``save_state``, ``close``, a save via ``accelerator.save_state``).
+            the next collective call.
 
         Raises:
             ConfigError: No :attr:`uri` and no automatic checkpoint naming, or a bad ``step``.
@@ -189,15 +182,8 @@ class AccelerateCheckpointer(FolderSaves, CommitFanOut, DrainOnExit):
         )[0]
         if index is not None:
             acc.project_configuration.iteration = index + 1  # as accelerate's save_state does, on every process
-        if handle is None:
-            # This process wrote nothing: its handle mirrors the main process's save (resolved at collectives).
-            handle = SaveHandle(step=step, record=SaveRecord(requested_step=step), decision=decision)
-            if decision.admitted:
-                handle.staged.set_result(step)
-                self._book.mirror(handle)
-            else:
-                for fut in (handle.staged, handle.uploaded, handle.committed):
-                    fut.cancel()
+        if handle is None:  # this process wrote nothing: a mirror of the main process's save
+            handle = self._book.mirror_of(step, decision)
             self.handles.append(handle)
         return handle
 
@@ -320,7 +306,7 @@ class AccelerateCheckpointer(FolderSaves, CommitFanOut, DrainOnExit):
             state,
             modules=acc._models,
             optimizers=acc._optimizers,
-            proof=self._proof() if self.defer and not self._final_save else None,
+            proof=deferral_proof(acc, self._is_own) if self.defer and not self._final_save else None,
             defer=self.defer,
             cut={"accelerator_step": acc.step, "num_processes": acc.num_processes},
             extra=extra,
@@ -331,9 +317,6 @@ class AccelerateCheckpointer(FolderSaves, CommitFanOut, DrainOnExit):
 
     def _is_own(self, hook: Any) -> bool:
         return getattr(hook, "__self__", None) is self
-
-    def _proof(self) -> DeferralProof:
-        return deferral_proof(self.accelerator, self._is_own)
 
     def _install_fences(self) -> None:
         first = install_fences(self.accelerator, self._fences, self._on_optimizer_step, self._on_load_weights)

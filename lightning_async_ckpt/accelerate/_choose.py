@@ -1,15 +1,8 @@
 """Which generation :func:`~lightning_async_ckpt.accelerate.load_state` restores (the main process decides).
 
-Three layouts are recognised under the ``uri`` given:
-
-* one committed folder (a hook-path ``output_dir`` holding ``manifest.json``);
-* a folder of accelerate's automatically named ``checkpoint_N`` folders: the newest committed one whose objects
-  all match their sizes and checksums (newer, incomplete or damaged ones are skipped with a warning);
-* a store root of ``step-XXXXXXXX`` generations (:class:`~lightning_async_ckpt.storage.store.CheckpointStore`).
-
-A folder that is an uncommitted save, or holds accelerate's files without a manifest, is an error, never a
-silent ``None``. ``None`` means the location was listed and holds no committed generation (uncommitted leftovers
-of a crashed first save are named in a warning); committed generations none of which is intact are an error.
+Recognised under ``uri``: one committed folder, a folder of ``checkpoint_N`` folders (the newest intact committed
+one) or a store root of ``step-XXXXXXXX`` generations. An uncommitted or manifest-less folder is an error, never a
+silent ``None``; ``None`` means the location holds no committed generation.
 """
 
 from __future__ import annotations
@@ -23,7 +16,7 @@ from lightning_async_ckpt.accelerate._layout import INCOMPLETE_MARKER
 from lightning_async_ckpt.errors import CheckpointError, ManifestError
 from lightning_async_ckpt.storage.finder import RELISTS
 from lightning_async_ckpt.storage.generation import subfolders_holding_checkpoints
-from lightning_async_ckpt.storage.io import read_verified
+from lightning_async_ckpt.storage.io import Discard, read_verified
 from lightning_async_ckpt.storage.manifest import MANIFEST_NAME, Manifest
 from lightning_async_ckpt.storage.store import CheckpointStore
 
@@ -123,17 +116,12 @@ def folder_manifest(fs: Any, folder: str, *, verify: bool = False) -> Manifest:
             problems.append(f"{obj.name}: size {size}, manifest says {obj.size}")
         elif verify:
             try:
-                read_verified(fs, f"{folder}/{obj.key}", obj, into=_Discard())
+                read_verified(fs, f"{folder}/{obj.key}", obj, into=Discard())
             except ManifestError as exc:
                 problems.append(f"{obj.name}: {' '.join(str(exc).split())}")
     if problems:
         raise ManifestError(f"{folder} does not match its manifest: {'; '.join(problems)}")
     return manifest
-
-
-class _Discard:
-    def write(self, data: bytes) -> int:
-        return len(data)
 
 
 def _automatic_folders(fs: Any, root: str) -> list[tuple[int, str]]:

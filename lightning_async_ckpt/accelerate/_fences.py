@@ -1,10 +1,4 @@
-"""Where the training thread waits for staging, and the proof that waiting there is enough.
-
-Two fences, installed on what ``accelerator.prepare`` returned: an optimizer step pre-hook on each prepared
-optimizer's inner ``torch.optim.Optimizer`` (right before the update writes parameters and optimizer state), and a
-``load_state_dict`` pre-hook on each prepared model (right before a state dict overwrites its weights: a test or a
-script that calls ``model.load_state_dict(...)`` after ``save_state`` and before the next step). Both only wait.
-"""
+"""Where the training thread waits for staging: an optimizer step pre-hook and a ``load_state_dict`` pre-hook."""
 
 from __future__ import annotations
 

@@ -1,14 +1,12 @@
 """Hook-path generations: the folders passed to ``accelerator.save_state``, as a store, writer and save.
 
-The folder store owns its own bookkeeping (which folder is being written, by which save) and its writer is
-composed from the storage layer's public I/O helpers (:mod:`lightning_async_ckpt.storage.io`); nothing of a
-``CheckpointStore``'s internals is used. ``_FolderStore`` still derives from ``CheckpointStore`` for one reason:
-the engine accepts only that type; it overrides every method the engine calls (``begin``, ``manifest``,
-``check_sizes``, ``gc``), and its base-class root (the working directory) is never read or written.
+``_FolderStore`` derives from ``CheckpointStore`` only because the engine accepts that type: it overrides every
+method the engine calls, and its base-class root is never read or written.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import os
 import threading
@@ -22,7 +20,7 @@ from lightning_async_ckpt.core.engine import SaveHandle
 from lightning_async_ckpt.errors import CheckpointError, GenerationExistsError, ManifestError, StorageError
 from lightning_async_ckpt.storage.io import (
     Checksum,
-    WriteOnlyStream,
+    ChecksumWriter,
     exclusive_local_write,
     file_identity,
     fsync_dir,
@@ -68,39 +66,33 @@ class _FolderSave:
         self.settled.set()
 
 
-class _FolderStream(WriteOnlyStream):
+class _FolderStream(ChecksumWriter):
     """One of our objects in the folder: checksummed as it is written, fsynced and recorded on close."""
 
     def __init__(self, writer: _FolderWriter, name: str, raw: IO[bytes]) -> None:
-        self._writer, self.name, self._raw = writer, name, raw
-        self._sum = Checksum(writer.checksum)
-        self.size = 0
+        super().__init__(raw, writer.checksum)
+        self._writer, self.name = writer, name
         self.closed = False
 
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
         try:
-            self._raw.write(view)
+            self.raw.write(view)
         except Exception as exc:
             raise StorageError(f"could not write {self.name!r} into {self._writer.path}: {exc}") from exc
-        self._sum.update(view)
-        self.size += len(view)
-        return len(view)
-
-    def flush(self) -> None:
-        self._raw.flush()
+        return self.count(view)
 
     def close(self) -> None:
         if self.closed:
             return
         self.closed = True
         try:
-            self._raw.flush()
-            os.fsync(self._raw.fileno())
-            self._raw.close()
+            self.raw.flush()
+            os.fsync(self.raw.fileno())
+            self.raw.close()
         except Exception as exc:
             raise StorageError(f"could not finish {self.name!r} in {self._writer.path}: {exc}") from exc
-        self._writer._record(ObjectEntry(name=self.name, size=self.size, checksum=self._sum.hexdigest()))
+        self._writer._record(ObjectEntry(name=self.name, size=self.size, checksum=self.checksum))
 
     def __enter__(self) -> _FolderStream:
         return self
@@ -110,7 +102,7 @@ class _FolderStream(WriteOnlyStream):
             self.close()
         elif not self.closed:
             self.closed = True
-            self._raw.close()
+            self.raw.close()
 
 
 class _FolderWriter:
@@ -145,10 +137,8 @@ class _FolderWriter:
         path = os.path.join(self.path, *name.split("/"))
         try:
             os.makedirs(os.path.dirname(path), exist_ok=True)
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)  # an earlier save's object: its descriptor, if still open, keeps the old inode
-            except FileNotFoundError:
-                pass
             raw = open_local_write(path, self.store.direct_io)
         except OSError as exc:
             raise StorageError(f"could not open {path!r} for writing: {exc}") from exc
@@ -227,10 +217,8 @@ class _FolderWriter:
         for name in self._own:
             if not self._mine(name):
                 continue  # a later save's object at the same name: ours was orphaned
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 os.unlink(os.path.join(self.path, *name.split("/")))
-            except FileNotFoundError:
-                pass
         self.store.end_write(self.step)
 
     def _mine(self, name: str) -> bool:

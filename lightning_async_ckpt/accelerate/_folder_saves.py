@@ -1,9 +1,4 @@
-"""Generations that are folders: the hook path's ``output_dir`` and accelerate's automatically named ``checkpoint_N``.
-
-A mixin of :class:`~lightning_async_ckpt.accelerate._checkpointer.AccelerateCheckpointer` (its folder engine and
-what it writes there), kept apart by role: the checkpointer module holds the hooks, the collectives and the store
-path.
-"""
+"""Generations that are folders: the hook path's ``output_dir`` and accelerate's automatically named ``checkpoint_N``."""
 
 from __future__ import annotations
 

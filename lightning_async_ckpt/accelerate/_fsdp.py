@@ -1,23 +1,10 @@
 """Accelerate with FSDP2: the library's ``save_state`` as one DCP generation, every process writing its own shards.
 
-Under ``FullyShardedDataParallelPlugin(fsdp_version=2)`` with the sharded state dict, ``accelerator.save_state``
-writes ``pytorch_model_fsdp_{i}/`` and ``optimizer_{i}/`` with DCP (every rank its local shards) and the small files
-(``scheduler.bin``, ``random_states_{rank}.pkl``, ``custom_checkpoint_{i}.pkl``, ...) beside them. The library's
-``save_state`` takes the same state at the cut and hands it to the sharded engine
-(:class:`~lightning_async_ckpt.sharded.checkpointer.ShardedCheckpointer`: fenced staging of each rank's local
-shards, the proof and the guard, one ``dcp.save`` over its own gloo group, the coordinator's manifest last):
-
-* the state is ``{"pytorch_model_fsdp_{i}": {"model": ...}, "optimizer_{i}": {"optimizer": ...}}``, taken with the
-  ``StateDictOptions`` accelerate uses (``get_model_state_dict`` / ``get_optimizer_state_dict``: DTensor shards,
-  nothing gathered), saved once; each of those keys also gets its own ``.metadata`` in a subfolder of that name
-  (:mod:`~lightning_async_ckpt.sharded.dcp_views`), which is what accelerate's ``load_fsdp_model`` and
-  ``load_fsdp_optimizer`` read, at any world size (DCP reshards);
-* the small files are serialized at the cut and written by the coordinator (every process's RNG states are gathered
-  to it at the cut), so they keep accelerate's names.
-
-``accelerator.save_state`` itself (the hook path) cannot be made asynchronous here: accelerate writes FSDP models
-and optimizers with a blocking ``dcp.save`` *before* it calls the save-state pre-hooks (which then receive no
-weights). With a checkpointer attached, that call stays accelerate's synchronous save (a warning says so once).
+The state is ``{"pytorch_model_fsdp_{i}": {"model": ...}, "optimizer_{i}": {"optimizer": ...}}`` taken with the
+``StateDictOptions`` accelerate uses; each key also gets its own ``.metadata`` subfolder
+(:mod:`~lightning_async_ckpt.sharded.dcp_views`) for accelerate's ``load_fsdp_model``/``load_fsdp_optimizer``. The
+small files are serialized at the cut and written by the coordinator under accelerate's names. The hook path stays
+accelerate's synchronous save here: accelerate writes FSDP state before its pre-hooks run.
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
 """Restoring: :func:`load_state`, choosing the generation, and preparing the folder accelerate reads.
 
-Loading is never code execution by default. Accelerate reads model weights as safetensors and its other files
-with ``torch.load(weights_only=True)``, except ``custom_checkpoint_{i}.pkl``, which it unpickles with
-``weights_only=False``. :func:`load_state` therefore reads each custom object's bytes itself (checked against the
-manifest) with ``weights_only=True`` and hands accelerate a re-serialization of what that restricted unpickler
-accepted, in a private temporary folder; a file that needs arbitrary unpickling is refused unless the caller passes
+Loading is never code execution by default: each ``custom_checkpoint_{i}.pkl`` is read with ``weights_only=True``
+and re-serialized into a private folder; one that needs arbitrary unpickling is refused unless
 ``trust_pickled_objects=True``.
 """
 
@@ -53,16 +50,11 @@ def load_state(
 ) -> Manifest | None:
     """Restore the newest committed generation under ``uri`` (or ``step``) with ``accelerator.load_state``.
 
-    ``uri`` is one of: a store root (generations ``step-XXXXXXXX``); one committed folder (a hook-path
-    ``output_dir`` holding ``manifest.json``); or a folder of accelerate's automatically named ``checkpoint_N``
-    folders (``ProjectConfiguration(automatic_checkpoint_naming=True)``; the default ``uri`` then), where the
-    newest committed one whose files match their checksums is loaded and newer incomplete or damaged ones are
-    skipped with a warning. Uncommitted generations are never loaded. Local generations are loaded in place;
-    others are downloaded to a temporary folder (checksums verified) first. With a checkpointer attached, the
-    restored generation's run continues: its run id becomes the checkpointer's, so ``keep_last`` counts the
-    generations written before the restart.
-    Collective: every process must call it; the main process chooses the generation. ``uri`` must be readable
-    by every process.
+    ``uri`` is a store root, one committed folder, or a folder of accelerate's automatically named ``checkpoint_N``
+    folders (the default ``uri`` with automatic naming: the newest intact committed one). Uncommitted generations
+    are never loaded; remote ones are downloaded (checksums verified) first. With a checkpointer attached, the
+    restored generation's run id becomes the checkpointer's, so ``keep_last`` counts across the restart.
+    Collective: every process must call it; the main process chooses. ``uri`` must be readable by every process.
 
     Args:
         accelerator: The ``Accelerator``.
@@ -75,11 +67,8 @@ def load_state(
             it only when everyone who can write ``uri`` is trusted. Default ``False``: such a file is refused.
         local_dirpath: The local tier of ``attach(..., local_dirpath=...)``: resume from the newest verified
             generation of either tier, every process the same step (the one cross-tier resume,
-            :mod:`~lightning_async_ckpt.tiers.resume`: each process loads it from its own folder when every process
-            holds it intact and ``uri`` holds no newer committed step; otherwise every process loads from ``uri``
-            together). With ``attach(..., replicas=F)``, a process whose folder lacks the newest local generation
-            any process holds intact receives it from a peer first; ``uri`` is read only when it holds a newer
-            committed step or no process holds one.
+            :mod:`~lightning_async_ckpt.tiers.resume`); with ``replicas=F`` a process lacking it receives it from a
+            peer first.
         **load_kwargs: Passed to ``accelerator.load_state``.
 
     Returns:

@@ -1,10 +1,7 @@
 """Handles of the processes that do not write: they mirror the main process's fully asynchronous saves.
 
-Only the main process writes a fully asynchronous generation. Every other process gets a handle whose ``staged``
-resolves at the cut and whose ``uploaded``/``committed`` resolve when the main process's outcome reaches it: the
-main process reports ended saves with every collective (:meth:`MirrorBook.report`), and the others resolve their
-mirrors from it (:meth:`MirrorBook.absorb`). A report is dropped from the main process's queue only after a
-collective that delivered it succeeded (:meth:`MirrorBook.delivered`), so a failed collective loses nothing.
+The main process reports ended saves with every collective (:meth:`MirrorBook.report`); a report leaves its queue
+only after a collective delivered it (:meth:`MirrorBook.delivered`), so a failed collective loses nothing.
 """
 
 from __future__ import annotations
@@ -13,6 +10,7 @@ from collections import deque
 from typing import Any
 
 from lightning_async_ckpt.core.engine import SaveHandle
+from lightning_async_ckpt.core.telemetry import SaveRecord
 from lightning_async_ckpt.errors import CheckpointError
 
 __all__ = ["MirrorBook"]
@@ -36,6 +34,17 @@ class MirrorBook:
     def mirror(self, handle: SaveHandle) -> None:
         """Other processes: resolve ``handle`` from the main process's report of its step."""
         self._mirrors[handle.step] = handle
+
+    def mirror_of(self, step: int, decision: Any) -> SaveHandle:
+        """Other processes: a handle mirroring the main process's save of ``step`` (``decision``: its admission)."""
+        handle = SaveHandle(step=step, record=SaveRecord(requested_step=step), decision=decision)
+        if decision.admitted:
+            handle.staged.set_result(step)
+            self.mirror(handle)
+        else:
+            for fut in (handle.staged, handle.uploaded, handle.committed):
+                fut.cancel()
+        return handle
 
     def report(self) -> list[tuple[int, str, Any]]:
         """Main process: the ended saves not delivered yet, oldest first, as ``(step, outcome, value)``."""

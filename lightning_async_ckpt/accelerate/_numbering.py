@@ -1,11 +1,7 @@
 """Accelerate's automatic checkpoint naming: ``<project_dir>/checkpoints/checkpoint_<iteration>``.
 
-``ProjectConfiguration(automatic_checkpoint_naming=True)`` names each ``accelerator.save_state()`` folder after
-``project_configuration.iteration`` and raises if that folder exists; ``total_limit`` deletes the lowest numbers
-first. A restarted process starts again at ``iteration=0`` (or what the script passes): after a crash the next save
-would collide with an old folder, or get a number below the folders it must outlive, and ``total_limit`` would
-then delete the newest ones, those still being written included. :func:`continue_numbering` moves the iteration
-past every existing folder (committed or not), so numbering never goes backwards.
+A restarted process starts again at ``iteration=0``: :func:`continue_numbering` moves it past every existing folder
+(committed or not), so numbering never goes backwards and ``total_limit`` never deletes the newest folders.
 """
 
 from __future__ import annotations

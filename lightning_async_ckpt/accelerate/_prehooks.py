@@ -1,17 +1,8 @@
 """accelerate's save-state pre-hooks, run by the library's own :func:`~lightning_async_ckpt.accelerate.save_state`.
 
-``accelerator.register_save_state_pre_hook(hook)`` hooks are called by ``accelerator.save_state`` as
-``hook(models, weights, output_dir)`` right before it writes: ``models`` is ``accelerator._models``, ``weights``
-the state dicts it is about to save (a hook that saves a model its own way removes that entry, and accelerate then
-writes the remaining ones as ``model.safetensors``, ``model_1.safetensors``, ...), and ``output_dir`` the folder.
-Typical hooks write a config next to the weights, which a load pre-hook reads back.
-
-The library's ``save_state`` calls them the same way, on every process, with the same ``models`` and ``weights``.
-``output_dir`` is a private local folder: what the hooks write there on the main process becomes objects of the
-generation (same relative names, listed in its manifest, checksummed, uploaded with it, also to ``s3://``), so
-``accelerator.load_state(<generation folder>)`` hands the load pre-hooks a folder that holds them. The folder is
-removed once the save has ended. Files written by the hooks on other processes are not kept (only the main process
-writes a fully asynchronous generation).
+They are called as ``accelerator.save_state`` calls them, on every process. ``output_dir`` is a private local folder:
+what they write there on the main process becomes objects of the generation (listed in its manifest, uploaded with
+it); the folder is removed once the save has ended. Other processes' files are not kept.
 """
 
 from __future__ import annotations

@@ -47,7 +47,7 @@ class AccelerateReplicas:
     """The replicas of one attached checkpointer: the restore group and the replicator (its own group).
 
     Attributes:
-        group: The gloo group :func:`choose_with_peers` agrees and copies over (never the replicator's).
+        group: The gloo group load_state agrees and copies over (never the replicator's).
         replicator: Sends the main process's committed local generations; receives on the targets.
         ranks_per_node: The node layout the targets were chosen by.
     """

@@ -1,11 +1,5 @@
 """Listing and verifying accelerate's checkpoint folders (what ``lightning-async-ckpt ls`` / ``verify`` read).
 
-Accelerate's hook path writes into the folders given to ``accelerator.save_state``: one ``output_dir``, or the
-``checkpoint_N`` folders of ``ProjectConfiguration(automatic_checkpoint_naming=True)``. Each is one generation,
-committed when its ``manifest.json`` exists (written last). :func:`accelerate_folders` lists them under a location
-with the same states a store listing uses, and :func:`verify_accelerate_folder` re-reads every object a committed
-folder's manifest lists and checks its size and checksum (it never unpickles anything).
-
 Example:
     >>> from lightning_async_ckpt.accelerate.folders import accelerate_folders
     >>> for f in accelerate_folders("out/checkpoints") or []:  # doctest: +SKIP

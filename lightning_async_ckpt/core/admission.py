@@ -1,14 +1,8 @@
 """Admission: what happens when a checkpoint is requested while the outstanding limit is reached.
 
-Asynchronous work that storage cannot drain accumulates; it does not become free. The rule is explicit:
-
-* ``wait``: block the caller until a slot frees, and record the delay;
-* ``skip``: drop this request and keep the last committed generation;
-* ``coalesce``: drop this request but take a fresh cut as soon as the backlog drains;
-* ``abort``: raise :class:`~lightning_async_ckpt.errors.AdmissionError`.
-
-:class:`Admission` is the one object that decides; its answers are :class:`AdmissionDecision` values, carried in
-an :class:`AdmissionResult` per request.
+``wait`` blocks until a slot frees, ``skip`` drops the request, ``coalesce`` drops it but takes a fresh cut once the
+backlog drains, ``abort`` raises :class:`~lightning_async_ckpt.errors.AdmissionError`. :class:`Admission` is the
+one object that decides.
 """
 
 from __future__ import annotations

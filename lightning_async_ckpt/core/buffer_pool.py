@@ -1,5 +1,4 @@
-"""The staging pool: host buffers reused across checkpoints within a host-memory budget
-(:class:`BufferPool`, :func:`resolve_budget`; re-exported by :mod:`lightning_async_ckpt.core.staging`).
+"""The staging pool: host buffers reused across checkpoints within a host-memory budget.
 
 Pinned buffers for CUDA storages; pageable ones of at least 1 MiB are page-aligned private mappings, so a
 direct-I/O file writes the staged bytes from them without a copy (:mod:`lightning_async_ckpt.storage.direct`).
@@ -7,6 +6,7 @@ direct-I/O file writes the staged bytes from them without a copy (:mod:`lightnin
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import threading
 from collections import Counter
@@ -42,10 +42,8 @@ def resolve_budget(budget: int | str | None, reserved_bytes: int = 0) -> int | N
     if budget == "auto":
         return max(0, int(psutil.virtual_memory().available * AUTO_BUDGET_FRACTION) - reserved_bytes)
     if isinstance(budget, str):
-        try:
+        with contextlib.suppress(ValueError):  # refused below, with the accepted forms
             budget = int(parse_size(budget))
-        except ValueError:
-            pass  # refused below, with the accepted forms
     if isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0:
         raise ConfigError(
             f"host_memory_budget must be a positive number of bytes (an int, or a size such as '4GiB' or '500MB'), "

@@ -1,8 +1,5 @@
-"""The one collective seam: every cross-rank agreement (errors, decisions, commit reports) goes through ``agree``.
-
-A framework adapter (Lightning, Accelerate, a plain ``torch.distributed`` job) supplies a :class:`Collective`;
-``agree`` is the only place that turns "one rank failed" into "every rank raises", so no call site can forget a
-collective and hang the others.
+"""The one collective seam: every cross-rank agreement goes through ``agree``, which alone turns "one rank failed" into
+"every rank raises", so no call site can forget a collective and hang the others.
 """
 
 from __future__ import annotations

@@ -1,16 +1,8 @@
 """After the commit: the record of one committed generation, and the hooks that receive it on the training thread.
 
-Call sequence::
-
-    upload thread (Completion), right after the manifest was written, before ``committed`` resolves
-        -> CommitHooks.committed(manifest, store, tier="durable" | "local")   queues a Committed record
-    promotion thread (storage.promote.Promoter), after the durable manifest
-        -> CommitHooks.committed(manifest, durable_store, tier="durable")
-    training thread, at the next save / wait / poll / drain (the Lightning callback: its next hook)
-        -> CommitHooks.deliver(report)   each record to each callback, oldest first; a callback that raises is
-                                         reported once like a failed save (``report``)
-
-Nothing runs user code on a background thread: a hook may touch the model, log, or start an evaluation.
+The upload or promotion thread queues a :class:`Committed` record right after the manifest was written; the
+training thread delivers the records oldest first at its next save, wait, poll or drain, and a callback that raises
+is reported once like a failed save. Nothing runs user code on a background thread.
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """The CUDA side of staging: every device-to-host copy is enqueued at the cut, none is issued later.
 
-Copy-at-cut storages are copied on the compute stream (ordered before any later write to them) and deferred ones
-on a side stream that first waits on the cut's event, so the host never waits for a copy at the cut. Issuing the
-deferred copies on the training thread too (a few microseconds each) matters: issued from a background thread,
-every ``copy_`` would first have to win the GIL back from a training thread that is busy launching kernels, up to a
-switch interval (5 ms) per storage. A fence is a completion event per device that the compute stream waits on.
+Copy-at-cut storages are copied on the compute stream and deferred ones on a side stream that waits on the cut's
+event; issuing them all on the training thread avoids a GIL hand-over per storage. A fence is a completion event
+per device that the compute stream waits on.
 """
 
 from __future__ import annotations

@@ -1,17 +1,8 @@
 """Export of a committed generation's model weights to safetensors, as its own committed generation.
 
-Call sequence of :func:`export_safetensors` (any thread; the callback and :class:`~lightning_async_ckpt.core.
-exporter.Exporter` run it on their export thread, never on the training thread)::
-
-    source.manifest(step) -> every object read once, checked against the manifest (size, checksum), into a scratch
-        folder -> the state: torch.load(weights_only=True, mmap=True) of a single-stream generation, or DCP's own
-        consolidation of a sharded one (its empty-state-dict load planner, as dcp_to_torch_save; restricted
-        unpickling: storage.dcp_metadata) -> the model's tensors (``model_key``), optionally cast -> shards of at
-        most ``max_shard_size`` bytes -> target.begin(step) -> each file (``model.safetensors``, or
-        ``model-0000i-of-0000n.safetensors`` and ``model.safetensors.index.json``) checksummed -> manifest last
-
-A failure aborts the target attempt: a half-written export is never visible. An export already committed at that
-step is returned as it is (written once, never reopened).
+Every source object is read once and checked against its manifest, loaded without arbitrary unpickling, cut into
+shards of at most ``max_shard_size`` and written into a fresh attempt of the target, manifest last. A failure aborts
+the target attempt; an export already committed at that step is returned as it is (written once, never reopened).
 """
 
 from __future__ import annotations

@@ -1,12 +1,5 @@
 """Exports of chosen generations in the background: which ones (:class:`SafetensorsExport`) and the thread that
 writes them (:class:`Exporter`, a commit callback).
-
-Call sequence::
-
-    training thread: Exporter(committed) for each commit (a commit callback)   decides; a due one is queued
-    export thread ``lightning_async_ckpt-export``: core.export.export_safetensors(store, step, ...)
-    training thread: Exporter.finish(timeout)   queues the newest durable generation when ``final``, waits for
-                                                the exports, raises the first failure not reported yet
 """
 
 from __future__ import annotations

@@ -1,9 +1,4 @@
-"""The exact guard's content fingerprints: CRC-32C per chunk on the host, a position-weighted sum on a device.
-
-Used by :mod:`lightning_async_ckpt.core.guard` for the storages the kernel does not write-track (device storages,
-small or pinned or shared host storages, the partial pages around a tracked one, every host storage where the
-kernel cannot track writes).
-"""
+"""The exact guard's content fingerprints: CRC-32C per chunk on the host, a position-weighted sum on a device."""
 
 from __future__ import annotations
 

@@ -1,29 +1,11 @@
 """The runtime guard: did a deferred storage change between the cut and the end of its staging copy?
 
-Two independent checks, both recorded at the cut (training thread) and checked once every deferred copy landed
-(staging thread):
-
-* **Version counters.** Every in-place tensor operation (``add_``, ``index_copy_``, ``renorm_``, an
-  ``nn.Embedding(max_norm=...)`` forward, a single-tensor ``torch.optim`` step, ``copy_``...) increments
-  ``tensor._version`` of the tensors sharing that version counter (the parameter and the detached views in the
-  state dict). A changed counter is a detected write, whatever it wrote.
-* **A content fingerprint**, for writes that do not bump the counter: kernels that write through ``.data`` or raw
-  pointers (``weight.data[pad].zero_()``, BatchNorm running statistics, fused/foreach optimizer kernels in some
-  builds, ``.data.copy_`` as in Lightning's ``WeightAveraging``, numpy views). ``GuardMode.FULL`` (the default) is
-  exact: the staged copy is committed only if it equals the state at the cut. Where the kernel tracks writes
-  (:mod:`~lightning_async_ckpt.core.write_tracker`), the whole pages of large host storages are write-protected at
-  the cut and asked at the seal whether anything wrote them (no byte read); every other deferred byte (the partial
-  pages around them included) is fingerprinted at the cut and in the staged copy after it landed. Host storages are fingerprinted with CRC-32C per 8 MiB chunk
-  (hardware, GIL released, spread over a few threads at the cut): a change confined to any 32-bit window is always
-  caught, any other change of a chunk is missed with probability 2**-32. Device storages use a position-weighted
-  sum of 8-byte words computed on the device (any single changed word is always caught). ``GuardMode.SAMPLE`` is
-  the documented opt-in: it compares ``FINGERPRINT_SAMPLES`` bytes at positions drawn uniformly at random (with
-  replacement, from a private generator: training's RNG is untouched) for each cut; :func:`miss_probability` is its
-  exact miss probability (a 128-byte change of a 64 MB table is missed with probability 0.9999).
-
-The counters of a storage are read again right after its copy landed and before its fence opens ("sealed"):
-writes after the fence (the optimizer's own step) never count, and a write before the seal always does. What
-each mode guarantees is stated in ``docs/concepts.md`` ("The guard").
+Two checks, recorded at the cut and checked once the deferred copies landed: version counters (every in-place
+operation bumps them), and the bytes, for writes that do not (``GuardMode.FULL``, the default, is exact: kernel
+write tracking where available, else CRC-32C per chunk on the host and a position-weighted sum on a device;
+``GuardMode.SAMPLE`` compares ``FINGERPRINT_SAMPLES`` random bytes, with :func:`miss_probability`). Counters are
+sealed right after a copy landed and before its fence opens. What each mode guarantees is stated in
+``docs/concepts.md`` ("The guard").
 """
 
 from __future__ import annotations

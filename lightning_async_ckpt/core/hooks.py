@@ -1,9 +1,4 @@
-"""Fences for plain PyTorch loops: torch hooks that wait for staging right before the first mutation.
-
-An optimizer step pre-hook is the optimizer-step fence and a forward pre-hook the batch-start fence. (Inside
-Lightning's automatic optimization the closure runs inside ``optimizer.step``, so the Lightning callback uses its
-own hooks instead; see ``docs/concepts.md``.)
-"""
+"""Fences for plain PyTorch loops: an optimizer step pre-hook and a forward pre-hook that wait for staging."""
 
 from __future__ import annotations
 

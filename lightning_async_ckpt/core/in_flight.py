@@ -6,6 +6,7 @@ cut and waits on them (admission, fences, drain); any thread may read them. Ende
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections import deque
@@ -82,10 +83,8 @@ class InFlight:
         with self._lock:
             oldest = self._handles[0] if self._handles else None
         if oldest is not None:
-            try:
+            with contextlib.suppress(Exception):  # its error is delivered through raise_pending
                 oldest.committed.result()
-            except Exception:  # noqa: BLE001 - its error is delivered through raise_pending
-                pass
         self.reap()
 
     def observe_staged(self) -> None:

@@ -1,10 +1,7 @@
 """The engine's lifecycle: its worker threads, ``close``, the interpreter-exit drain and pool pre-allocation.
 
-No shutdown path may crash the interpreter. A save that outlasts the drain bound is *abandoned*: the abandon flag
-is set, the staging thread stops between chunks, the upload thread's waits on the I/O pump give up at once (so
-``torch.save`` unwinds normally), and both threads are joined, bounded, before the interpreter finalizes. Only the
-I/O thread may be left blocked in a storage call, in plain Python frames that are safe at finalization. The log
-names the abandoned steps and the last committed one, at ERROR.
+No shutdown path may crash the interpreter: a save that outlasts the drain bound is abandoned, its threads stop and
+are joined, bounded, before the interpreter finalizes, and the log names the abandoned steps at ERROR.
 """
 
 from __future__ import annotations

@@ -33,13 +33,9 @@ class Serializer(Protocol):
 class TorchSaveSerializer:
     """One ``torch.save`` stream that ``torch.load`` and Lightning's ``ckpt_path`` read directly.
 
-    By default the zip records carry no CRC-32 of their own: ``torch.save`` computes one per record at about
-    0.3-0.5 CPU seconds per GB (the whole upload thread's cost on CPU machines, ``docs/benchmarks.md``), while
-    every object of a generation already has the library's own checksum, written with it and verified on read.
-    ``torch.load`` (and so Lightning's ``ckpt_path``) does not need the zip CRC; tools that test zip integrity
-    (``unzip -t``, Python's ``zipfile``) report a CRC mismatch on such a file. ``zip_crc32=True`` keeps
-    ``torch.save``'s behaviour. Where the installed torch has no per-writer switch, or ``torch.save`` was replaced
-    (a wrapper, a test's mock counting saves), ``torch.save`` is called as it is.
+    By default the zip records carry no CRC-32 of their own (``torch.save`` spends 0.3-0.5 CPU seconds per GB on it,
+    and every object already has the library's checksum); ``unzip -t`` then reports a CRC mismatch. ``zip_crc32=True``
+    keeps ``torch.save``'s behaviour, as does a torch without the switch or a replaced ``torch.save``.
 
     Attributes:
         name: The object's name inside the generation.

@@ -1,17 +1,9 @@
 """The emergency save's signal (SLURM ``--signal=USR1@90``, Kubernetes' SIGTERM): a handler that asks for a
 checkpoint now.
 
-The handler only records the request (a signal handler must not touch the training state). The Lightning callback
-(``lightning/preemption.py``) and :class:`~lightning_async_ckpt.tiers.tiered.TieredCheckpointer` take a cut copied
-at the cut at their next opportunity, commit it (to the local tier first), promote it while the grace period
-allows, and say what was committed where.
-
-The Lightning callback installs the handler on the main thread in ``setup``. It chains to the handler it replaced
-when that one is a Python callable (Lightning's own SIGTERM handler is installed after ``setup`` and calls this one
-in turn); the default action (``SIG_DFL``: end the process) is not chained, since it would end the process before
-the save. :meth:`PreemptionHandler.remove` restores the previous handler; if someone puts this one back afterwards
-(Lightning restores the handlers it found after an exception), it hands the signal to the previous handler and
-reinstalls it.
+The handler only records the request. It chains to the Python handler it replaced (never to ``SIG_DFL``);
+:meth:`PreemptionHandler.remove` restores the previous one, and if someone puts this one back afterwards it hands
+the signal on and reinstalls the previous handler.
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
 """The deferral proof: how late each category of state may be staged after the cut, and why.
 
-A category may be staged in the background only up to the point of its first mutation after the cut (its fence).
 :func:`prove_deferral` checks the rules under which parameters and optimizer state are first written by the next
-optimizer update, and demotes them to an earlier fence when a rule does not hold. Parameters that a module writes
-in its own forward (``nn.Embedding(max_norm=...)`` renormalizes the rows it looks up) are pinned to the cut.
+optimizer update, and demotes them to an earlier fence when a rule does not hold.
 """
 
 from __future__ import annotations
@@ -125,16 +123,10 @@ def prove_deferral(
 ) -> DeferralProof:
     """Decide how late parameters, optimizer state and buffers may be staged.
 
-    Parameters and optimizer state may wait until the next optimizer update only if every optimizer is a
-    ``torch.optim.Optimizer`` that is not an offloading one and whose ``step`` is torch's own implementation (a
-    subclass or instance overriding ``step`` may write parameters before it calls the closure), no optimizer step
-    pre-hook is registered (per optimizer or global: they run inside ``optimizer.step(closure)``, before the
-    closure and so before the fence), every parameter is owned by one of them, optimization is automatic, no
-    module has forward or backward hooks or parametrizations and no parameter has a gradient or post-accumulate-grad
-    hook that could write parameters, and the caller has a fence right before the update. Otherwise they fall back to the batch-start
-    fence (or the cut). Buffers (BatchNorm running stats, ``num_batches_tracked`` and any other) mutate in the next
-    forward, so they may wait at most until the batch-start fence. Parameters written by their own module's forward
-    (:func:`forward_writers`) are pinned to the cut.
+    Parameters and optimizer state may wait until the next optimizer update only under the rules of
+    ``docs/concepts.md`` ("The proof"), else until the batch-start fence (or the cut); buffers at most until
+    the batch-start fence. Parameters written by their own module's forward (:func:`forward_writers`) are pinned to
+    the cut.
 
     Args:
         modules: The modules whose parameters and buffers are saved.

@@ -1,12 +1,7 @@
 """The persist step's input (:class:`PersistWork`) and the persister for one-stream generations.
 
-The engine's upload thread hands every admitted, staged save to its persister (the
-:class:`~lightning_async_ckpt.core.interfaces.Persister` seam) as a :class:`PersistWork`. :class:`StreamPersister`
-is the persister of generations written by one process: the serializer's objects (one ``torch.save`` stream by
-default, Lightning's sliced DDP layout, Accelerate's files) stream through the I/O thread into a fresh attempt of
-the target, with retries (:func:`~lightning_async_ckpt.core.persist.persist`), and the manifest is written last.
-The sharded (DCP) persister, where every rank writes, is
-:class:`~lightning_async_ckpt.sharded.persister.DcpPersister`.
+:class:`StreamPersister` streams the serializer's objects through the I/O thread into a fresh attempt of the
+target, with retries, and writes the manifest last.
 """
 
 from __future__ import annotations

@@ -137,11 +137,9 @@ class StepClock:
     def tick(self, now: float, in_flight: list[SaveRecord], *, started: bool = False, background: bool = False) -> None:
         """A batch starts at ``now`` (``time.perf_counter()``) with the records of the saves still in flight.
 
-        ``started``: a save was requested during the period that ends now (it counts as in flight even when it
-        already ended). ``background``: other work of the library ran during the period (the staging pool filled
-        ahead of the first cut): it takes cores from training too, so the period is no quiet sample. The first
-        period is never one either: the first step allocates (optimizer state, allocator pools, lazy modules), and
-        a slow first step in the median would make every later save's slowdown look negative.
+        ``started``: a save was requested during the period that ends now (it counts as in flight even when it already
+        ended). ``background``: other library work ran during the period (the pool filling ahead of the first cut). Such
+        periods, and the first one (it allocates), are no quiet samples.
         """
         involved = {id(r): r for r in [*self._open, *in_flight]}
         if self._last is not None:

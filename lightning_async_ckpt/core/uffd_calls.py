@@ -1,9 +1,5 @@
 """The ``ioctl`` calls of kernel write tracking (:mod:`lightning_async_ckpt.core.write_tracker`), and the write
-protection of many ranges split between the caller and a helper thread.
-
-Write-protecting a range is a page-table walk (about 27 ms for 800 MB of 4 KiB pages on the 2-core VM), done at the
-cut on the training thread. The kernel walks under the shared mmap lock, so two threads protecting different ranges
-run concurrently: :func:`write_protect` gives half the bytes to a helper thread (15 ms for the same 800 MB).
+protection of many ranges split between the caller and a helper thread (the kernel walks under a shared lock).
 """
 
 from __future__ import annotations

@@ -1,12 +1,8 @@
 """Where the engine's work runs: named worker threads, and the one interpreter-exit trampoline.
 
-Worker threads are daemons (a non-daemon thread would be joined by the interpreter *before* any exit handler
-runs, so an outstanding save could never be drained or bounded), but they are never left to the interpreter
-while they may still touch torch or storage: every checkpointer registers its exit drain through
-:func:`register_at_exit`, which drains within the configured bound, then flags the rest abandoned and joins the
-threads (bounded) before finalization starts. A daemon thread that wakes up inside a C++ frame (``torch.save``
-calling back into a file's ``write``) after finalization started is killed by ``pthread_exit`` and takes the
-process down with SIGABRT or SIGSEGV; that is what the join prevents.
+Worker threads are daemons, but never left to the interpreter while they may touch torch or storage:
+:func:`register_at_exit` drains within the bound, flags the rest abandoned and joins the threads (bounded) before
+finalization, where a daemon thread waking in a C++ frame would abort the process.
 """
 
 from __future__ import annotations
@@ -139,10 +135,8 @@ _installed = False
 def register_at_exit(method: Callable[[], Any]) -> ExitHook:
     """Call the bound method ``method`` at interpreter exit, before finalization, unless its object is gone.
 
-    Every checkpointer (the engine, and integrations that own engines, e.g. Accelerate's) registers here instead
-    of with :mod:`atexit` directly: one trampoline runs the callbacks newest first (like :mod:`atexit`, so an
-    integration that registers after creating its engines runs before them), each with its exceptions logged,
-    and the owner is only weakly referenced (an unclosed checkpointer can still be garbage-collected).
+    One trampoline runs every checkpointer's callback newest first (like :mod:`atexit`), each with its exceptions
+    logged; the owner is only weakly referenced, so an unclosed checkpointer can still be garbage-collected.
 
     Args:
         method: A bound method (held through a weak reference) or a plain function (held strongly).

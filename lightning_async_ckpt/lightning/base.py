@@ -1,8 +1,7 @@
-"""The arguments of :class:`~lightning_async_ckpt.lightning.callback.AsyncCheckpointCallback`, documented here.
+"""The arguments of :class:`~lightning_async_ckpt.lightning.callback.AsyncCheckpointCallback`, validated here, and
+the callback's own checkpoint state (its run id, selection and the RNG states at the cut).
 
-They are validated here (a :class:`~lightning_async_ckpt.errors.ConfigError` naming the argument and the fix), and
-set the attributes ``ModelCheckpoint`` has, so what Lightning and the loggers read means what it means there
-(``monitor``, ``mode``, ``save_top_k``, ``save_last``, ``save_weights_only``, ``_every_n_train_steps``, ...).
+They set the attributes ``ModelCheckpoint`` has, so what Lightning and the loggers read means what it means there.
 """
 
 from __future__ import annotations
@@ -13,6 +12,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 import lightning.pytorch as pl
+import numpy as np
+import torch
+from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
 from lightning.pytorch.callbacks import ModelCheckpoint
 from typing_extensions import override
 
@@ -24,7 +26,6 @@ from lightning_async_ckpt.lightning.commits import check_on_commit
 from lightning_async_ckpt.lightning.preemption import PreemptionHandler, check_preemption
 from lightning_async_ckpt.lightning.rerun import seed_committed_step
 from lightning_async_ckpt.lightning.resume import name_loaded_checkpoint
-from lightning_async_ckpt.lightning.rng import collect_portable_rng, restore_rng
 from lightning_async_ckpt.lightning.schedule import CutSchedule
 from lightning_async_ckpt.lightning.selection import (
     Selection,
@@ -258,11 +259,8 @@ class CallbackArguments(ModelCheckpoint):
         self._fit_start_step = 0
         self._fit_closed = True
         self._schedule = CutSchedule()
-        self.save_top_k, self.save_weights_only, self.auto_insert_metric_name = (
-            args.save_top_k,
-            save_weights_only,
-            (auto_insert_metric_name),
-        )
+        self.save_top_k, self.save_weights_only = args.save_top_k, save_weights_only
+        self.auto_insert_metric_name = auto_insert_metric_name
         self._every_n_train_steps, self._train_time_interval = every_n_train_steps or 0, train_time_interval
         self._save_on_train_epoch_end, self._enable_version_counter = save_on_train_epoch_end, enable_version_counter
         self.triggers = Triggers(
@@ -312,3 +310,27 @@ class CallbackArguments(ModelCheckpoint):
         rng_states = state_dict.get("rng_states")
         if self.restore_rng and rng_states:
             restore_rng(rng_states)
+
+
+def collect_portable_rng() -> dict[str, Any]:
+    """Every RNG state Lightning tracks, with numpy's key array as a tensor (loadable with ``weights_only``)."""
+    out = dict(_collect_rng_states())
+    if "numpy" in out:
+        kind, keys, pos, has_gauss, cached = out["numpy"]
+        out["numpy"] = (
+            kind,
+            torch.from_numpy(np.asarray(keys, dtype=np.int64)),
+            int(pos),
+            int(has_gauss),
+            float(cached),
+        )
+    return out
+
+
+def restore_rng(states: dict[str, Any]) -> None:
+    """Set the RNG states captured by :func:`collect_portable_rng`."""
+    states = dict(states)
+    if "numpy" in states:
+        kind, keys, pos, has_gauss, cached = states["numpy"]
+        states["numpy"] = (kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached)
+    _set_rng_states(states)

@@ -1,16 +1,8 @@
 """Lightning integration: ``AsyncCheckpointCallback`` and ``latest_checkpoint``.
 
-Where each hook sits in one training step of automatic optimization (lightning 2.6)::
-
-    on_train_batch_start   <- fence: buffers (and parameters/optimizer state when deferral is unproven)
-    training_step          (forward: BatchNorm stats, dropout RNG mutate; backward)
-    on_before_optimizer_step  <- fence: parameters and optimizer state, when proven
-    optimizer update, step-interval LR schedulers
-    on_train_batch_end     <- the cut: the checkpoint ModelCheckpoint(every_n_train_steps) would write
-
-With ``accumulate_grad_batches=k`` ``on_before_optimizer_step`` fires only before real updates, so the fence moves
-with it. Which other hooks run between the cut and each fence, and what overriding them does to the deferral, is
-listed in :mod:`lightning_async_ckpt.lightning.hooks` (derived from Lightning's call order by a test).
+In one step of automatic optimization the cut is ``on_train_batch_end``; the fences are ``on_train_batch_start``
+and ``on_before_optimizer_step`` (which fires only before real updates under gradient accumulation). Which other
+hooks run in between, and what overriding them does to deferral, is in :mod:`lightning_async_ckpt.lightning.hooks`.
 """
 
 from __future__ import annotations

@@ -1,25 +1,10 @@
 """``StagedCheckpointIO``: this library's staging, durable commit and error surfacing behind Lightning's plugin seam.
 
-For users who keep their ``ModelCheckpoint`` (monitor, top-k, filenames, ``save_last``): ``Trainer(plugins=
-[StagedCheckpointIO()])`` writes the same files ``TorchCheckpointIO`` writes, at the same paths, but
-
-* at the save, tensors are copied into **pooled host buffers** reused from one checkpoint to the next (pinned on
-  CUDA), instead of ``AsyncCheckpointIO``'s fresh deep copy per save;
-* the file is written on a background thread as a checksummed stream and made visible **atomically** once
-  durable (local disk: temp file in the same folder, fsync, ``os.replace``, fsync the folder; object stores: the
-  upload is published when it completes), so a reader never sees a partial checkpoint;
-* a background failure is raised **once** on the training thread, at the next ``save_checkpoint`` or at teardown
-  (Lightning's ``AsyncCheckpointIO`` keeps its error and re-raises it on every later save);
-* ``remove_checkpoint`` (a top-k replacement, a previous ``last``) runs **after** the newer saves requested before it
-  committed, and not at all when one of them failed: the checkpoint being replaced is never deleted first.
-
-It is the package's one engine (:class:`~lightning_async_ckpt.core.engine.AsyncCheckpointer`: admission, the copy
-at the cut, staging, persist, errors raised once, the interpreter-exit drain) with a persister that writes the path
-Lightning names (:class:`~lightning_async_ckpt.lightning.file_persister.FilePersister`) instead of a generation.
-
-Call sequence (all on the training thread): ``save_checkpoint`` (copy into the pool, queue the write) ->
-``remove_checkpoint`` (queued behind the saves) -> ``load_checkpoint`` (drains first) -> ``teardown`` (drains,
-stops the thread, raises a pending error).
+``Trainer(plugins=[StagedCheckpointIO()])`` writes the files ``TorchCheckpointIO`` writes, at the same paths, but
+copies into pooled host buffers at the save, publishes each file atomically once durable, raises a background
+failure once, and runs ``remove_checkpoint`` only after the newer saves requested before it committed. It is the
+one engine with a persister that writes the path Lightning names
+(:class:`~lightning_async_ckpt.lightning.file_persister.FilePersister`).
 """
 
 from __future__ import annotations

@@ -1,9 +1,4 @@
-"""The Lightning adapter of the one collective seam (:func:`lightning_async_ckpt.core.collective.agree`).
-
-Every cross-rank agreement of the callback (setup, budget check, each cut's decision and capture, errors raised at
-collective points, the drain) goes through :func:`agree_on`: a rank that failed raises its own error, every other
-rank raises one :class:`~lightning_async_ckpt.core.collective.RankFailedError` naming it, and nobody hangs.
-"""
+"""The Lightning adapter of the one collective seam (:func:`lightning_async_ckpt.core.collective.agree`)."""
 
 from __future__ import annotations
 

@@ -1,20 +1,10 @@
 """The commit hook in Lightning: ``AsyncCheckpointCallback(on_commit=...)`` and any callback's
 ``on_checkpoint_committed(trainer, pl_module, committed)``.
 
-Call sequence (training thread, rank 0: the rank whose engine commits; with sharded strategies the coordinator)::
-
-    on_train_start -> listen(cb, trainer)        the engine queues a Committed record at each commit
-    each hook that polls (batch start and end, epoch end, validation end, the final drain)
-        -> Selection.poll (best-k, best_model_path, loggers) -> deliver(cb, trainer)
-           each record, oldest first: is_best set from best_model_path, then cb.on_commit(committed), then every
-           trainer callback's on_checkpoint_committed(trainer, pl_module, committed); a hook that raises is
-           raised once at the next collective point, like a failed save
-
-``export=`` is one more listener (:class:`~lightning_async_ckpt.core.exporter.Exporter`): it picks the durable
-generations to export and writes them on its own thread; :func:`finish_exports` adds the final one and waits.
-
-With ``local_dirpath`` every local commit is one call (``tier="local"``) and every promotion to ``dirpath`` another
-(``tier="durable"``).
+On rank 0 (the coordinator with sharded strategies) the engine queues a ``Committed`` record at each commit; each
+hook that polls delivers them oldest first, after best-k and ``best_model_path`` were updated. A hook that raises is
+raised once at the next collective point. ``export=`` is one more listener
+(:class:`~lightning_async_ckpt.core.exporter.Exporter`).
 """
 
 from __future__ import annotations

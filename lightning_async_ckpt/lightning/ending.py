@@ -1,14 +1,8 @@
 """Where the last checkpoint of a fit is taken: a stop seen after its batch end, the end of training, the emergency
 save (the rules of ``docs/concepts.md``, "Which rule applies where").
 
-Every checkpoint committed under step N is the state ``ModelCheckpoint`` writes at step N at the same point, or it
-is written as what it is (``on_train_end``), never labelled as a step it is not:
-
-- a stop decided after the batch end (``EarlyStopping`` in validation or at the epoch's end, a later callback) takes
-  the final checkpoint at the first ``on_validation_end`` / ``on_train_epoch_end`` that sees it, where
-  ``ModelCheckpoint``'s own save after validation or at the epoch end is; a refused save of that step is retaken there;
-- inside an accumulation window no final or emergency checkpoint is taken (it would hold part of the next step); the
-  emergency save waits for the window's end within ``preemption_grace_s`` (:mod:`.preemption`).
+A checkpoint is never labelled as a step it is not: inside an accumulation window no final or emergency checkpoint
+is taken, and a stop decided after the batch end takes it where ``ModelCheckpoint``'s own save would be.
 """
 
 from __future__ import annotations

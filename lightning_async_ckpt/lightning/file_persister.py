@@ -1,16 +1,8 @@
 """The persister of ``StagedCheckpointIO``: one ``torch.save`` file at the path Lightning names, published atomically.
 
-Plugged into the one engine (:class:`~lightning_async_ckpt.core.engine.AsyncCheckpointer`) by
-:class:`~lightning_async_ckpt.lightning.checkpoint_io.StagedCheckpointIO`: the engine admits, copies at the cut,
-stages and hands each save to :meth:`FilePersister.persist` on its upload thread. There is no generation folder and
-no manifest here (the files are ``TorchCheckpointIO``'s, for ``ModelCheckpoint`` to manage); what takes their place:
-
-* local disk: a temp name in the target folder carrying a fresh token (created exclusively, never reopened),
-  fsync, ``os.replace``, fsync the folder; object stores publish an upload only when it completes;
-* the bytes are counted and checksummed as they stream, the size is checked after publication, and ``verify=True``
-  re-reads the file against the checksum;
-* transient failures are retried (:class:`~lightning_async_ckpt.core.persist.RetryPolicy`), never a usage error or
-  a full disk.
+No generation folder and no manifest: a fresh temp name created exclusively, fsync, ``os.replace``, fsync the folder
+(object stores publish an upload when it completes); the bytes are checksummed as they stream and the size is
+checked after publication. Transient failures are retried, never a usage error or a full disk.
 """
 
 from __future__ import annotations
@@ -30,7 +22,7 @@ from lightning_async_ckpt.core.persist import RetryPolicy, wait_or_abandon
 from lightning_async_ckpt.core.stream_persister import PersistWork
 from lightning_async_ckpt.errors import CheckpointError, StorageError
 from lightning_async_ckpt.storage.backend import backend_for, open_filesystem
-from lightning_async_ckpt.storage.io import Checksum, WriteOnlyStream, fsync_dir, read_verified
+from lightning_async_ckpt.storage.io import ChecksumWriter, fsync_dir, read_verified
 
 __all__ = ["CommittedFile", "FilePersister"]
 
@@ -54,29 +46,6 @@ class CommittedFile:
     checksum: str
     blocked_s: float
     write_s: float
-
-
-class _ChecksumStream(WriteOnlyStream):
-    """Counts and checksums the bytes ``torch.save`` writes into ``raw``."""
-
-    def __init__(self, raw: Any, algorithm: str) -> None:
-        self._raw = raw
-        self._sum = Checksum(algorithm)
-        self.size = 0
-
-    def write(self, data: Any) -> int:
-        view = memoryview(data).cast("B")
-        self._raw.write(view)
-        self._sum.update(view)
-        self.size += len(view)
-        return len(view)
-
-    def flush(self) -> None:
-        self._raw.flush()
-
-    @property
-    def checksum(self) -> str:
-        return self._sum.hexdigest()
 
 
 class FilePersister:
@@ -154,7 +123,7 @@ class FilePersister:
         token = uuid.uuid4().hex[:12]
         target = os.path.join(folder, f".{os.path.basename(fs_path)}.tmp-{token}") if local else fs_path
         raw = backend.open_write(target, direct_io=False, subfolder=not local)
-        stream = _ChecksumStream(raw, self.checksum)
+        stream = ChecksumWriter(raw, self.checksum)
         try:
             torch.save(state, stream)
             backend.finish(raw)

@@ -1,11 +1,4 @@
-"""What ``ckpt_path="last"`` may resume from, and a hard-coded ``<dirpath>/last.ckpt`` (no such file is written).
-
-* Generations written with ``save_weights_only=True`` hold no optimizer or loop state: they are no candidates for
-  resuming training. When only they exist, "last" warns naming ``save_weights_only`` and training starts fresh,
-  as ``ModelCheckpoint`` does without a last file.
-* A resubmit script's ``ckpt_path=f"{dirpath}/last.ckpt"`` that does not exist stands for what ``"last"`` picks,
-  or is a ``FileNotFoundError`` naming ``ckpt_path="last"`` and ``latest_checkpoint(dirpath)``.
-"""
+"""What ``ckpt_path="last"`` may resume from, and a hard-coded ``<dirpath>/last.ckpt`` (no such file is written)."""
 
 from __future__ import annotations
 

@@ -1,13 +1,7 @@
 """The ground floor of ``lightning/``: what a generation is and where it lives; it imports no sibling module.
 
-What a generation is: one ``torch.save`` stream, or a DCP folder Lightning's sharded strategies load
-(:func:`is_lightning_dcp_generation`; :func:`model_key_for` says which strategies write one). Where it lives:
-``dirpath`` and its version folders (:func:`run_locations`, :func:`version_uri`), and the callback's checkpoint file
-inside the step's folder.
-
-The file is named like ``ModelCheckpoint``'s (``epoch=2-step=24.ckpt``) inside the step's folder, so tools that key
-on file names (MLflow's model upload) tell generations apart; the manifest lists it as object
-:data:`CHECKPOINT_NAME` with that key as its path.
+The checkpoint file is named like ``ModelCheckpoint``'s (``epoch=2-step=24.ckpt``) inside the step's folder; the
+manifest lists it as object :data:`CHECKPOINT_NAME` with that key as its path.
 """
 
 from __future__ import annotations

@@ -1,30 +1,10 @@
 """``save_on_exception=True``: ``ModelCheckpoint``'s exception checkpoint, durable before the exception propagates.
 
-When an exception reaches Lightning during ``fit`` (a training step, a hook, another callback), ``ModelCheckpoint``
-writes the state of that moment to ``format_checkpoint_name(metrics)`` (``<dirpath>/<rendered filename>.ckpt``,
-e.g. ``<dirpath>/exception.ckpt`` for ``filename="exception"``) unless it already saved that step, during sanity
-checks, with ``fast_dev_run`` and before the first step. The callback writes the same file at the same path, in three steps inside
-``on_exception``:
-
-1. **copy at the cut** (:func:`capture_exception_checkpoint`): the checkpoint Lightning would save is dumped and
-   serialized to bytes on the training thread right away, before anything else runs (no deferral: nothing is
-   left to stage later);
-2. the saves already in flight are drained (committed) by the callback, within ``drain_timeout_s``;
-3. **written** (:func:`write_exception_checkpoint`): atomically and durably (a local path: temp file in the same
-   folder, fsync, ``os.replace``, fsync the folder; an object store: one upload with the callback's
-   ``storage_options``), before ``on_exception`` returns, so before the exception propagates.
-
-What it holds is whatever state the exception left: the step counters, model, optimizer and loops as they were
-when it was raised, possibly half-way through a step (after ``backward``, before the optimizer step), exactly as
-``ModelCheckpoint``'s file does. It is therefore **not** a committed generation: ``ckpt_path="last"`` and
-``latest_checkpoint`` never resume from it (they keep returning the newest consistent cut); load it explicitly
-(``ckpt_path=<that path>``). Rank 0 writes it (the rank that raised, under DDP, if it is rank 0: no collective is
-entered while an exception unwinds); sharded strategies skip it with a warning (their checkpoint needs every rank).
-
-A save of this very step that was admitted but does not commit (the guard refused it: validation wrote its deferred
-state before the copy, then raised) is not lost: ``ModelCheckpoint`` counts that step as saved and writes no exception
-file, but here the exception checkpoint is written instead, with a warning that says so. It is the state at the
-exception (what it is), not the refused cut.
+Inside ``on_exception`` the checkpoint Lightning would save is copied at the cut
+(:func:`capture_exception_checkpoint`), the saves in flight are drained, then it is written atomically and durably
+at ``ModelCheckpoint``'s path (:func:`write_exception_checkpoint`). It holds whatever state the exception left, so
+it is **not** a committed generation: ``ckpt_path="last"`` never resumes from it. Rank 0 writes it; sharded
+strategies skip it with a warning.
 """
 
 from __future__ import annotations

@@ -1,18 +1,8 @@
 """The emergency save in Lightning: a signal asks for a checkpoint at the next batch end (``docs/tiers.md``).
 
-At the next batch end after the signal (:func:`preemption_due`, agreed across ranks) the callback takes a cut copied
-at the cut (no deferral: no training follows), commits it to the local tier first (or to ``dirpath``, the only
-tier), waits for its promotion while ``preemption_grace_s`` allows, logs what was committed where, and stops
-training (``trainer.should_stop``). The handler itself is :class:`~lightning_async_ckpt.core.preemption.PreemptionHandler`.
-
-Inside an accumulation window (``accumulate_grad_batches > 1``, a micro-batch that did not end its optimizer step)
-the state holds part of the next step under the previous step's number: :class:`EmergencyWindow` waits for the
-window's end, within ``preemption_grace_s``, and says so; when the grace period ends first, no emergency checkpoint is
-taken (never one labelled as a step it is not) and the log names the newest committed step. When the step was cut
-already (its batch end, before this micro-batch), that cut is the emergency checkpoint.
-
-The handler is installed in ``setup`` and restored at the end of every fit, also one ended by an exception
-(:func:`restore_after_exception`), so any sequence of fits in one process keeps the emergency save working.
+The cut is copied at the cut, committed to the local tier first, promoted while ``preemption_grace_s`` allows, and
+training stops. Inside an accumulation window :class:`EmergencyWindow` waits for the window's end within the grace
+period, or takes none (never one labelled as a step it is not). The handler is restored at the end of every fit.
 """
 
 from __future__ import annotations

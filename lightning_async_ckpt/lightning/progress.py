@@ -35,14 +35,9 @@ def log_progress(
 ) -> tuple:
     """Publish the ``ckpt/*`` metrics that changed since ``last``; returns the new state to pass next time.
 
-    Published without ``LightningModule.log``: each of its calls costs the training thread about 2 ms of Lightning's
-    result-collection bookkeeping (moving the ``_ResultMetric`` to the value's device walks the whole metric
-    object), paid at every cut and commit. What ``self.log(on_step=True, on_epoch=False)`` would give is written
-    directly: the changed values into ``trainer.callback_metrics`` and ``trainer.logged_metrics`` (CPU tensors: a
-    Python number would become a tensor on the module's device, a host-to-device copy that synchronizes a GPU),
-    ``ckpt/committed_step`` into the progress bar as an integer (only it is recoverable progress), and every current
-    value to the loggers when Lightning flushes its own step metrics (``log_every_n_steps``), as its step metrics
-    would be.
+    Written directly where ``self.log(on_step=True, on_epoch=False)`` would put them (``callback_metrics``,
+    ``logged_metrics`` as CPU tensors, the progress bar, the loggers at Lightning's own flush), because each
+    ``LightningModule.log`` call costs the training thread about 2 ms of result-collection bookkeeping.
     """
     trainer = pl_module.trainer
     committed_step = ck.committed_step
@@ -105,13 +100,10 @@ def _flushes_step_metrics(trainer: pl.Trainer) -> bool:
 
 
 def log_final(trainer: pl.Trainer, committed_step: int | None, *, to_loggers: bool) -> None:
-    """After the final drain: an INFO line naming the final committed step (through Lightning's ``rank_zero_info``,
-    visible like its own lines), and that step as the last word.
+    """After the final drain: an INFO line naming the final committed step, and that step as the last word.
 
-    ``self.log`` is refused in ``on_train_end``/``teardown``, where the last saves commit; the final
-    ``ckpt/committed_step`` goes to every logger directly (at the step Lightning logs training metrics at), into
-    ``trainer.progress_bar_metrics``, ``trainer.logged_metrics`` and ``trainer.callback_metrics``, so none ends on the value of the last batch (``to_loggers=False``:
-    only the INFO line, the callback's ``log_metrics=False``).
+    ``self.log`` is refused where the last saves commit, so the final ``ckpt/committed_step`` goes to every logger and
+    the trainer's metric dicts directly (``to_loggers=False``: only the INFO line).
     """
     if trainer.is_global_zero:
         rank_zero_info(f"final committed checkpoint step {committed_step} (every save drained)")
@@ -187,10 +179,8 @@ def log_commit(future: Any) -> None:
 def preallocate(ck: TrainingCheckpointer, pl_module: pl.LightningModule, optimizers: list[Any]) -> None:
     """Fill the staging pool in the background once the checkpoint's shape is known (after the first step).
 
-    The first cut then reuses buffers instead of allocating them at the cut (pinned memory on CUDA costs about
-    0.5 s per GB, on the training thread). Built from the module's and optimizers' own state dicts: no
-    collective (a ``ZeroRedundancyOptimizer`` consolidation needs every rank) and no user hook runs here. The
-    small remainder of the checkpoint (RNG, schedulers, loop state) is still allocated at the first cut.
+    The first cut then reuses buffers instead of allocating them on the training thread. Built from the module's and
+    optimizers' own state dicts: no collective and no user hook runs here.
     """
     try:
         state = {"state_dict": pl_module.state_dict(), "optimizer_states": [o.state_dict() for o in optimizers]}

@@ -1,27 +1,11 @@
 """Where a fit writes: the run it continues, or a new version beside the runs already in ``dirpath``.
 
-Re-running a script with the same ``dirpath`` must never mix two runs' generations (their steps would collide at the
-first step both saved) and must be decided before any training step. The rule, applied by
-:func:`place_run` when training starts (after Lightning restored the checkpoint, so the resumed step and the
-resumed run id are known):
-
-* the fit **continues a run** in the location it resumed from (``dirpath`` itself or one of its versions; without a
-  resume, the one the callback writes to) when the callback's run id wrote generations there and none of them is
-  newer than the step training starts from (a branch shares its run id with the history it branched from, so no
-  other location is ever continued): a resume
-  from the newest checkpoint (``ckpt_path="last"``, ``latest_checkpoint(...)``), or a second ``fit`` of the same
-  callback. When Lightning did not restore the callback's state (its key holds ``dirpath`` and the intervals, so
-  changed arguments or a copied folder skip it), a fit resumed from the newest generation of a location adopts
-  that generation's run id (:func:`resumed_generation`); "newest" counts every step folder whose manifest is never
-  written over (committed, a newer format version, unreadable right now), not a torn one a crash left;
-* otherwise, when ``dirpath`` already holds committed generations (a fresh run, a resume from a checkpoint of
-  another place, or from an older step whose newer generations exist), it writes to a **new version**,
-  ``<dirpath>/v1``, ``<dirpath>/v2``, ... (``ModelCheckpoint``'s version counter names its files ``-v1``; a
-  generation's name is its step, so the version is a folder). Nothing of the earlier run is touched.
-
-``ckpt_path="last"`` and :func:`~lightning_async_ckpt.lightning.resume.latest_checkpoint` look at ``dirpath`` and its
-versions and pick the newest step of the highest version holding an intact generation (never by the writers'
-clocks), as ``ModelCheckpoint``'s newest ``last*.ckpt`` is the one of its latest version.
+Two runs' generations never mix. :func:`place_run` (when training starts, after Lightning restored the checkpoint)
+continues a run in the location it resumed from when the callback's run id wrote there and nothing there is newer
+than the resumed step (a resume of the newest checkpoint adopts its run id, :func:`resumed_generation`); otherwise,
+when ``dirpath`` already holds committed generations, it writes to a new version ``<dirpath>/v1``, ``v2``, ...
+Nothing of the earlier run is touched. ``ckpt_path="last"`` picks the newest step of the highest version holding an
+intact generation.
 """
 
 from __future__ import annotations

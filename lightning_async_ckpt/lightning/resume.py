@@ -1,23 +1,9 @@
 """Resuming: the newest checkpoint that is provably intact, and opening it with the store's ``storage_options``.
 
-Lightning opens ``ckpt_path`` with a filesystem built from the path alone (``get_filesystem(path)``), so an S3
-endpoint and credentials given only in the callback's ``storage_options`` are invisible to it. The callback closes
-that gap with a :class:`StoreReader`:
-
-* ``trainer.fit(ckpt_path=latest_checkpoint(dirpath, storage_options))``: from ``setup`` until ``teardown`` the
-  strategy's checkpoint IO reads paths inside ``dirpath`` through the store's filesystem (with the options); every
-  other path goes to Lightning's own loader unchanged.
-* ``trainer.fit(ckpt_path="last")``: Lightning checks that the candidate exists and compares modification times
-  with its own filesystem before any hook runs. For a remote ``dirpath`` the callback therefore answers with a
-  small in-memory marker (``memory://lightning_async_ckpt-resume/...``, naming the real object's path) that the
-  reader then loads from the store; local stores answer with the real path. Generations written with
-  ``save_weights_only=True`` are no candidates (nothing to resume training from): when only they exist, "last"
-  warns naming ``save_weights_only`` and training starts fresh, as ``ModelCheckpoint`` does without a last file.
-* ``trainer.fit(ckpt_path=f"{dirpath}/last.ckpt")`` (a resubmit script's hard-coded path): no such file is ever
-  written; while it does not exist the reader loads what ``"last"`` picks, or raises ``FileNotFoundError`` naming
-  ``ckpt_path="last"`` and ``latest_checkpoint(dirpath)`` when there is nothing to resume (both in ``last.py``).
-
-Once loaded, ``trainer.ckpt_path`` names the checkpoint read (the store URL, never the marker).
+Lightning opens ``ckpt_path`` with a filesystem built from the path alone, so from ``setup`` until ``teardown`` the
+callback routes loads inside ``dirpath`` through a :class:`StoreReader` with the store's options; for a remote
+``dirpath`` ``ckpt_path="last"`` is answered with an in-memory marker that the reader loads from the store. Once
+loaded, ``trainer.ckpt_path`` names the checkpoint read (the store URL, never the marker).
 """
 
 from __future__ import annotations
@@ -61,17 +47,11 @@ def latest_checkpoint(
     script run on every rank does; with a non-gloo default group (NCCL) the first call creates a gloo group (a
     collective). ``collective=False`` looks on this rank alone (a call made on some ranks only).
 
-    The generation returned was verified: its manifest is valid and every object was read once and matched
-    its size and checksum, so a truncated file or a flipped bit is never resumed from. A generation that fails
-    is skipped with a warning naming the problem and the next older one is tried. ``dirpath``'s version folders
-    (``<dirpath>/v1``, ..., written by re-runs of a script, see :mod:`~lightning_async_ckpt.lightning.rerun`) are
-    included: the newest version holding one wins, and within a folder the highest step, never the writers' clocks
-    (a job resumed on a node whose clock is behind stays the latest). A generation that retention removes while it
-    is read is not "no checkpoint": the folder is listed again. Use it as
-    ``trainer.fit(model, ckpt_path=latest_checkpoint(dirpath, storage_options))`` with an
-    ``AsyncCheckpointCallback`` for the same ``dirpath`` in the Trainer: the callback opens the path with the
-    same ``storage_options``. Verifying reads the checkpoint once more than loading does (see
-    ``docs/benchmarks.md`` for the cost).
+    The generation returned was verified (every object read once against its size and checksum); one that fails is
+    skipped with a warning and the next older one is tried. ``dirpath``'s version folders (``<dirpath>/v1``, ...)
+    are included: the newest version holding one wins, and within a folder the highest step, never the writers'
+    clocks. Use it as ``trainer.fit(model, ckpt_path=latest_checkpoint(dirpath, storage_options))`` with an
+    ``AsyncCheckpointCallback`` for the same ``dirpath`` in the Trainer.
 
     Args:
         dirpath: The callback's ``dirpath`` (local folder or fsspec URL).
@@ -143,10 +123,8 @@ def _reader(callback: Any, dirpath: str) -> StoreReader:
 def find_last(callback: Any, trainer: Any) -> set[str]:
     """Lightning's ``ckpt_path="last"`` lookup for ``callback``: the newest committed checkpoint only.
 
-    A store that cannot be listed raises (a typo must never restart training from scratch); "no checkpoint"
-    means it was listed and holds no committed generation it can resume training from. Lightning asks on every
-    rank; with several, rank 0 alone lists and verifies and ``trainer.strategy.broadcast`` hands its answer (or its
-    error) to the others (:func:`~lightning_async_ckpt.sharded.once.once`).
+    A store that cannot be listed raises (a typo must never restart training from scratch). With several ranks, rank 0
+    alone lists and verifies, and ``trainer.strategy.broadcast`` hands its answer (or its error) to the others.
     """
     reader = _reader(callback, _dirpath(callback, trainer))
     find = lambda: _last_candidates(callback, trainer)  # noqa: E731 - rank 0 lists and verifies, the others receive

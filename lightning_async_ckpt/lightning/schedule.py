@@ -1,9 +1,5 @@
 """When the callback takes a cut besides its interval: a coalesced request once the backlog drained, and a retake
-after the runtime guard refused a save.
-
-Only rank 0 stages and writes, so only it knows whether a coalesced request is due or a save was torn. Every rank
-holds one :class:`CutSchedule` and polls it at the same batch ends (they all know, from the broadcast decision, that
-a poll is pending); rank 0's answer is broadcast, so all ranks take the extra cut at the same step.
+after the runtime guard refused a save. Rank 0's answer is broadcast, so all ranks take the extra cut together.
 """
 
 from __future__ import annotations

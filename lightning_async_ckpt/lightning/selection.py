@@ -1,13 +1,8 @@
 """``ModelCheckpoint``'s selection on top of the committed-generation store: names, best-k, loggers.
 
-Per cut (training thread, every rank): :meth:`Selection.prepare` renders the ``filename`` template and reads the
-monitored score; rank 0 decides whether the cut enters the top k (broadcast, so every rank cuts or none does).
-Per commit (training thread, rank 0, at the next hook): :meth:`Selection.poll` moves the generation into the
-committed view, applies best-k retention, sets ``best_model_path``, ``best_k_models``, ``kth_best_model_path``,
-``best_model_score``, ``current_score``, ``last_model_path`` on the callback, prints ``verbose`` lines through
-``rank_zero_info`` and calls every logger's ``after_save_checkpoint`` with the callback (what W&B and MLflow
-read to upload models). The manifest records ``extra["model_checkpoint"]``: filename, monitor, mode, score,
-epoch, weights_only, ranked.
+Per cut (every rank) :meth:`Selection.prepare` renders the filename and reads the score; rank 0's top-k decision is
+broadcast. Per commit (rank 0) :meth:`Selection.poll` applies best-k retention, sets ``ModelCheckpoint``'s
+attributes and calls every logger's ``after_save_checkpoint``.
 """
 
 from __future__ import annotations
@@ -264,11 +259,9 @@ class Selection:
     ) -> None:
         """Rebuild the committed view from the manifests of ``run_id`` up to step ``up_to`` (a resumed run).
 
-        ``foreign``: ``store`` is not where this fit writes (it resumed an older step and branched into a new
-        version): those generations rank like ``ModelCheckpoint``'s restored ``best_k_models``, but best-k
-        retention only forgets them, never removes them (they belong to the branch they were written in).
-        ``remembered``: the ``best_k_models`` restored from the checkpoint's callback state; those outside
-        ``store`` (the history a branch came from) still exist and rank the same way.
+        ``foreign``: ``store`` is not where this fit writes (a branch into a new version): its generations rank like
+        ``ModelCheckpoint``'s restored ``best_k_models`` but retention never removes them. ``remembered``: the restored
+        ``best_k_models``; those outside ``store`` rank the same way.
         """
         self.topk.entries.clear()
         self._pending.clear()

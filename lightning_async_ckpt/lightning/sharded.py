@@ -1,33 +1,11 @@
 """``AsyncCheckpointCallback`` under sharded strategies: every rank writes its shards in torch DCP's format.
 
-Under ``ModelParallelStrategy`` (FSDP2 ``fully_shard`` / tensor parallelism, ``save_distributed_checkpoint=True``)
-and ``FSDPStrategy(state_dict_type="sharded")`` the callback drives a
-:class:`~lightning_async_ckpt.sharded.ShardedCheckpointer` on every rank (the one engine with the DCP persister)
-instead of the single-writer engine on rank 0, after :class:`LightningDcpLayout` split the checkpoint. It writes exactly what the strategy's own ``save_checkpoint`` writes, into one store generation:
-
-- the model's and optimizers' sharded state in DCP's format (``__<rank>_0.distcp`` per rank, ``.metadata``), under
-  the strategy's keys (``state_dict`` for ``ModelParallelStrategy``, ``model`` for ``FSDPStrategy``, and
-  ``optimizer_<i>``);
-- everything else of Lightning's checkpoint (loops, epoch, step, callbacks, schedulers, hyper-parameters) as
-  ``meta.pt`` (``torch.save``), written by rank 0, which is what Lightning's sharded load reads besides DCP's files;
-- ``manifest.json`` last, by the coordinator, listing every rank's objects (the two-phase commit of
-  :mod:`lightning_async_ckpt.sharded`).
-
-So a committed generation folder is a checkpoint the strategy loads: ``trainer.fit(ckpt_path=folder)``;
-:func:`~lightning_async_ckpt.lightning.resume.latest_checkpoint` returns the folder for such generations.
-
-Collectives: the callback's agreements at the cut (decision, capture errors) run on the training thread on the
-default group, as under DDP; DCP's plan exchange, result gather and commit broadcast run on the
-:class:`~lightning_async_ckpt.sharded.ShardedCheckpointer`'s own gloo group, on its background thread, so they
-never interleave with training collectives.
-
-The cut: each rank captures its local shards with the engine's proof, categories, fences, guard and pooled buffers
-(:mod:`lightning_async_ckpt.sharded.capture`): parameters and optimizer state are staged behind the callback's
-fences (``on_train_batch_start``, ``on_before_optimizer_step``) when proven, everything else is copied at the cut.
-Any override of a Lightning hook that may write state between the cut and a fence (the table in
-:mod:`lightning_async_ckpt.lightning.hooks`) turns deferral off for that save: everything is copied at the cut.
-``meta.pt`` is serialized at the cut. One save is in flight at a time (``admission="wait"``,
-``max_outstanding=1``).
+Under ``ModelParallelStrategy`` and ``FSDPStrategy(state_dict_type="sharded")`` the callback drives a
+:class:`~lightning_async_ckpt.sharded.ShardedCheckpointer` on every rank and writes what the strategy's own
+``save_checkpoint`` writes (DCP files, ``meta.pt`` by rank 0, the manifest last), so a committed generation folder
+loads with ``trainer.fit(ckpt_path=folder)``. DCP's collectives run on the checkpointer's own gloo group, never
+interleaved with training's. An override of a hook that may write state before a fence turns deferral off for that
+save. One save is in flight at a time (``docs/lightning_sharded.md``).
 """
 
 from __future__ import annotations
@@ -151,13 +129,9 @@ class ShardedSetup:
 def setup_sharded(callback: Any, trainer: pl.Trainer, current: ShardedSetup | None = None) -> ShardedSetup | None:
     """Open a sharded checkpointer on every rank when the strategy writes DCP folders (or DDP writes slices).
 
-    Called from ``AsyncCheckpointCallback.setup`` on every rank, after ``dirpath`` and ``run_id`` are set; reads
-    the callback's arguments and changes nothing on it. Collective (creates the checkpoint's gloo group); a failure
-    on any rank raises on every rank.
-
-    Under DDP with the callback's ``ddp_layout="sliced"`` every rank writes a slice of the replicated state
-    (:mod:`~lightning_async_ckpt.lightning.sliced`). File-based strategies get a checkpoint IO that also loads
-    Lightning DCP folders.
+    Called from ``AsyncCheckpointCallback.setup`` on every rank; changes nothing on the callback. Collective
+    (creates the checkpoint's gloo group); a failure on any rank raises on every rank. File-based strategies get a
+    checkpoint IO that also loads Lightning DCP folders.
 
     Args:
         callback: The ``AsyncCheckpointCallback`` (its arguments are read).

@@ -1,27 +1,9 @@
 """DDP with every rank writing a slice: Lightning's checkpoint in torch DCP's format, and loading it back under DDP.
 
-With ``AsyncCheckpointCallback(ddp_layout="sliced")`` under ``DDPStrategy`` every rank hands its (replicated) model
-and optimizer state to a :class:`~lightning_async_ckpt.lightning.sharded.ShardedCallbackCheckpointer`; DCP's
-planner deduplicates the replicated items across ranks and balances them by size, so each item is written once,
-by one rank, and the aggregate write bandwidth grows with the ranks. ``meta.pt`` (loops, schedulers, callbacks...)
-is written by rank 0, as under the sharded strategies.
-
-What is replicated under DDP, and what is not:
-
-- parameters that require grad and their optimizer state: identical on every rank after each update (gradients
-  are all-reduced, the optimizer runs the same arithmetic everywhere), so any rank's copy may be written and DCP's
-  planner picks one;
-- everything else is not proven identical and is written from rank 0 only, like ``ModelCheckpoint``: buffers
-  (BatchNorm running statistics: every rank updates its own during forward and DDP copies rank 0's over them at
-  the next forward, ``broadcast_buffers``), parameters with ``requires_grad=False`` (a rank may update them from
-  its own batch), extra state (``get_extra_state``) and any other entry of the model's state dict. Ranks other
-  than 0 keep only the parameters that require grad in their model state (:func:`replicated_only`);
-- a ``ZeroRedundancyOptimizer``'s state is consolidated on rank 0 by Lightning (the other ranks hand in none).
-
-Loading: DDP's checkpoint IO reads files. :func:`install_dcp_loader` makes the strategy's checkpoint IO read such a
-generation folder into the same dict the single-writer checkpoint holds (``state_dict``, ``optimizer_states``,
-and ``meta.pt``'s keys), so ``trainer.fit(ckpt_path=latest_checkpoint(dirpath))`` resumes under DDP. DCP stores
-nested keys as strings: the optimizer state's integer parameter ids are restored from ``param_groups``.
+With ``ddp_layout="sliced"`` every rank hands its replicated state to the sharded engine and DCP writes each item
+once. Only parameters that require grad and their optimizer state are proven identical across ranks; everything
+else (buffers, frozen parameters, extra state) is written from rank 0 only (:func:`replicated_only`).
+:func:`install_dcp_loader` makes DDP's checkpoint IO read such a folder into the single-writer checkpoint's dict.
 """
 
 from __future__ import annotations
@@ -144,11 +126,9 @@ def _int_param_ids(osd: dict[str, Any]) -> dict[str, Any]:
 def guard_strategy_dcp_loads(strategy: Any) -> None:
     """Check a DCP folder before a sharded strategy's own loader (FSDP, ``ModelParallelStrategy``) unpickles it.
 
-    Those loaders read ``.metadata`` and every byte item with plain ``pickle`` / ``torch.load(weights_only=False)``:
-    anyone who can write the store could run code in the training job. Before delegating, the folder is read
-    through the allow-listed unpicklers (:func:`~lightning_async_ckpt.storage.dcp_metadata.check_dcp_folder`, which
-    never runs what it refuses) unless Lightning passes ``weights_only=False`` (``trainer.fit(...,
-    weights_only=False)``: the caller's explicit trust). Idempotent; paths that are not local DCP folders pass.
+    The folder is read first through the allow-listed unpicklers
+    (:func:`~lightning_async_ckpt.storage.dcp_metadata.check_dcp_folder`) unless Lightning passes
+    ``weights_only=False`` (the caller's explicit trust). Idempotent; paths that are not local DCP folders pass.
     """
     if getattr(strategy, _GUARDED, False):
         return

@@ -1,13 +1,8 @@
-"""Lightning's checkpoint loads routed through a store: :class:`StoreReader` (used by ``lightning/resume.py``).
-
-A remote ``dirpath`` (S3 with ``storage_options``, any fsspec URL) is opaque to Lightning's option-less loader:
-the reader stands in aliases for store URLs, answers ``ckpt_path="last"`` with the newest committed generation
-(re-chosen when retention retires it before it is read) and loads objects of committed generations with the
-store's filesystem and options.
-"""
+"""Lightning's checkpoint loads routed through a store: :class:`StoreReader` (used by ``lightning/resume.py``)."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 import uuid
@@ -200,7 +195,5 @@ class StoreReader:
             return
         import fsspec
 
-        try:
+        with contextlib.suppress(FileNotFoundError):
             fsspec.filesystem("memory").rm_file(alias)
-        except FileNotFoundError:
-            pass

@@ -1,14 +1,8 @@
 """Best-k bookkeeping of ``AsyncCheckpointCallback``: which cuts enter the top k, and which committed ones are best.
 
-Two views of the same entries (one per generation this run requested and has not removed):
-
-- **requested** (every entry not known to have failed, committed or still in flight): decides whether a new cut
-  enters the top k, the way ``ModelCheckpoint.check_monitor_top_k`` decides against the files it already wrote;
-- **committed** (only the generations whose manifest is written): ``best_k_models``, ``best_model_path`` and
-  what best-k retention keeps. A generation counts as best only once it is committed; until a better one commits,
-  the one it will displace stays best (and on storage).
-
-Ties go to the older generation. Pure bookkeeping on the training thread: no I/O.
+The requested view (not known to have failed) decides whether a new cut enters the top k; the committed view
+gives ``best_k_models`` and ``best_model_path`` and what retention keeps, so a generation counts as best only once
+committed. Ties go to the older generation. Pure bookkeeping on the training thread: no I/O.
 """
 
 from __future__ import annotations

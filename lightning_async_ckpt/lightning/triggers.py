@@ -1,16 +1,8 @@
 """When ``AsyncCheckpointCallback`` takes a cut: ``ModelCheckpoint``'s decision, hook by hook (lightning 2.6).
 
-``ModelCheckpoint`` saves
-
-- at a training batch end every ``every_n_train_steps`` steps or once ``train_time_interval`` passed, unless the
-  monitored metric is missing or stale (validation runs right after this batch): then the save is deferred to
-  the next ``on_validation_end``;
-- at the end of every ``every_n_epochs``-th epoch: in ``on_train_epoch_end`` when it saves on train epoch ends
-  (no validation, or validation once per epoch), otherwise in ``on_validation_end`` (``val_check_interval=0.5``
-  saves after each validation run, ``check_val_every_n_epoch > 1`` after the validation runs);
-- never twice at the same step, never outside fitting, during sanity checks or with ``fast_dev_run``.
-
-:class:`Triggers` answers the same questions with the same rules; the callback cuts where it says so.
+:class:`Triggers` applies ``ModelCheckpoint``'s rules: step and time intervals at a batch end (deferred to the next
+``on_validation_end`` when the monitored metric is stale), epoch intervals at the train epoch end or validation end,
+never twice at the same step, never outside fitting, during sanity checks or with ``fast_dev_run``.
 """
 
 from __future__ import annotations

@@ -1,16 +1,8 @@
 """Capture of a rank's local shards: the core capture plan, proof, guard and buffer pool over DTensor local tensors.
 
-A sharded state dict (``get_state_dict`` under FSDP2 / tensor parallelism) holds ``DTensor`` leaves whose data
-is the rank's local shard. The core plan (:class:`~lightning_async_ckpt.core.capture.CapturePlan`) classifies
-plain tensors by storage identity with the live parameters, buffers and optimizer state; here every ``DTensor``
-is replaced by its local tensor before the plan is built (and rebuilt around its staged copy afterwards), and the
-modules and optimizers are shown to the plan through views whose parameters and state are local tensors. So the
-proof, the categories, the fences, the guard and the pooled buffers are the single-process engine's, on every
-rank, and the plan is local: no collective is needed to build or stage it.
-
-FSDP2 (``fully_shard``) registers forward pre/post hooks on every sharded module. They all-gather the shards
-into separate unsharded parameters and free those again; they never write a sharded parameter's local data
-(only the optimizer does), so the proof ignores them (:func:`is_fsdp_hook`).
+Every ``DTensor`` is replaced by its local tensor before the core plan is built (and rebuilt around its staged copy),
+and modules and optimizers are shown to the plan through local views, so the plan is local: no collective. FSDP2's
+forward hooks never write a sharded parameter's local data, so the proof ignores them (:func:`is_fsdp_hook`).
 """
 
 from __future__ import annotations
@@ -27,7 +19,7 @@ from lightning_async_ckpt.core.capture import CapturePlan, Category, DeferralPro
 from lightning_async_ckpt.core.capturer import CutCapture, take_buffers
 from lightning_async_ckpt.core.staging import BufferPool
 
-__all__ = ["LocalCapture", "ShardedCapturer", "capture_local", "is_fsdp_hook", "local_tensor", "sharded_proof"]
+__all__ = ["LocalCapture", "ShardedCapturer", "is_fsdp_hook", "local_tensor", "sharded_proof"]
 
 Path = tuple[Any, ...]
 
@@ -203,52 +195,19 @@ class ShardedCapturer:
         pool: BufferPool,
         guard: bool | str,
     ) -> LocalCapture:
-        """:func:`capture_local` with the bound modules and optimizers unless the save names its own."""
+        """Classify ``state``'s local shards (DTensor leaves through their local tensors), copy what must be copied
+        at the cut, and return the staging job; with the bound modules and optimizers unless the save names its own.
+        The caller runs ``capture.job.run()`` (on a background thread) and waits at the fences.
+        """
+        modules = list(modules) if modules else self._modules
+        optimizers = list(optimizers) if optimizers else self._optimizers
+        specs: dict[Path, _Spec] = {}
         with torch.no_grad():
-            return capture_local(
-                state,
-                modules=list(modules) if modules else self._modules,
-                optimizers=list(optimizers) if optimizers else self._optimizers,
-                fences=fences,
-                pool=pool,
-                guard=guard,
-                demoted=demoted,
-                defer=defer,
-            )
-
-
-def capture_local(
-    state: Any,
-    *,
-    modules: Sequence[torch.nn.Module],
-    optimizers: Sequence[Any],
-    fences: Iterable[Fence],
-    pool: BufferPool,
-    guard: bool | str = True,
-    demoted: Iterable[Category] = (),
-    defer: bool = True,
-) -> LocalCapture:
-    """Classify ``state``'s local shards, copy what must be copied at the cut, and return the staging job.
-
-    Args:
-        state: A (sharded) state dict; DTensor leaves are captured through their local tensors.
-        modules: The modules whose parameters and buffers appear in ``state``.
-        optimizers: The optimizers whose state appears in ``state``.
-        fences: The fences the caller will pass (``wait``): without them everything is copied at the cut.
-        pool: Where the host buffers come from.
-        guard: The guard mode (see :mod:`lightning_async_ckpt.core.guard`).
-        demoted: Categories whose deferral failed the guard before: copied at the cut.
-        defer: ``False`` copies everything at the cut.
-
-    Returns:
-        The capture; the caller runs ``capture.job.run()`` (on a background thread) and waits at the fences.
-    """
-    specs: dict[Path, _Spec] = {}
-    local_state = _strip(state, (), specs)
-    proof = sharded_proof(modules, optimizers, fences) if defer else None
-    local: dict[int, torch.Tensor] = {}
-    views = [_ModuleView(m, local) for m in modules]
-    opt_views = [_optimizer_view(o, local) for o in optimizers]
-    plan = CapturePlan.build(local_state, modules=views, optimizers=opt_views, proof=proof, demoted=demoted)
-    taken = take_buffers(plan, pool, guard)
-    return LocalCapture(plan=taken.plan, job=taken.job, buffers=taken.buffers, _specs=specs)
+            local_state = _strip(state, (), specs)
+            proof = sharded_proof(modules, optimizers, fences) if defer else None
+            local: dict[int, torch.Tensor] = {}
+            views = [_ModuleView(m, local) for m in modules]
+            opt_views = [_optimizer_view(o, local) for o in optimizers]
+            plan = CapturePlan.build(local_state, modules=views, optimizers=opt_views, proof=proof, demoted=demoted)
+            taken = take_buffers(plan, pool, guard)
+        return LocalCapture(plan=taken.plan, job=taken.job, buffers=taken.buffers, _specs=specs)

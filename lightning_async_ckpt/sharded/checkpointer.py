@@ -1,18 +1,8 @@
 """Asynchronous sharded checkpoints for plain loops and raw FSDP2: the one engine with a DCP persister.
 
-:class:`ShardedCheckpointer` is :class:`~lightning_async_ckpt.core.engine.AsyncCheckpointer` (admission, capture
-and proof, fenced staging and the guard, persist, commit, retention, errors raised once on the training thread,
-the interpreter-exit drain) with the two parts that differ plugged in: the sharded capturer
-(:class:`~lightning_async_ckpt.sharded.capture.ShardedCapturer`: every local shard, a DTensor's local tensor or a
-plain tensor, classified by the core plan) and the DCP persister
-(:class:`~lightning_async_ckpt.sharded.persister.DcpPersister`: ``dcp.save`` on the engine's upload thread over a
-gloo process group created once for checkpoints, so DCP's plan exchange and commit gather never interleave with the
-training's collectives). What is not proven safe to defer is copied at the cut into pooled host buffers; the rest
-(parameters and optimizer state, when the caller passes the fences: :meth:`ShardedCheckpointer.attach`) is copied
-while forward and backward run, and the training thread waits for it only at the fence. Every rank checks its guard
-before it reports its objects; the manifest is written last by the coordinator (see
-:mod:`~lightning_async_ckpt.sharded.commit`). One save is in flight at a time (``admission="wait"``,
-``max_outstanding=1``: every rank must take part in every save).
+The sharded capturer and the DCP persister (``dcp.save`` on the upload thread over a gloo group of its own) plug
+into :class:`~lightning_async_ckpt.core.engine.AsyncCheckpointer`. Every rank checks its guard before it reports its
+objects; the coordinator writes the manifest last. One save is in flight at a time.
 """
 
 from __future__ import annotations
@@ -41,16 +31,11 @@ _log = logging.getLogger(__name__)
 class ShardedCheckpointer(AsyncCheckpointer):
     """Asynchronous DCP-format checkpoints of a sharded (or plain) state dict into a :class:`CheckpointStore`.
 
-    Every rank constructs one (the constructor creates the gloo group: a collective call) and calls :meth:`save`
-    at the same steps. One save is in flight at a time: the next ``save`` waits for the previous one, because the
-    host buffers are reused. Local shards are copied at the cut unless the caller passes fences (:meth:`attach`
-    for a plain loop, :meth:`declare_fences` plus :meth:`wait` for an integration) and the deferral proof holds;
-    then parameters and optimizer state are staged while forward and backward run (see
-    :mod:`~lightning_async_ckpt.sharded.capture`). A background failure is raised once, on the training thread, at
-    the next ``save``, ``wait``, ``poll`` or :meth:`drain`; every rank raises it (DCP agrees on failures across
-    ranks). A save the guard refused on any rank ends ``torn`` on every rank, like the single-writer engine's: its
-    futures fail with a :class:`ShardedSaveError` whose ``torn`` is set, nothing is raised, :attr:`retake_due` says
-    to take a fresh cut, and the torn categories are copied at the cut from then on.
+    Every rank constructs one (a collective: it creates the gloo group) and calls :meth:`save` at the same steps;
+    one save is in flight at a time. Local shards are copied at the cut unless the caller passes fences
+    (:meth:`attach`, or :meth:`declare_fences` plus :meth:`wait`) and the deferral proof holds. A background failure
+    is raised once on the training thread, on every rank. A save the guard refused on any rank ends ``torn`` on
+    every rank (:class:`ShardedSaveError` with ``torn`` set, :attr:`retake_due`), as with the single-writer engine.
 
     Thread-safety: call ``save``, ``drain`` and ``close`` from one thread (the training thread).
 

@@ -1,15 +1,8 @@
 """The coordinator's commit of a sharded generation: ``manifest.json`` last, listing every rank's objects.
 
-Runs inside DCP's ``finish`` on the coordinator, which DCP calls only after every rank's ``write_data`` succeeded
-and after DCP's ``.metadata`` is durable. Every rank's reported objects are recorded into the coordinator's claim
-(:meth:`~lightning_async_ckpt.storage.writer.GenerationWriter.record`) and the claim's own ``commit`` writes the
-manifest: the same code path as a single-writer generation (sizes checked before and after the exclusive
-manifest write, a retried write that landed counts as ours, the loser of a race removes its objects). The manifest
-is the same schema as a single-writer generation's, so ``CheckpointStore.generations``, ``latest``, ``verify``
-and retention read sharded generations unchanged; ``extra["format"] == "torch_dcp"``, ``extra["ranks"]`` (rank ->
-object names) and ``extra["dcp_folder"]`` (where DCP's files are, relative to the generation folder: ``""``, or
-the writer's prefix when another writer held the step's claim) say what it is; ``extra["write_retries"]`` (rank ->
-throttled writes it retried) says how hard the store pushed back.
+It runs inside DCP's ``finish`` (after every rank's ``write_data`` succeeded and ``.metadata`` is durable) through the
+single-writer claim's ``commit``. The manifest's ``extra`` says ``format == "torch_dcp"``, ``ranks`` (rank -> object
+names), ``dcp_folder`` and ``write_retries``.
 """
 
 from __future__ import annotations

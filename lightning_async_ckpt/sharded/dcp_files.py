@@ -1,11 +1,5 @@
 """DCP's file-system seam over a store: objects created exclusively under the attempt's token, each checksummed.
 
-:class:`StoreFileSystem` is what :class:`~lightning_async_ckpt.sharded.dcp_writer.StoreStorageWriter` hands to
-DCP's ``FileSystemWriter``: every stream DCP opens goes through the store's backend (``O_DIRECT`` and fsync on local
-disks, multipart uploads on S3), is counted and checksummed as its bytes pass (:class:`ChecksumStream`), and is
-recorded as an :class:`~lightning_async_ckpt.storage.manifest.ObjectEntry` once durable. What one attempt created
-can be removed again (:meth:`StoreFileSystem.undo`), so a throttled write is retried from a clean start.
-
 Thread-safety: DCP's I/O threads share one instance; its records are guarded by a lock.
 """
 
@@ -23,7 +17,7 @@ from torch.distributed.checkpoint.filesystem import FileSystemBase
 
 from lightning_async_ckpt.errors import StorageError
 from lightning_async_ckpt.storage.claims import Lease
-from lightning_async_ckpt.storage.io import Checksum, WriteOnlyStream, file_identity, fsync_dir, same_file
+from lightning_async_ckpt.storage.io import ChecksumWriter, file_identity, fsync_dir, same_file
 from lightning_async_ckpt.storage.manifest import SPREAD_FOLDER, ObjectEntry, spread_path, validate_object_name
 
 if TYPE_CHECKING:
@@ -37,22 +31,17 @@ _TOKENED_RE = re.compile(r"^(__[0-9]+_[0-9]+\.distcp|.*\.tmp)$")
 _DATA_RE = re.compile(r"^__[0-9]+_[0-9]+\.distcp$")  # DCP's per-rank data files: spread with hashed_prefixes
 
 
-class ChecksumStream(WriteOnlyStream):
+class ChecksumStream(ChecksumWriter):
     """Write-only stream over a backend object: counts and checksums bytes; closing is left to the file system."""
 
     def __init__(self, raw: IO[bytes], algorithm: str, renew: Callable[[], None]) -> None:
-        self.raw = raw
-        self.digest = Checksum(algorithm)
-        self.size = 0
+        super().__init__(raw, algorithm)
         self._renew = renew
 
     def write(self, data: Any) -> int:
-        view = memoryview(data).cast("B")
-        self.raw.write(view)
-        self.digest.update(view)
-        self.size += len(view)
+        n = super().write(data)
         self._renew()
-        return len(view)
+        return n
 
     def flush(self) -> None:
         # The backend flushes and syncs once at the end; a direct-I/O file must not flush its tail early.
@@ -150,7 +139,7 @@ class StoreFileSystem(FileSystemBase):
         except Exception as exc:
             raise StorageError(f"could not finish {physical!r}: {exc}") from exc
         with self._lock:
-            self.objects[entry.name] = self._entry(path, stream.size, stream.digest.hexdigest(), physical)
+            self.objects[entry.name] = self._entry(path, stream.size, stream.checksum, physical)
 
     def concat_path(self, path: str | os.PathLike, suffix: str) -> str:
         return f"{str(path).rstrip('/')}/{suffix}"
@@ -173,7 +162,7 @@ class StoreFileSystem(FileSystemBase):
                     # Exclusive, throttling retried in the backend (a retry that finds its own bytes succeeds).
                     self.store.backend.create_claim(new_path, data)
                 except FileExistsError:
-                    if not self._holds(new_path, data):
+                    if not self.store.backend.holds(new_path, data):  # another attempt's names its own files
                         raise
                 self.store.fs.rm_file(source)
         except FileExistsError as exc:
@@ -184,16 +173,6 @@ class StoreFileSystem(FileSystemBase):
             entry = self.objects.pop(old)
             renamed = self._entry(new_path, entry.size, entry.checksum)
             self.objects[renamed.name] = renamed
-
-    def _holds(self, path: str, data: bytes) -> bool:
-        """Whether ``path`` holds exactly ``data``: this attempt's publish landed earlier (its answer was lost).
-
-        Another attempt's ``.metadata`` names its own token-suffixed files, so equal bytes are this attempt's.
-        """
-        try:
-            return self.store.fs.cat_file(path) == data
-        except Exception:  # noqa: BLE001 - unreadable is not provably ours
-            return False
 
     def init_path(self, path: str | os.PathLike) -> str:
         return str(path)

@@ -1,11 +1,8 @@
 """Views of one DCP checkpoint: a subfolder whose ``.metadata`` holds one top-level key, over the same data files.
 
-Some loaders read one DCP checkpoint per part of the state from fixed subfolders: accelerate's FSDP2
-``load_state`` reads ``pytorch_model_fsdp_0/`` as ``{"model": ...}`` and ``optimizer_0/`` as ``{"optimizer": ...}``.
-A save of ``{"pytorch_model_fsdp_0": {"model": msd}, "optimizer_0": {"optimizer": osd}}`` writes every rank's data
-once; :func:`metadata_view` then gives the coordinator the ``.metadata`` of each subfolder: the items below the
-key with the key's segment removed from their names, and every data file reached one folder up (``../``). No byte
-of data is written twice, and the whole generation stays one DCP checkpoint at its own ``.metadata``.
+Accelerate's FSDP2 ``load_state`` reads ``pytorch_model_fsdp_0/`` and ``optimizer_0/`` as separate checkpoints:
+:func:`metadata_view` gives each such subfolder a ``.metadata`` whose data files are reached one folder up, so no
+byte of data is written twice.
 """
 
 from __future__ import annotations

@@ -1,27 +1,10 @@
 """A torch DCP ``StorageWriter`` that writes one generation of a :class:`CheckpointStore`, checksumming as it goes.
 
-The format is DCP's own: every rank writes ``__<rank>_<n>.distcp`` data files, the coordinator writes
-``.metadata``; ``torch.distributed.checkpoint.load`` and ``dcp_to_torch_save`` read the folder at any world size.
-Objects are written once: every data file (and every extra object of a rank other than the coordinator) is
-created exclusively under its DCP name with the attempt's token appended (``__1_0.distcp.<token>``; the manifest
-keeps the DCP name and records the file, and DCP's ``.metadata`` records each item's file, so loaders need no
-fixed names), and ``.metadata`` is published exclusively, never replacing one. A rank of an earlier attempt that
-wakes from a stall writes only its own names, never a committed object.
-On top of DCP, each object's size and checksum are computed as its bytes pass, and each rank's list of objects
-travels to the coordinator inside DCP's own gather of write results (one extra :class:`WriteResult` per rank,
-removed again before DCP's metadata is written), so the commit needs no collective of its own.
-
-Call sequence (DCP's ``save`` drives it; steps as in DCP's ``StorageWriter`` docstring):
-
-0. ``reset`` / ``set_up_storage_writer`` on every rank;
-1. ``prepare_local_plan`` on every rank: the generation folder exists;
-2. ``prepare_global_plan`` on the coordinator: the step is claimed in the store (refused if already committed);
-3. ``write_data`` on every rank: an attempt claim with a lease (:class:`~lightning_async_ckpt.storage.claims.Lease`,
-   renewed at each write) while data objects are written, made durable (``Backend.finish``) and reported;
-4. ``finish`` on the coordinator, only when every rank's ``write_data`` succeeded: ``.metadata``, then
-   ``manifest.json`` last (:func:`~lightning_async_ckpt.sharded.commit.commit_generation`).
-
-If a rank fails, DCP raises on every rank and ``finish`` never runs: no manifest. Call :meth:`abort` then.
+The format is DCP's own. Every data file is created exclusively under its DCP name with the attempt's token
+appended (``__1_0.distcp.<token>``) and ``.metadata`` is published exclusively, so a stalled rank of an earlier
+attempt never writes a committed object. Each rank's objects travel to the coordinator inside DCP's own gather of
+write results; ``finish`` (coordinator, only when every rank succeeded) writes ``.metadata``, then the manifest
+last. If a rank fails, DCP raises on every rank and no manifest is written: call :meth:`abort` then.
 """
 
 from __future__ import annotations
@@ -87,9 +70,8 @@ def planned_bytes(plan: SavePlan) -> int:
 class StoreStorageWriter(FileSystemWriter):
     """DCP ``StorageWriter`` for one generation (``<root>/step-XXXXXXXX/``) of a store; one instance per save.
 
-    Reuses DCP's ``FileSystemWriter`` for planning, file layout and serialization, through a file system that
-    writes with the store's backend (``O_DIRECT`` and fsync on local disks, multipart uploads on S3) and
-    checksums every object. Not thread-safe: DCP's ``save`` drives one instance from one thread.
+    Reuses DCP's ``FileSystemWriter`` through a file system that writes with the store's backend and checksums every
+    object. Not thread-safe: DCP's ``save`` drives one instance from one thread.
 
     Args:
         store: The store; its ``root`` holds the generation.
@@ -168,10 +150,8 @@ class StoreStorageWriter(FileSystemWriter):
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         """Claim the step on the coordinator (DCP step 2): a committed step is refused.
 
-        When another writer holds the step's claim (a live writer, or a crashed one that is not provably gone),
-        the claim comes with a prefix: every rank then writes its files below it (the plan tells each rank), and
-        DCP's ``.metadata`` goes there too, so the two writers never touch each other's files; the first manifest
-        wins, as for single-writer generations.
+        When another writer holds the step's claim, every rank writes below this attempt's prefix (the plan tells each
+        rank), ``.metadata`` included; the first manifest wins, as for single-writer generations.
         """
         self.claim = self.store.begin(self.step)
         planned = super().prepare_global_plan(plans)

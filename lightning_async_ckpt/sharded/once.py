@@ -1,16 +1,8 @@
 """Work done once per job: rank 0 reads the store, every rank gets its answer (or rank 0's error).
 
-Under a process group every rank used to find the newest checkpoint by itself: each listed the store, read its
-manifests and re-read the whole chosen generation to verify it, so a 1,024-rank resume cost 1,024 times the
-requests of one (issue 27). :func:`once` runs such a lookup on rank 0 only and broadcasts its result; an exception
-raised on rank 0 is broadcast instead and raised on every rank (the same type and message, with a note naming
-rank 0), so no rank waits for an answer that never comes and no rank starts fresh while another resumes.
-
-Which broadcast: :func:`job_broadcast` uses ``torch.distributed.broadcast_object_list`` over the default group when
-its backend is gloo, else over one gloo group created at the first call and kept for that default group (NCCL
-cannot carry Python objects without a device). Creating that group is a collective: every rank must call the
-lookup together, in the same order (``latest_checkpoint`` is called on every rank anyway, before ``fit``). Lightning
-code passes ``trainer.strategy.broadcast`` instead (:func:`lightning_broadcast`).
+:func:`once` runs a lookup on rank 0 only and broadcasts its result, or its exception (raised on every rank with a
+note naming rank 0). :func:`job_broadcast` uses the default group when it is gloo, else one gloo group created at
+the first call; Lightning code passes ``trainer.strategy.broadcast`` (:func:`lightning_broadcast`).
 
 Thread-safety: call from the training thread, on every rank in the same order (a collective).
 """

@@ -1,14 +1,8 @@
 """The DCP persister: the engine's persist step when every rank writes its shards in torch DCP's format.
 
-Plugged into the one engine (:class:`~lightning_async_ckpt.core.engine.AsyncCheckpointer`) by
-:class:`~lightning_async_ckpt.sharded.checkpointer.ShardedCheckpointer`. On the engine's upload thread, after this
-rank's staging ended, :meth:`DcpPersister.persist` runs ``dcp.save`` over the staged state with a
-:class:`~lightning_async_ckpt.sharded.dcp_writer.StoreStorageWriter` on the checkpoint's own gloo group: DCP's plan
-exchange, every rank's write-once data files, the guard's last word on every rank before it reports, then the
-coordinator's ``.metadata`` and manifest last (:mod:`~lightning_async_ckpt.sharded.commit`). It is *collective*: a
-rank whose staging failed still enters ``dcp.save`` and fails it there, so no peer waits for it; a failure on any
-rank fails the save on every rank, as one :class:`~lightning_async_ckpt.sharded.handle.ShardedSaveError` (``.torn``
-when a guard refused it).
+:meth:`DcpPersister.persist` is collective: a rank whose staging failed still enters ``dcp.save`` and fails it there,
+so no peer waits; a failure on any rank fails the save on every rank as one
+:class:`~lightning_async_ckpt.sharded.handle.ShardedSaveError` (``.torn`` when a guard refused it).
 """
 
 from __future__ import annotations

@@ -1,17 +1,7 @@
-"""DCP save-plan caching where the installed torch offers it: plans are not sent again while they do not change.
+"""DCP save-plan caching where the installed torch offers it (``enable_plan_caching``, torch >= 2.7).
 
-torch's ``DefaultSavePlanner(enable_plan_caching=True)`` (torch >= 2.7) remembers each rank's local plan and the
-coordinator's global plan; when a rank's plan equals the last one it sends an empty, unusable plan to the
-coordinator instead, and the coordinator scatters empty plans back, so the planning collective stops growing with
-the number of tensors. Two things this library needs on top:
-
-- the cache is keyed per planner instance (torch keys it by class name, process-wide: two checkpointers of
-  different models in one process would share it); :func:`caching_planner` gives each checkpointer its own key;
-- every save's final plan carries that save's storage data (the attempt's token and prefix, fresh per save from the
-  coordinator's claim), never the first save's: the cached plan's items are kept, the new storage data replaces
-  the cached one.
-
-:func:`plan_caching_available` feature-detects the parameter; without it the default planner is used unchanged.
+:func:`caching_planner` keys the cache per checkpointer (torch keys it by class name, process-wide) and gives every
+save's plan that save's storage data; without the parameter the default planner is used unchanged.
 
 Thread-safety: one planner per ``dcp.save``; torch's cache is a class-level dict (torch guards nothing).
 """

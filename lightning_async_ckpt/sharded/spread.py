@@ -1,10 +1,7 @@
 """Loading a sharded generation whose data files are spread over hashed key prefixes, on any fsspec backend.
 
-With ``CheckpointStore(hashed_prefixes=True)`` each rank's DCP data file lives at ``<root>/spread/<h>/step-N/``
-(:func:`~lightning_async_ckpt.storage.manifest.spread_path`), and DCP's ``.metadata`` records it relative to the
-generation folder as ``../spread/<h>/step-N/<file>``. A local path resolves ``..`` by itself, so ``dcp.load(...,
-checkpoint_id=info.dcp_path)`` works there unchanged; object stores have no ``..`` (the key would be taken
-literally), so :func:`storage_reader` gives DCP a reader whose joined paths are normalised first.
+DCP's ``.metadata`` records such files as ``../spread/<h>/step-N/<file>``; object stores have no ``..``, so
+:func:`storage_reader` gives DCP a reader whose joined paths are normalised first.
 """
 
 from __future__ import annotations
@@ -101,7 +98,7 @@ def load_generation(
 def _verify_read(store: CheckpointStore, step: int, reader: Any, plan: Any) -> list[str]:
     """Verify the objects of ``step`` that ``plan`` (this rank's load plan) reads; their names."""
     from lightning_async_ckpt.errors import ManifestError
-    from lightning_async_ckpt.storage.io import read_verified
+    from lightning_async_ckpt.storage.io import Discard, read_verified
     from lightning_async_ckpt.storage.verification import object_path
 
     folder = reader.path
@@ -114,13 +111,8 @@ def _verify_read(store: CheckpointStore, step: int, reader: Any, plan: Any) -> l
         if store.backend.url(path) not in wanted and path not in wanted:
             continue
         try:
-            read_verified(store.fs, path, obj, into=_Discard())
+            read_verified(store.fs, path, obj, into=Discard())
         except ManifestError as exc:
             raise ManifestError(f"generation step {step}: {obj.name} failed verification at load: {exc}") from exc
         names.append(obj.name)
     return names
-
-
-class _Discard:
-    def write(self, data: bytes) -> int:
-        return len(data)

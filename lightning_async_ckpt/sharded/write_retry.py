@@ -1,17 +1,8 @@
 """Retrying one rank's object writes when the object store throttles it: bounded, with jittered backoff.
 
-Every rank of a sharded save writes into one new ``step-N/`` prefix within seconds; an object store answers a burst
-with ``503 SlowDown`` (S3), ``429 Too Many Requests`` (GCS, Azure) or a reset connection. Without a retry, one
-throttled rank fails the whole save. :class:`WriteRetries` retries a write that failed that way after
-:meth:`RetryPolicy.delay <lightning_async_ckpt.core.persist.RetryPolicy.delay>` (a doubling backoff plus up to half
-again at random, so throttled ranks do not come back in lockstep), at most ``policy.retries`` times, and counts the
-retries (the coordinator records them in the manifest, ``extra["write_retries"]``). What counts as throttling is
-:func:`~lightning_async_ckpt.storage.throttling.is_throttled` (re-exported here); the exclusive PUTs of a commit
-(``.metadata``, ``manifest.json``, claims) are retried by the store's backend itself (:mod:`.throttling`). Anything else (a full disk, an
-I/O error, a usage error) fails at once, as before: a retry would not help, and the save's own error handling runs.
-
-Concurrency per process stays bounded by DCP's ``thread_count`` (one object per I/O thread at a time); a retry
-reuses the thread that failed.
+:class:`WriteRetries` retries a write that failed as :func:`~lightning_async_ckpt.storage.throttling.is_throttled`
+says, at most ``policy.retries`` times, and counts the retries (the manifest's ``extra["write_retries"]``); anything
+else fails at once.
 
 Thread-safety: one instance per rank's ``write_data``; :meth:`WriteRetries.run` may be called from several threads.
 """

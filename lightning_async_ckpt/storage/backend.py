@@ -1,19 +1,13 @@
 """The backend seam: what differs between local disk, S3 and any other fsspec filesystem.
 
-Everything above this module (writer, store, retention) calls these few methods and never asks which
-filesystem it runs on. The guarantees differ per backend; ``docs/storage.md`` tabulates them:
-
-=========  ===============================================  ==========================================
-backend    exclusive create (manifest, writer claim)         durability
-=========  ===============================================  ==========================================
-local      ``os.link`` of a fsynced temp file (``EEXIST``)  fsync of file and folder
-s3         ``PutObject`` with ``If-None-Match: *``          the PUT is durable when acknowledged
-other      check, then write (best effort, racy)            whatever the filesystem promises
-=========  ===============================================  ==========================================
+Everything above this module calls these few methods and never asks which filesystem it runs on. Exclusive create
+is ``os.link`` of a fsynced temp file locally and ``If-None-Match: *`` on S3 (best effort elsewhere);
+``docs/storage.md`` tabulates each backend's guarantees.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import uuid
 from typing import IO, Any
@@ -50,10 +44,8 @@ MAX_PART_SIZE = 256 << 20
 def part_size(size: int | None, configured: int | None = None, *, parts: int = PARTS_PER_OBJECT) -> int:
     """The multipart part size for an object of ``size`` bytes (``None``: unknown), whole MiB.
 
-    ``configured`` (the store's ``block_size``, default :data:`DEFAULT_PART_SIZE`) for objects up to ``parts``
-    parts of it; larger objects get larger parts so that they take ``parts`` parts, up to :data:`MAX_PART_SIZE`
-    (or ``configured``, if larger); above that only as large as S3's 10,000-part limit needs (objects over 2.4 TiB
-    at the defaults, which 32 MiB parts could not upload at all past 312 GiB).
+    ``configured`` for objects up to ``parts`` parts of it; larger objects get larger parts (so they take ``parts``
+    parts) up to :data:`MAX_PART_SIZE`, and beyond that only as large as S3's 10,000-part limit needs.
     """
     base = max(configured or DEFAULT_PART_SIZE, _S3_MIN_PART)
     if not size or size <= 0:
@@ -106,10 +98,8 @@ class Backend:
         discard = getattr(raw, "discard", None)
         if callable(discard):
             discard()
-        try:
+        with contextlib.suppress(Exception):  # a discarded buffer cannot be flushed; nothing was published
             raw.close()
-        except Exception:  # noqa: BLE001 - a discarded buffer cannot be flushed; nothing was published
-            pass
 
     def create_exclusive(self, path: str, data: bytes) -> None:
         """Write ``data`` at ``path`` only if nothing is there.
@@ -134,14 +124,17 @@ class Backend:
         """
         self._retried(lambda: self._claim(path, data), path, data)
 
-    def _retried(self, put: Any, path: str, data: bytes) -> None:
-        def landed() -> bool:
-            try:
-                return self.fs.cat_file(path) == data
-            except Exception:  # noqa: BLE001 - unreadable is not provably this writer's
-                return False
+    def holds(self, path: str, data: bytes) -> bool:
+        """Whether ``path`` holds exactly ``data`` (a PUT whose answer was lost landed); unreadable: not provably."""
+        try:
+            return self.fs.cat_file(path) == data
+        except Exception:  # noqa: BLE001 - unreadable is not provably this writer's
+            return False
 
-        put_exclusive(put, landed=landed, policy=self.put_retry, what=f"exclusive PUT of {path}")
+    def _retried(self, put: Any, path: str, data: bytes) -> None:
+        put_exclusive(
+            put, landed=lambda: self.holds(path, data), policy=self.put_retry, what=f"exclusive PUT of {path}"
+        )
 
     def _exclusive(self, path: str, data: bytes) -> None:
         if self.fs.exists(path):
@@ -155,10 +148,8 @@ class Backend:
             with self.fs.open(path, "wb") as f:
                 f.write(data)
         except BaseException:
-            try:
+            with contextlib.suppress(Exception):  # the write's own error is the one to report
                 self.fs.rm_file(path)  # a torn claim would name an unknown writer
-            except Exception:  # noqa: BLE001 - the write's own error is the one to report
-                pass
             raise
 
     def prepare_folder(self, path: str) -> None:

@@ -1,15 +1,9 @@
 """Writer claims: who writes a generation, and the lease that proves a writer is still alive.
 
-Every attempt to write a generation has a random token. Each writing process of an attempt (the single writer,
-or every rank of a sharded save) holds an *attempt claim* ``.writer-<token>-r<rank>.json``: created exclusively
-before its first object, renewed while it writes (:class:`Lease`, at most every ``RENEW_S`` seconds, at each
-write), removed when its part ends. The writer that may use the step's plain object names also holds the *step
-claim* ``.writer.json`` (created exclusively, never rewritten; it names the token).
-
-A claim is live while its lease has not expired: ``expires`` (the writer's wall clock) plus ``CLOCK_SKEW_S``
-for clocks of other hosts. Host name and pid are recorded for operators, never used as proof of death: two
-writers in containers with the host's network share a host name but not a pid namespace. A claim written by an
-older version (no ``expires``) is never provably dead (:attr:`Liveness.UNKNOWN`).
+Each writing process of an attempt holds an attempt claim ``.writer-<token>-r<rank>.json`` (created exclusively,
+renewed while it writes: :class:`Lease`); the attempt that may use the step's plain names also holds the step claim
+``.writer.json``. A claim is live until ``expires`` plus ``CLOCK_SKEW_S``; host name and pid are never proof of
+death, and a claim without ``expires`` is never provably dead (:attr:`Liveness.UNKNOWN`).
 """
 
 from __future__ import annotations
@@ -212,11 +206,9 @@ class Lease:
 def take_step_claim(store: StoreRoot, folder: str, body: bytes) -> bool:
     """Create the step claim of ``folder`` for a new attempt, or take it over from an attempt that is gone.
 
-    Takeover needs proof of death: every claim of the holding attempt expired (:func:`token_liveness`). It is
-    done only on local disks, where the taker unlinks every leftover before writing (:func:`clear_leftovers`),
-    so a late write of the old attempt lands in an orphaned inode; on object stores a frozen writer's upload
-    could still complete at a plain key, so the new attempt writes under its own prefix instead. Of two takers,
-    the one that creates the marker ``.writer-<old token>.taken`` exclusively wins.
+    Takeover needs proof of death (every claim of the holding attempt expired, :func:`token_liveness`) and is done only
+    on local disks, after :func:`clear_leftovers`; on object stores the new attempt writes under its own prefix. Of two
+    takers, the one that creates ``.writer-<old token>.taken`` exclusively wins.
 
     Returns:
         Whether this attempt now holds the step claim.
@@ -252,13 +244,10 @@ def take_step_claim(store: StoreRoot, folder: str, body: bytes) -> bool:
 def clear_leftovers(store: StoreRoot, folder: str, keep: set[str]) -> list[str]:
     """Before an attempt writes plain names: remove what earlier attempts left at them.
 
-    Every file of ``folder`` goes except the names in ``keep`` (the new attempt's claims), other writers'
-    ``w-<token>/`` folders and live attempt claims. An earlier attempt's writer that still holds a descriptor
-    then writes to an orphaned inode, and one that opens a name later finds it taken (objects are created
-    exclusively), so nothing it writes can land in this attempt's objects.
-
-    Files with no claim of an earlier attempt beside them were not written by the library: nothing is removed,
-    and they are returned (the attempt then writes under its own prefix, :func:`claim_step`).
+    Every file of ``folder`` goes except ``keep``, other writers' ``w-<token>/`` folders and live attempt claims, so a
+    late writer of an earlier attempt writes to an orphaned inode. Files with no earlier attempt's claim beside them
+    were not written by the library: nothing is removed, and they are returned (the attempt then writes under its own
+    prefix, :func:`claim_step`).
     """
     try:
         files = store.fs.find(folder)

@@ -1,16 +1,8 @@
 """Reading torch DCP's ``.metadata`` without running code: an allow-listed unpickler, and a safe folder loader.
 
-DCP writes a checkpoint's ``.metadata`` with plain ``pickle`` and its own ``FileSystemReader.read_metadata`` reads it
-back with ``pickle.load``; non-tensor items (``BytesIO`` entries: optimizer hyperparameters, strings, ...) are read
-by DCP's default load planner with ``torch.load(weights_only=False)``. Either runs whatever code the file names, and
-anyone who can write the store can replace the file and re-sign the manifest. This module reads ``.metadata`` with
-an unpickler that only builds DCP's metadata classes and the few torch and builtin types they hold (detected from
-the installed torch, :func:`allowed_globals`), and loads byte items with ``torch.load(weights_only=True)``; both
-refuse anything else with :class:`UntrustedPickleError`, unless the caller passes ``trust=True``.
-
-Call sequence of :func:`load_dcp_folder`: a :class:`~torch.distributed.checkpoint.FileSystemReader` whose
-``read_metadata`` goes through :func:`load_metadata`, and DCP's empty-state-dict planner (what
-``dcp_to_torch_save`` uses) whose ``load_bytes`` uses the restricted ``torch.load``; no process group.
+DCP pickles ``.metadata`` and loads byte items with ``torch.load(weights_only=False)``. Here ``.metadata`` is read
+with an unpickler that builds only DCP's metadata classes and the types they hold (:func:`allowed_globals`), and byte
+items with ``weights_only=True``; anything else raises :class:`UntrustedPickleError` unless ``trust=True``.
 """
 
 from __future__ import annotations

@@ -1,14 +1,8 @@
 """A write-only local file that bypasses the page cache (``O_DIRECT``), with the disk kept busy.
 
-Writing a checkpoint through the page cache makes the kernel copy every byte and then throttle on writeback,
-which on the machines we measured stalled the training threads for seconds per GB; direct writes go from aligned
-buffers to the disk. The caller fills one aligned buffer (a copy that releases the GIL) while a writer thread
-writes the previous ones: the copy, the checksum and the wait for the GIL after each write no longer leave the disk
-idle, which halved the rate during GPU training when they ran one after the other on one thread.
-
-The aligned buffers outlive the file: a fresh 32 MiB mapping costs ~40 ms of page faults on first touch and ~10 ms
-to unmap on the 2-core machine (150 ms per checkpoint file of 96 MiB or more, 14% of a 100 MB sharded save), so
-up to :data:`_DEPTH` of them (96 MiB) are kept between files, process-wide, until :func:`release_buffers`.
+The caller fills one aligned buffer while a writer thread writes the previous ones, so copy and checksum never leave
+the disk idle. The aligned buffers are kept between files, process-wide (up to :data:`_DEPTH`), until
+:func:`release_buffers`: a fresh mapping costs tens of milliseconds of page faults.
 """
 
 from __future__ import annotations

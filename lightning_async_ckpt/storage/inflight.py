@@ -1,16 +1,9 @@
 """Saves this process has in flight, by store location: what a reader in the same process waits for.
 
-A save returns once its cut is captured; its generation is committed later, on a background thread. A reader in
-the same process that lists the location before then (``load_state`` right after ``save_state``, ``store.latest()``
-in a plain loop, ``latest_checkpoint(dirpath)`` or ``ckpt_path="last"``) would silently choose an older generation,
-or none. Writers therefore record each admitted save here when it is requested (:func:`track`), and readers call
-:func:`wait_for` before they choose: it waits, bounded and logged, for every save of this process whose location is
-the reader's, inside it, or contains it.
-
-Why a process-wide registry: the reader and the writer are often different objects that never meet (a second
-``Accelerator`` loading what the first one saved, a ``CheckpointStore`` opened by hand next to a running engine).
-It is weak: it holds each save's ``committed`` future only while the save's owner does and drops it when the save
-ends, so it never keeps a checkpointer, a store or a snapshot alive.
+Writers record each admitted save (:func:`track`); readers call :func:`wait_for` before they choose, which waits,
+bounded and logged, for every save of this process whose location is the reader's, inside it, or contains it, so a
+load right after a save never silently picks an older generation. The registry is process-wide and weak: it never
+keeps a checkpointer, a store or a snapshot alive.
 """
 
 from __future__ import annotations

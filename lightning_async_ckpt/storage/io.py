@@ -21,7 +21,9 @@ __all__ = [
     "DEFAULT_CHECKSUM",
     "READ_CHUNK",
     "Checksum",
+    "ChecksumWriter",
     "DirectFile",
+    "Discard",
     "WriteOnlyStream",
     "atomic_local_write",
     "checksum_algorithm",
@@ -284,6 +286,13 @@ def _chunks(f: Any, *, reuse: bool) -> Any:
         yield view[:n]
 
 
+class Discard:
+    """A sink for :func:`read_verified` that keeps nothing: the check reads every byte once."""
+
+    def write(self, data: bytes | memoryview) -> int:
+        return len(data)
+
+
 class WriteOnlyStream:
     """The file-object answers every write-only object stream gives (``torch.save`` and zip writers ask them).
 
@@ -304,3 +313,31 @@ class WriteOnlyStream:
 
     def tell(self) -> int:
         return self.size
+
+
+class ChecksumWriter(WriteOnlyStream):
+    """A write-only stream that counts and checksums every byte on its way to ``raw``."""
+
+    def __init__(self, raw: Any, algorithm: str) -> None:
+        self.raw = raw
+        self.digest = Checksum(algorithm)
+        self.size = 0
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        self.raw.write(view)
+        return self.count(view)
+
+    def count(self, view: memoryview) -> int:
+        """Add ``view`` (just written) to the size and the checksum; returns its length."""
+        self.digest.update(view)
+        self.size += len(view)
+        return len(view)
+
+    def flush(self) -> None:
+        self.raw.flush()
+
+    @property
+    def checksum(self) -> str:
+        """``"<algorithm>:<hex>"`` of the bytes written so far."""
+        return self.digest.hexdigest()

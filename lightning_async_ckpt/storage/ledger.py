@@ -1,12 +1,21 @@
-"""What a store knows of its folder between retention passes, so a pass after a commit reads O(1) manifests.
+"""What a store knows of its folder between retention passes, so that no pass reads every manifest.
 
 A committed manifest is never written over (a generation is removed manifest first, then data), so once read it
 stays true until its name leaves the listing. The ledger keeps what a pass read and what this store's writers
-committed; the next pass lists the folder once (names only) and reads only the manifests of names it does not
-know as committed: new generations of other writers, and folders that were uncommitted last time (a save in
-progress may have committed since). The first pass of a store reads every manifest once (the rebuild); later passes
-cost one listing plus the generations that changed, whatever the number of generations. Retention re-reads the
-manifests of the generations it counts as kept and of those it removes before acting (:mod:`.retention`).
+committed; each pass lists the folder once (names only) and walks it newest first, reading only the manifests of
+names it does not know as committed: new generations of other writers, and folders that were uncommitted last time
+(a save in progress may have committed since).
+
+**The lineage.** Names give steps, so a walk for one run ends where that run's lineage ends: below what earlier
+passes looked at, at the first committed generation of another run that is older than one of this run's (it is
+read, and it is the last one read). A run continues a folder on top of what was there (a restarted job resumes its
+newest generation, another run starts above the old ones), so what lies below is not this run's and is neither
+read nor touched: a new store's first pass (another run's ``keep_last`` pass, a restarted job) reads the
+generations above that boundary, whatever the number below it. Names above it are looked at on every pass, so two
+runs interleaving their steps in one folder still retire their own generations written since; only generations of
+a run that lie below another run's, older than its store's first pass, are left to ``gc --run-id`` (which reads the
+whole folder). A walk for all runs reads every name. Retention re-reads the manifests of the generations it counts
+as kept and of those it removes before acting (:mod:`.retention`).
 
 Thread-safety: any thread; passes and commits may interleave (a commit a pass missed is read by the next pass).
 """
@@ -36,6 +45,8 @@ class Ledger:
         self.reads = 0  # manifests read by passes (for tests and benchmarks)
         self._reported: set[int] = set()
         self._ours: set[int] = set()
+        # Per run id (None: all runs), the lowest step a walk looked at: every listed name above it was looked at.
+        self._floors: dict[str | None, int] = {}
 
     def first_report(self, step: int) -> bool:
         """Whether ``step``'s foreign files are reported for the first time by this store (then once only)."""
@@ -44,8 +55,15 @@ class Ledger:
             self._reported.add(step)
             return first
 
-    def refresh(self, store: StoreRoot) -> tuple[list[GenerationInfo], set[int]]:
-        """List ``store``'s folder once; return its generations by step and the steps whose manifest was read now.
+    def refresh(self, store: StoreRoot, run_id: str | None = None) -> tuple[list[GenerationInfo], set[int]]:
+        """List ``store``'s folder once and walk it newest first (module docstring).
+
+        Args:
+            store: The folder.
+            run_id: End the walk at this run's lineage; ``None``: look at every name (a pass for all runs).
+
+        Returns:
+            The generations looked at, by step, and the steps whose manifest was read now.
 
         Raises:
             StoreUnavailableError: The folder cannot be listed.
@@ -53,21 +71,38 @@ class Ledger:
         steps = finder.list_steps(store).steps
         with self._lock:
             known = dict(self._known)
-        out, read = [], set()
-        for step in steps:
+            floors = [f for f in (self._floors.get(run_id), self._floors.get(None)) if f is not None]
+            floor = min(floors) if floors else None
+        out: list[GenerationInfo] = []
+        read: set[int] = set()
+        seen_own = False
+        for step in reversed(steps):
             info = known.get(step)
             if info is None or not info.committed:
                 info = self.reread(store, step)
                 read.add(step)
             out.append(info)
+            if run_id is None or not info.committed:
+                continue
+            if info.run_id == run_id:
+                seen_own = True
+            elif seen_own and (floor is None or step <= floor):
+                break  # the end of this run's lineage: older names are another run's history
+        out.reverse()
+        listed = set(steps)
         with self._lock:
-            self._known = {info.step: _slim(info) for info in out}
+            self._known = {s: i for s, i in self._known.items() if s in listed}
+            if out:
+                low = out[0].step
+                self._floors[run_id] = low if floor is None else min(floor, low)
         return out, read
 
     def learn(self, infos: list[GenerationInfo]) -> None:
         """Take a listing the caller has just read in full (every manifest) as what the folder holds."""
         with self._lock:
             self._known = {info.step: _slim(info) for info in infos if info.committed}
+            if infos:
+                self._floors = {None: min(info.step for info in infos)}  # every name was looked at, for every run
 
     def reread(self, store: StoreRoot, step: int) -> GenerationInfo:
         """Read generation ``step``'s manifest again and remember what it says."""

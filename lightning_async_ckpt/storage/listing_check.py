@@ -1,13 +1,7 @@
 """Checking a generation's objects with one listing of its folder: sizes from the listing, not a request per object.
 
-A commit checks that every object it lists in its manifest is still there at its size, before and after the manifest
-is written; retention checks the generations it counts as kept. One ``fs.find`` of the generation's folder with
-details answers all of it (on S3 one LIST request per 1,000 keys, where a ``HEAD`` per object cost 2(N+1) requests
-one after another per commit at N ranks; objects spread over hashed prefixes add one listing per spread folder they
-use, at most 16). What is checked is what :func:`.verification.stat_objects` checks: the
-object resolves inside the store's root, is a regular file and has the manifest's size; the problems read the same.
-
-Thread-safety: a pure function of the filesystem; any thread.
+It checks what :func:`.verification.stat_objects` checks (inside the root, a regular file, the manifest's size),
+with the same problems. Thread-safety: a pure function of the filesystem; any thread.
 """
 
 from __future__ import annotations

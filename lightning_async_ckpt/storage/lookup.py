@@ -1,9 +1,4 @@
-"""The newest intact generation across a folder and its version folders, read through the store facade.
-
-:func:`newest_intact` is what ``latest_checkpoint`` and the resume paths ask: the highest version folder holding an
-acceptable intact generation wins (``dirpath`` itself is version 0), and within a folder the highest step
-(:mod:`.finder` has the rules and the listing).
-"""
+"""The newest intact generation across a folder and its version folders, read through the store facade."""
 
 from __future__ import annotations
 
@@ -48,7 +43,7 @@ def newest_intact(
     """The newest intact generation of ``dirpath`` and its version folders that ``accept`` takes.
 
     The highest version folder holding one wins (``dirpath`` itself is version 0); within a folder, the highest step
-    (never the writers' clocks, see the module docstring). Each folder is listed once (again when generations vanish
+    (never the writers' clocks). Each folder is listed once (again when generations vanish
     under the reader) and its manifests are read newest first, so an intact newest generation costs one manifest read
     and its verification (every object re-read against its checksum). One that fails verification is reported to
     ``on_skip`` with its problems and the next is tried.

@@ -1,25 +1,10 @@
 """S3 multipart uploads that no live attempt owns: found under a store's generations and aborted.
 
-A writer killed mid-upload (SIGKILL, OOM, a lost node) leaves its multipart upload open: S3 keeps (and bills) its
-parts, and no listing shows them. A failed stream aborts its own upload (``Backend.discard``); this module cleans up
-after writers that could not. A store's :class:`Sweeper` runs on the store's first ``begin`` and ``retain``/``gc``
-and again at most every ``every_s`` seconds (the next writer, e.g. the restarted job, and its retention after each
-commit), and on every operator ``gc`` (``retain(all_runs=True)``): one listing of the uploads under the store's
-prefix each time; nothing on other backends.
-
-Which uploads are aborted (:func:`decide`, pure), for an upload under ``<root>/step-N/`` (plain names: the attempt
-holding the step claim ``.writer.json``; objects spread over hashed prefixes, ``<root>/spread/<h>/step-N/``, count
-as plain names of step N) or ``<root>/step-N/w-<token>/`` (attempt ``token``):
-
-- in a committed generation, under the prefix its committer wrote to: aborted (the committer finished every upload
-  before its manifest, and released its claim after it, so an open one there is another attempt's, which can never
-  be committed);
-- kept while its attempt is live (:func:`~.claims.token_liveness`: a lease that has not expired; this store's own
-  writers renew theirs at each write) or its liveness cannot be told (a claim without a lease, from an older
-  version);
-- aborted when every claim of its attempt expired (the writer stopped renewing: dead or frozen past its lease);
-- with no step claim for plain names (nobody holds them): aborted once older than ``grace_s`` (default
-  :data:`DEFAULT_GRACE_S`), since a writer always holds a claim before its first upload.
+A writer killed mid-upload leaves its multipart upload open (billed, unlisted). A store's :class:`Sweeper` lists the
+uploads under its prefix on its first ``begin``, at ``retain``/``gc`` and at most every ``every_s`` seconds; nothing
+on other backends. :func:`decide` (pure) aborts an upload inside a committed generation's prefix, or whose attempt's
+claims all expired, or under plain names nobody claims once older than ``grace_s``; it keeps one whose attempt is
+live or whose liveness cannot be told.
 """
 
 from __future__ import annotations

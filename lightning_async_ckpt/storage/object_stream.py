@@ -1,10 +1,7 @@
 """One data object of a generation being written: a checksummed, counted, write-only stream.
 
-:class:`ObjectStream` is what :meth:`GenerationWriter.open <lightning_async_ckpt.storage.writer.GenerationWriter.open>`
-returns: every byte passes through the generation's checksum on its way to the backend's raw file, none is held
-whole, and closing it makes the object durable (the backend's ``finish``: flush and ``fsync`` on local disk, the
-multipart completion on S3) before it is recorded in the generation. A failed write is kept so that the storage
-error, not a serializer's wrapper of it, decides retries; an object whose write failed is never recorded.
+Closing it makes the object durable before it is recorded in the generation; an object whose write failed is never
+recorded, and the storage error (not a serializer's wrapper of it) decides retries.
 """
 
 from __future__ import annotations
@@ -13,7 +10,7 @@ import logging
 from typing import IO, TYPE_CHECKING, Any, Protocol
 
 from lightning_async_ckpt.errors import StorageError
-from lightning_async_ckpt.storage.io import Checksum, WriteOnlyStream
+from lightning_async_ckpt.storage.io import ChecksumWriter
 from lightning_async_ckpt.storage.manifest import ObjectEntry
 
 if TYPE_CHECKING:
@@ -40,38 +37,32 @@ class StreamOwner(Protocol):
     def _discard(self, name: str, *, partial: bool = False) -> None: ...
 
 
-class ObjectStream(WriteOnlyStream):
+class ObjectStream(ChecksumWriter):
     """A writable stream for one data object: counts and checksums bytes as they pass, holds none whole."""
 
     def __init__(self, writer: StreamOwner, name: str, raw: IO[bytes]) -> None:
+        super().__init__(raw, writer.checksum)
         self._writer = writer
         self.name = name
-        self._raw = raw
-        self._sum = Checksum(writer.checksum)
-        self.size = 0
         self.closed = False
         self.failure: StorageError | None = None
 
     @property
     def preferred_alignment(self) -> int:
         """The alignment of file offsets and memory that large writes go to storage best from (1: any)."""
-        return getattr(self._raw, "preferred_alignment", 1)
+        return getattr(self.raw, "preferred_alignment", 1)
 
     def write(self, data: Any) -> int:
         """Write ``data``; a storage failure is kept so it, not a serializer's wrapper, decides retries."""
         view = memoryview(data).cast("B")
         try:
-            self._raw.write(view)
+            self.raw.write(view)
         except Exception as exc:
             self.failure = StorageError(f"could not write object {self.name!r} of {self._writer.path}: {exc}")
             raise self.failure from exc
-        self._sum.update(view)
-        self.size += len(view)
+        n = self.count(view)
         self._writer.renew()
-        return len(view)
-
-    def flush(self) -> None:
-        self._raw.flush()
+        return n
 
     def close(self) -> None:
         """Make the object durable and record it in the generation; idempotent."""
@@ -83,11 +74,11 @@ class ObjectStream(WriteOnlyStream):
             raise self.failure
         self.closed = True
         try:
-            self._writer.store.backend.finish(self._raw)
+            self._writer.store.backend.finish(self.raw)
         except Exception as exc:
             self._writer._discard(self.name)
             raise StorageError(f"could not finish object {self.name!r} of {self._writer.path}: {exc}") from exc
-        entry = ObjectEntry(name=self.name, size=self.size, checksum=self._sum.hexdigest())
+        entry = ObjectEntry(name=self.name, size=self.size, checksum=self.checksum)
         key = self._writer.key_of(self.name)
         if key != self.name:
             entry = ObjectEntry(**{**entry.__dict__, "path": key})
@@ -98,7 +89,7 @@ class ObjectStream(WriteOnlyStream):
         if not self.closed:
             self.closed = True
             try:
-                self._writer.store.backend.discard(self._raw)
+                self._writer.store.backend.discard(self.raw)
             except Exception:  # noqa: BLE001 - the write already failed; its error is the one that matters
                 _log.debug("closing abandoned object %s failed", self.name, exc_info=True)
             self._writer._discard(self.name, partial=True)

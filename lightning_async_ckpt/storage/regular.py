@@ -1,11 +1,7 @@
 """Local files that are regular: a store never opens a FIFO, a socket or a device planted in it.
 
-Opening a FIFO for reading blocks until another process opens its other end (forever, in a folder nobody writes
-to): ``latest()``, ``latest_checkpoint()``, the CLI's ``ls``/``gc`` and a writer reaching that step all hung on one.
-Opening a device can act on it. A store's objects, manifests and claims are only ever regular files, so every local
-store reads through :class:`RegularLocalFileSystem` (``backend.open_filesystem`` returns it for local paths): a path
-is judged from ``lstat`` (a symlink by its target) before it is opened, and the open itself is non-blocking and
-checked again with ``fstat``, so a file swapped for a FIFO in between is refused too.
+:class:`RegularLocalFileSystem` judges a path from ``lstat`` before opening it, opens it non-blocking and checks it
+again with ``fstat``, so a file swapped for a FIFO in between is refused too.
 """
 
 from __future__ import annotations

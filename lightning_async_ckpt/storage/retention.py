@@ -17,7 +17,9 @@ generation, whether its objects are complete, who claims an uncommitted one) and
   writer, whatever its run id: its leftover is refused even for this run. A folder with neither a manifest nor a
   claim holds files the library never wrote (every writer claims a step before writing data), unless this store
   wrote or removed that step (a failed attempt releases its claims): it is left alone and reported once at WARNING;
-- removing a committed generation removes its manifest's objects, claims and manifest, never other files there.
+- removing a committed generation removes its manifest's objects, claims and manifest, never other files there;
+- only what the pass looked at is decided on: the folder is walked newest first down to the end of this run's
+  lineage (:mod:`.ledger`); what lies below is neither read nor removed.
 """
 
 from __future__ import annotations
@@ -206,13 +208,14 @@ def execute(
     (``gc``'s best-k generations). ``generations``: the caller's full listing, just read (``store.generations(
     include_uncommitted=True)``), used instead of listing again (the CLI's ``gc`` reads each manifest once).
     """
-    # One listing; manifests read only where the ledger does not know them as committed (module docstring of
-    # .ledger), and again for this run's committed ones (kept or removable) unless just read: O(keep_last) per save.
+    # One listing walked down this run's lineage; manifests read only where the ledger does not know them as
+    # committed (module docstring of .ledger), and again for this run's committed ones (kept or removable) unless
+    # just read: O(keep_last) per save, and a new store's first pass does not grow with the generations below.
     if generations is not None:
         gens, fresh = sorted(generations, key=lambda g: g.step), {g.step for g in generations}
         store.ledger.learn(gens)
     else:
-        gens, fresh = store.ledger.refresh(store.location)
+        gens, fresh = store.ledger.refresh(store.location, None if all_runs else store.run_id)
     candidates = []
     kept = 0
     for i, info in enumerate(reversed(gens)):

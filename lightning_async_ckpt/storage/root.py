@@ -1,13 +1,11 @@
 """Where a store lives: its filesystem, root path and URL, and the naming facts its helpers share.
 
-:class:`StoreRoot` is what listing, reading, verification, claims and multipart sweeps need of a store; the
-:class:`~lightning_async_ckpt.storage.store.CheckpointStore` facade builds one and hands it down, so those helpers
-never import the facade back. It is frozen: a store's place never changes (its run id, which does, stays on the
-facade).
+The facade builds a frozen :class:`StoreRoot` and hands it down, so the helpers never import the facade back.
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,10 +61,8 @@ class StoreRoot:
     def invalidate_cache(self) -> None:
         """Drop the filesystem's listing cache, so the next listing sees what other processes wrote."""
         # s3fs caches listings; a stale cache is how `last` lookups go wrong on object stores.
-        try:
+        with contextlib.suppress(Exception):  # not every filesystem caches
             self.fs.invalidate_cache()
-        except Exception:  # noqa: BLE001 - not every filesystem caches
-            pass
 
     def read_generation(self, step: int) -> GenerationInfo:
         """The one manifest reader: size-capped, validated, its step checked against the folder's."""

@@ -1,15 +1,8 @@
 """Object-store throttling: which errors mean "slow down", and one exclusive PUT retried without ever overwriting.
 
-An object store answers a burst with ``503 SlowDown`` (S3), ``429 Too Many Requests`` (GCS, Azure) or a reset
-connection. :func:`is_throttled` recognises those (a full disk never is). :func:`put_exclusive` retries one
-exclusive create (a manifest, DCP's ``.metadata``, a writer claim) after a jittered doubling backoff
-(:class:`PutRetry`: the delays of ``core.persist.RetryPolicy`` and ``sharded.write_retry``), bounded.
-
-Write-once stays write-once: every retry is again an exclusive create (``If-None-Match: *`` on S3), never a plain
-PUT. A throttled or reset request may still have landed (its acknowledgement was lost): when a retry then finds the
-name taken, the object there is read once and, if its bytes are exactly this writer's (a manifest carries its run
-id and commit time, a claim its token, ``.metadata`` the attempt's token-suffixed file names), the PUT counts as
-done; any other object there is another writer's, and :class:`FileExistsError` is raised as on a first attempt.
+:func:`put_exclusive` retries an exclusive create after a jittered doubling backoff, bounded; every retry is again
+exclusive. When a retry finds the name taken and the bytes there are exactly this writer's (an earlier attempt
+landed but its acknowledgement was lost), the PUT counts as done; otherwise :class:`FileExistsError` is raised.
 
 Thread-safety: stateless; a :class:`PutRetry` is frozen.
 """

@@ -1,9 +1,6 @@
 """Checking a committed generation against its manifest: where each object is, its size, and (``verify``) its bytes.
 
-The one place that decides what "intact" means for readers (``latest()``, ``latest_checkpoint()``, ``verify``,
-retention's counting): every object the manifest lists resolves inside the store's root, is a regular file (a FIFO
-or device is never opened, :mod:`.regular`), has the manifest's size and, when verified, its checksum. Nothing is
-ever unpickled.
+The one place that decides what "intact" means for readers. Nothing is ever unpickled.
 """
 
 from __future__ import annotations
@@ -14,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 from lightning_async_ckpt.errors import ManifestError
 from lightning_async_ckpt.storage.finder import describe_entry
 from lightning_async_ckpt.storage.generation import VerifyResult
-from lightning_async_ckpt.storage.io import read_verified
+from lightning_async_ckpt.storage.io import Discard, read_verified
 from lightning_async_ckpt.storage.manifest import Manifest, ObjectEntry
 
 if TYPE_CHECKING:
@@ -70,14 +67,9 @@ def verify_generation(store: StoreRoot, step: int, manifest: Manifest) -> Verify
         path = object_path(store, step, obj)
         try:
             opener = functools.partial(store.backend.open_read, path, stats[obj.name])  # the stat just taken
-            read_verified(store.fs, path, obj, into=_Discard(), opener=opener)
+            read_verified(store.fs, path, obj, into=Discard(), opener=opener)
         except ManifestError as exc:
             problems.append(obj.name + str(exc).removeprefix(path))
         except Exception as exc:  # noqa: BLE001 - reported as a problem of this generation
             problems.append(f"{obj.name}: unreadable ({exc})")
     return VerifyResult(step=step, ok=not problems, problems=tuple(problems))
-
-
-class _Discard:
-    def write(self, data: bytes) -> int:
-        return len(data)

@@ -1,9 +1,4 @@
-"""What writing and retention need of a store beyond its place: the run it writes for and what it holds.
-
-:class:`StoreView` is the part of the :class:`~lightning_async_ckpt.storage.store.CheckpointStore` facade that the
-writer, its leases and retention use (the facade satisfies it); they type against it so that they never import the
-facade back. Everything about where the store lives is its :class:`~.root.StoreRoot` (``location``).
-"""
+"""What writing and retention need of a store beyond its place: the run it writes for and what it holds."""
 
 from __future__ import annotations
 

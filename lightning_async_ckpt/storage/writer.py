@@ -1,22 +1,15 @@
 """The generation writer: data objects as checksummed streams, then the manifest, exclusively, last.
 
-Call sequence of one generation (``CheckpointStore.begin`` does step 0):
-
-0. claim the step (:mod:`.claims`): each attempt has a token and an attempt claim with a lease renewed while it
-   writes. The attempt that creates the step claim ``<generation>/.writer.json`` (or takes it over from an
-   attempt whose lease expired) first removes what earlier attempts left and writes objects at their plain
-   names; any other attempt writes under its own prefix ``w-<token>/``, so two writers of one step never
-   overwrite each other's data;
-1. ``open(name)`` each object (created exclusively: never a path another attempt could have opened), stream
-   into it, close it (size and checksum recorded);
-2. ``commit()``: check that this attempt still holds its claim and every object is still the one it wrote,
-   create the manifest exclusively (the loser gets :class:`GenerationExistsError` and its own objects are
-   removed), check the objects again;
-3. or ``abort()`` at any point: only this writer's objects and claims are removed.
+After ``CheckpointStore.begin`` claimed the step (:mod:`.claims`; an attempt without the step claim writes under its
+own prefix ``w-<token>/``): ``open(name)`` each object (created exclusively), stream into it, close it; ``commit()``
+checks the claim and every object, creates the manifest exclusively (the loser gets
+:class:`GenerationExistsError` and its objects are removed) and checks the objects again; ``abort()`` removes only
+this writer's objects and claims.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.metadata
 import logging
@@ -219,7 +212,7 @@ class GenerationWriter:
             try:
                 self.store.backend.create_exclusive(path, data)
             except FileExistsError as exc:
-                if not self._landed(path, data):
+                if not self.store.backend.holds(path, data):  # a retried PUT whose first attempt landed wins
                     self._remove_own()
                     raise GenerationExistsError(
                         f"generation step {self.step} at {self.store.url(self.step)} was committed by another "
@@ -257,10 +250,8 @@ class GenerationWriter:
 
     def _release_claim(self) -> None:
         if self._claim is not None and self._holds_claim():
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 self.store.fs.rm_file(self._claim)
-            except FileNotFoundError:
-                pass
 
     def _holds_claim(self) -> bool:
         body = read_claim(self.store.fs, self._claim) if self._claim else None
@@ -298,13 +289,6 @@ class GenerationWriter:
                 "another run on the same dirpath?). The step is NOT committed"
             )
 
-    def _landed(self, path: str, data: bytes) -> bool:
-        # A retried PUT whose first attempt landed finds its own manifest: that is a win, not a loss.
-        try:
-            return self.store.fs.cat_file(path) == data
-        except Exception:  # noqa: BLE001 - unreadable means not provably ours
-            return False
-
     def _remove_manifest(self, path: str) -> None:
         try:
             self.store.fs.rm_file(path)
@@ -316,10 +300,8 @@ class GenerationWriter:
         for key in sorted(self._written):
             if not self._owns(key):
                 continue  # a later attempt's object at the same name: this writer's was orphaned
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 self.store.fs.rm_file(f"{self.path}/{key}")
-            except FileNotFoundError:
-                pass
         self._release_claim()
         if self.lease is not None:
             self.lease.release()

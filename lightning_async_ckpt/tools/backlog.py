@@ -1,13 +1,7 @@
 """The backlog model: checkpoint bytes arrive at rate lambda and drain at rate mu (a fluid queue).
 
-With backlog ``q0`` at ``t = 0`` the backlog at time ``t`` is ``max(0, q0 + (lambda - mu) * t)``: it empties at
-``t = q0 / (mu - lambda)`` when ``mu > lambda`` and grows at ``lambda - mu`` per second otherwise. In bytes,
-``lambda = B / S`` (bytes per checkpoint over the interval between checkpoints) and ``mu = W`` (persist
-bandwidth), so a schedule is sustainable iff ``B / W <= S``.
-
-The model is rates only. It has no tensor copies, object sizes, storage failures or staging futures, and it
-certifies no checkpoint schedule or memory budget; see ``docs/backlog-model.md``. Everything here is a pure
-function of its inputs.
+A schedule is sustainable iff ``B / W <= S``. The model is rates only and certifies no schedule or memory budget;
+see ``docs/backlog-model.md``. Everything here is a pure function of its inputs.
 """
 
 from __future__ import annotations

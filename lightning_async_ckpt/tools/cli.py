@@ -1,24 +1,15 @@
 """The ``lightning-async-ckpt`` command line: list, verify, garbage-collect and export a store, plan, plot, bench.
 
-Every command exits 0 on success, 1 when ``verify`` finds a damaged generation, and 2 on bad input (unknown URI
-scheme, a store path that does not exist, missing generation, malformed event log, negative rates), with a
-one-line message on stderr and no traceback. ``--debug`` before the command shows the traceback of an unexpected
-error. This module is the parser and the dispatch; the commands live in ``commands`` (``ls``, ``verify``,
-``gc``) and ``plan_commands`` (``plan``, ``timeline``, ``bench``), the number formatting in ``fmt``.
-
-Examples::
-
-    lightning-async-ckpt ls runs/demo
-    lightning-async-ckpt verify s3://bucket/run --storage-option endpoint_url=http://127.0.0.1:9000
-    lightning-async-ckpt gc runs/demo --keep-last 3 --dry-run
-    lightning-async-ckpt export runs/demo latest --format safetensors --dtype bfloat16
-    lightning-async-ckpt plan --bytes 10GiB --interval 300 --bandwidth 200MB/s
-    lightning-async-ckpt timeline runs/demo/events.jsonl -o timeline.png
+Every command exits 0 on success, 1 when ``verify`` finds a damaged generation, and 2 on bad input, with a
+one-line message on stderr and no traceback (``--debug`` before the command shows it). See ``docs/cli.md``.
+``ls``, ``verify`` and ``gc`` dispatch here by location: both tiers with ``--local-dirpath`` (``tier_commands``),
+accelerate's folders (``folder_commands``), else one store (``store_commands``, ``gc_command``).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import sys
@@ -27,9 +18,10 @@ from collections.abc import Sequence
 from typing import NoReturn
 
 from lightning_async_ckpt.errors import CheckpointError, ConfigError
-from lightning_async_ckpt.tools.commands import cmd_gc, cmd_ls, cmd_verify
 from lightning_async_ckpt.tools.export_command import add_export_parser
 from lightning_async_ckpt.tools.fmt import one_line
+from lightning_async_ckpt.tools.folder_commands import ls_folders, verify_folders
+from lightning_async_ckpt.tools.gc_command import check_gc, gc_store
 from lightning_async_ckpt.tools.plan_commands import (
     cmd_plan,
     cmd_timeline,
@@ -38,9 +30,36 @@ from lightning_async_ckpt.tools.plan_commands import (
     parse_size,
     run_bench,
 )
-from lightning_async_ckpt.tools.store_commands import PROG, UsageError
+from lightning_async_ckpt.tools.store_commands import PROG, UsageError, accelerate_folders_at, ls_store, verify_one
+from lightning_async_ckpt.tools.tier_commands import gc_tiers, ls_tiers, verify_tiers
 
 __all__ = ["build_parser", "main"]
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    """``ls``: list generations (committed or not) with step, size, age and run, also those of the version folders;
+    or accelerate's folders; with ``--local-dirpath``, both tiers in one table."""
+    if getattr(args, "local_dirpath", None):
+        return ls_tiers(args)
+    folders = accelerate_folders_at(args)
+    return ls_store(args) if folders is None else ls_folders(args, folders)
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    """``verify``: re-read generations (or accelerate's folders) and check sizes and checksums; 1 when any failed.
+    With ``--local-dirpath``, both tiers."""
+    if getattr(args, "local_dirpath", None):
+        return verify_tiers(args)
+    folders = accelerate_folders_at(args)
+    return verify_one(args) if folders is None else verify_folders(args, folders)
+
+
+def cmd_gc(args: argparse.Namespace) -> int:
+    """``gc``: delete old generations, keeping the newest ``--keep-last`` committed ones and the ``--keep-best``
+    best ones by the score their manifests record (the callback's ``best_model_path`` and its top k); both tiers
+    with ``--local-dirpath``."""
+    check_gc(args)
+    return gc_tiers(args) if getattr(args, "local_dirpath", None) else gc_store(args, args.uri)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -82,10 +101,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
     except BrokenPipeError:
         # The reader went away (`... | head`); point stdout at devnull so the exit-time flush stays quiet.
-        try:
+        with contextlib.suppress(OSError, ValueError):
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        except (OSError, ValueError):
-            pass
         return 1
     except (ConfigError, CheckpointError, UsageError, OSError) as exc:
         if debug:

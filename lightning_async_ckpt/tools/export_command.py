@@ -1,9 +1,4 @@
-"""The ``export`` command: a committed generation's model weights as safetensors, committed as its own generation.
-
-Example::
-
-    lightning-async-ckpt export runs/demo latest --format safetensors --dtype bfloat16 --max-shard-size 5GB
-"""
+"""The ``export`` command: a committed generation's model weights as safetensors, committed as its own generation."""
 
 from __future__ import annotations
 

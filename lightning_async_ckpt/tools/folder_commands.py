@@ -1,9 +1,4 @@
-"""``ls`` and ``verify`` of accelerate checkpoint folders (``checkpoint_N`` or one ``save_state`` folder).
-
-``store_commands`` (which imports this module lazily) hands a location over to these when it is an accelerate layout (see
-:func:`lightning_async_ckpt.accelerate.folders.accelerate_folders`); the output follows the store commands': a
-table or ``--json``, exit 1 when ``verify`` finds a damaged folder, 2 (a ``UsageError``) on bad input.
-"""
+"""``ls`` and ``verify`` of accelerate checkpoint folders (``checkpoint_N`` or one ``save_state`` folder)."""
 
 from __future__ import annotations
 

@@ -1,14 +1,7 @@
 """The stores a node-local tier holds, for ``ls`` / ``verify`` / ``gc --local-dirpath`` (``tier_commands``).
 
-A ``local_dirpath`` holds, in itself and in each version folder ``v<k>``:
-
-- the single-writer layout's generations (``step-*`` directly in it; a replica received from rank ``r`` carries
-  ``extra["replica_of"]`` in its manifest);
-- the DCP layout's per-rank stores ``rank-<r>`` (each rank writes its own; ``tiers/local_tier.py``);
-- the DCP layout's peer replicas ``replica-of-rank-<r>`` (rank ``r``'s generations received here;
-  ``tiers/peer_replicas.py``).
-
-The folder names are matched here (``tools`` does not import ``sharded``); a local tier that cannot be listed raises.
+In ``local_dirpath`` and each version folder ``v<k>``: the single-writer generations, the DCP layout's per-rank
+stores ``rank-<r>`` and its peer replicas ``replica-of-rank-<r>``. A local tier that cannot be listed raises.
 """
 
 from __future__ import annotations

@@ -1,11 +1,4 @@
-"""The model and measurement commands of the command line: ``plan``, ``timeline`` and ``bench``.
-
-``plan`` evaluates the backlog model (:mod:`lightning_async_ckpt.tools.planner`), the object-store request model
-(``--ranks``/``--generations``: :mod:`lightning_async_ckpt.tools.request_model`) or the recovery model
-(``--state-bytes``: :mod:`lightning_async_ckpt.tools.recovery_model`); ``timeline`` plots an event log
-(:mod:`lightning_async_ckpt.tools.timeline`), and ``bench`` hands its arguments to ``benchmarks/bench.py`` in
-the source checkout.
-"""
+"""The model and measurement commands of the command line: ``plan``, ``timeline`` and ``bench``."""
 
 from __future__ import annotations
 

@@ -1,11 +1,7 @@
 """Event-derived planning: measure the backlog model's rates from a checkpointer's event log.
 
-:func:`plan_from_events` reads lambda (bytes per checkpoint over the training time between requests), mu (the
-measured persist throughput) and the backlog from the events :class:`~lightning_async_ckpt.core.telemetry.EventLog`
-writes, and evaluates the fluid-queue model of :mod:`lightning_async_ckpt.tools.backlog`. The model's names are
-re-exported here, so ``lightning_async_ckpt.tools.planner`` stays the one import for both; see
-``docs/backlog-model.md``. So are the object-store request model's (:mod:`lightning_async_ckpt.tools.request_model`:
-requests and time per save and per resume for N ranks and G generations).
+The backlog and request models' names are re-exported here, so ``lightning_async_ckpt.tools.planner`` stays the one
+import for both; see ``docs/backlog-model.md``.
 """
 
 from __future__ import annotations

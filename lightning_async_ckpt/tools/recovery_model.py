@@ -1,28 +1,7 @@
 """Recovery time, lost work and goodput under preemptions, predicted for one tier, two tiers and a blocking save.
 
-A first-order model (in the spirit of Young and Daly's checkpoint-interval analysis), written out in
-``docs/backlog-model.md``. Inputs: the checkpoint's bytes ``B``; read/write bandwidths of the local tier ``W_l`` and
-the durable tier ``W_d``; seconds of training between local cuts ``I_l`` and between durable ones ``I_d``; the time
-a restarted process needs before it reads the checkpoint ``T_0`` (start, imports, setup); the mean time between
-preemptions ``P``; the fraction ``f`` of preemptions that also lose the node's local tier; and the training-thread
-time an asynchronous save costs per checkpoint ``b`` (measured by ``bench``; 0 by default).
-
-* **Commit latency** (cut to recoverable): local ``c_l = B / W_l``, durable ``c_d = B / W_d``; a promotion reads
-  the local copy while it writes the durable one, so a promoted generation is recoverable ``c_l + c_d`` after its
-  cut.
-* **Restore** (process start to the first step): ``T_0 + B / W`` from the tier it reads.
-* **Lost work** per preemption: the training since the newest *recoverable* cut. A preemption at a uniformly
-  random time loses on average half an interval plus the commit latency: ``I / 2 + c``. A blocking save
-  (``ModelCheckpoint``) is recoverable when training resumes, so ``I_d / 2``, but it stops training for ``c_d`` at
-  every checkpoint.
-* **Two tiers**: with probability ``1 - f`` the local tier survives (``I_l / 2 + c_l`` lost, restore from local);
-  otherwise ``I_d / 2 + c_l + c_d`` lost and the restore reads the durable tier.
-* **Goodput** (training time over wall time): each preemption costs the restore plus the lost work, once per ``P``
-  seconds; checkpoints cost their blocking time once per interval:
-  ``goodput = max(0, 1 - (restore + lost) / P) * I / (I + blocking)``.
-
-It ignores queueing (a save that does not finish within its interval: see the backlog model), the bandwidth a
-promotion takes from the local tier, and failures during a restore.
+A first-order model (Young/Daly style), written out in ``docs/backlog-model.md``. It ignores queueing, the bandwidth
+a promotion takes from the local tier, and failures during a restore.
 """
 
 from __future__ import annotations

@@ -1,26 +1,8 @@
 """Object-store requests and time per save and per resume, predicted from request counts measured on S3's API.
 
-The counts are those of ``benchmarks/bench_requests.py`` and ``tests/storage/test_commit_requests.py`` (a moto S3
-server, every request counted): a later save with ``keep_last=K`` of ``N`` objects (one per rank of a sharded save)
-into a folder of ``G`` generations, and ``store.latest()`` (what resume runs) of a generation of ``N`` objects.
-Listings cost one request per 1,000 keys (a *page*). The model:
-
-* save: PUT ``N + 3`` (the objects, the step claim, the attempt claim, the manifest); LIST ``4 + 2 pages(N) +
-  pages(G) + K pages(N)`` (the commit lists the generation before and after its manifest, retention lists the
-  folder and each kept generation); GET ``4 + K``; HEAD 1; POST ``pages(N)`` (one batch delete of the removed
-  generation); DELETE 3. Nothing grows with ``G`` beyond the folder's listing pages;
-* resume: LIST ``pages(G)``, GET ``1 + N`` (the manifest, each object's bytes), HEAD ``N`` (each object's size);
-  ``latest_checkpoint(dirpath)`` costs the same for a single-file generation;
-* a sharded save of ``N`` ranks (:func:`predict_sharded_save`, measured on 2-16 gloo ranks by
-  ``benchmarks/bench_scale.py``): every rank's attempt claim (PUT, DELETE) and data file (PUT), DCP's ``.metadata``
-  published through a temporary object (PUT 2, HEAD 2, LIST 1, GET 1, DELETE 1), each other rank reading the
-  manifest after the commit (GET ``N - 1``), then the commit and retention as above: PUT ``2N + 4``, DELETE
-  ``N + 3``, HEAD 3, GET ``N + K + 4``, LIST ``3 + 2 pages(2N + 2) + pages(G) + (K + 2) pages(N + 2)``, POST
-  ``pages(N + 2)``.
-
-Time: requests one after another at ``latency_s`` each, except what the ranks send at once (their claims, data
-files and manifest reads); never faster than the store's rate limits: ``put_rate`` for PUT, POST and DELETE,
-``get_rate`` for GET, HEAD and LIST (S3: ~3,500 and ~5,500 per second per prefix), ``rate_limit`` for all.
+The counts and formulas are those of ``docs/backlog-model.md`` (measured by ``benchmarks/bench_requests.py`` and
+``tests/storage/test_commit_requests.py``). Time: requests one after another at ``latency_s`` each, except what
+the ranks send at once; never faster than the store's rate limits.
 """
 
 from __future__ import annotations
@@ -124,7 +106,7 @@ def predict_save(
     put_rate: float | None = None,
     get_rate: float | None = None,
 ) -> RequestPlan:
-    """Requests and time of a later save with retention (see the module docstring for the formula).
+    """Requests and time of a later save with retention (the formula is in ``docs/backlog-model.md``).
 
     Args:
         objects: Objects the save writes (one per rank for a sharded save).
@@ -139,16 +121,7 @@ def predict_save(
     Raises:
         ConfigError: A negative or non-numeric argument.
     """
-    _check(
-        objects=objects,
-        generations=generations,
-        keep_last=keep_last,
-        ranks=ranks,
-        latency_s=latency_s,
-        rate_limit=rate_limit,
-        put_rate=put_rate,
-        get_rate=get_rate,
-    )
+    _check(**locals())
     n = pages(objects)
     requests = Counter(
         PUT=objects + 3,
@@ -174,7 +147,7 @@ def predict_sharded_save(
 ) -> RequestPlan:
     """Requests (all ranks) and time of a later ``ShardedCheckpointer`` save of ``ranks`` ranks with retention.
 
-    One data file per rank (DCP's default), ``.metadata`` and the manifest; the formula is in the module docstring.
+    One data file per rank (DCP's default), ``.metadata`` and the manifest; the formula is in ``docs/backlog-model.md``.
     Each rank's claim, data file and manifest read run at once with the other ranks'; the coordinator's steps
     (the step claim, the ``.metadata`` publish, the commit and retention) one after another.
 
@@ -190,15 +163,7 @@ def predict_sharded_save(
     Raises:
         ConfigError: A negative or non-numeric argument.
     """
-    _check(
-        ranks=ranks,
-        generations=generations,
-        keep_last=keep_last,
-        latency_s=latency_s,
-        rate_limit=rate_limit,
-        put_rate=put_rate,
-        get_rate=get_rate,
-    )
+    _check(**locals())
     n = max(1, ranks)
     during, kept = pages(2 * n + 2), pages(n + 2)  # keys while the ranks write (claims too), then once committed
     requests = Counter(
@@ -235,14 +200,7 @@ def predict_resume(
     Raises:
         ConfigError: A negative or non-numeric argument.
     """
-    _check(
-        objects=objects,
-        generations=generations,
-        latency_s=latency_s,
-        rate_limit=rate_limit,
-        put_rate=put_rate,
-        get_rate=get_rate,
-    )
+    _check(**locals())
     requests = Counter(LIST=pages(generations), GET=1 + objects, HEAD=objects)
     return _plan(requests, 0, latency_s, rate_limit, put_rate, get_rate)
 

@@ -1,14 +1,8 @@
 """``ls``, ``verify`` and ``gc`` of both tiers: ``dirpath`` (durable) and ``--local-dirpath`` (node-local).
 
-Each row or line names its tier. A durable generation is ``promoted`` when its manifest records where it was
-promoted from (``extra["promoted_from"]``); a local one is ``promoted`` when ``dirpath`` (or one of its version
-folders) holds that step committed, ``no`` when only the local tier does (progress a lost node would lose), and
-``replica`` marks a local generation copied there from another rank (``extra["replica_of"]``). A local tier that
-does not exist (a lost node, a fresh one) is said so and is not an error.
-
-Every store of the local tier is read (``local_tiers.local_stores``): the single-writer folder, the DCP layout's
-``rank-<r>`` stores and ``replica-of-rank-<r>`` folders, in ``local_dirpath`` and in each version folder ``v<k>``;
-each row names its ``HOLDER`` (``writer``, ``rank-<r>``, ``replica-of-rank-<r>``, under ``v<k>/``).
+Each row names its tier and holder. A generation is ``promoted`` when it was promoted from the local tier or
+``dirpath`` holds its step committed, ``no`` when only the local tier does, ``replica`` when copied from another
+rank. A local tier that does not exist is said so and is not an error.
 """
 
 from __future__ import annotations

@@ -1,16 +1,9 @@
 """Timeline plot of an event log: where checkpoint time goes, and what it costs the training loop.
 
-One PNG with four panels sharing a time axis (seconds since the first event):
-
-1. training steps over time (``train_step`` events), with the windows in which a checkpoint blocked training;
-2. one row per checkpoint request: blocking window, background staging, upload, manifest commit (past
-   :data:`~lightning_async_ckpt.tools.timeline_requests.PER_REQUEST_LIMIT` requests: mean phase seconds per
-   time bin and each phase's distribution, see :mod:`~lightning_async_ckpt.tools.timeline_requests`);
-3. requested versus committed step (the gap is progress that is not yet recoverable);
-4. saves outstanding (the backlog), with each request's admission decision.
-
-matplotlib is optional (``pip install 'lightning_async_ckpt[plot]'``) and imported only when plotting; the
-plot uses the Agg canvas directly, so it never changes the process-wide pyplot backend.
+Four panels sharing a time axis: training steps, one row per checkpoint request (binned past
+:data:`~lightning_async_ckpt.tools.timeline_requests.PER_REQUEST_LIMIT`), requested versus committed step, and saves
+outstanding. matplotlib is optional and imported only when plotting; the Agg canvas is used directly, so the
+process-wide pyplot backend never changes.
 """
 
 from __future__ import annotations
@@ -94,12 +87,11 @@ def render_timeline(
     ax_train, ax_gantt, ax_steps, ax_backlog = axes
     totals = _draw_aggregated(ax_gantt, saves, t0) if aggregate else _draw_gantt(ax_gantt, saves, t0)
     _draw_training(ax_train, steps, saves, by_kind.get("fence_wait", []), t0)
-    t_end = max(float(ev["t"]) for ev in events) - t0
-    _draw_steps(ax_steps, requests, by_kind.get("committed", []), saves, t0, t_end)
+    span = max(float(ev["t"]) for ev in events) - t0
+    _draw_steps(ax_steps, requests, by_kind.get("committed", []), saves, t0, span)
     _draw_backlog(ax_backlog, requests, saves, t0)
     ax_backlog.set_xlabel("seconds since the first event")
 
-    span = max(float(ev["t"]) for ev in events) - t0
     committed = sum(1 for s in saves if s.get("outcome") == "committed")
     failed = sum(1 for s in saves if s.get("outcome") in ("failed", "torn", "abandoned"))
     dropped = sum(1 for s in saves if s.get("outcome") in _DROPPED)

@@ -1,9 +1,5 @@
-"""The timeline's request panel past :data:`PER_REQUEST_LIMIT` requests: binned bars and distributions.
-
-One row per request stops being readable past about twenty checkpoints (the rows shrink to lines and the labels
-overlap). Above the limit the panel shows, per time bin, the mean seconds a request that started in that bin spent
-in each phase (stacked, the blocking part at the bottom), and the legend gives each phase's distribution over
-all requests (median, 95th percentile, max). Failed attempts are marked at the top of their bin.
+"""The timeline's request panel past :data:`PER_REQUEST_LIMIT` requests: per time bin, the mean seconds spent in each
+phase, and each phase's distribution in the legend.
 """
 
 from __future__ import annotations

@@ -4,7 +4,9 @@ Generations are made cheaply through the library (one tiny object each). Counts 
 - ``latest_checkpoint()`` and ``store.latest()`` with an intact newest generation: the listing plus the newest's
   manifest, its size and its bytes (3 requests), at 10 and at 1,000 generations;
 - one save with ``keep_last=2`` after the first (the ledger is built once per store): the same requests at 10 and
-  at 1,000 generations, +/- listing pages.
+  at 1,000 generations, +/- listing pages;
+- the first save of a new store with ``keep_last=2`` beside another run's history (its first retention pass reads
+  down to the end of its run's lineage only, issue 40): the same at 10 and at 1,000, +/- listing pages.
 """
 
 from __future__ import annotations
@@ -113,3 +115,25 @@ def test_one_save_with_keep_last_costs_the_same_at_10_and_1000_generations(
     # Writing (claim, object, manifest), the commit's size checks, the kept generations' manifests and sizes, the
     # removed generation's manifest, and removing it: no read grows with the generations in the folder.
     assert sum(small.values()) <= 20, small
+
+
+def _first_save(uri: str, options: dict[str, Any], generations: int) -> dict[str, int]:
+    _fill(uri, options, generations, run_id="other-run")
+    store = CheckpointStore(uri, options, run_id="this-run")
+    with s3_requests() as log:
+        _save(store, generations)
+    assert len(store.generations()) == generations + 1
+    counts = dict(log.counts())
+    counts.pop("LIST")
+    return counts
+
+
+@pytest.mark.slow  # 1,000 generations on moto: about a minute
+def test_the_first_save_of_a_new_store_costs_the_same_at_10_and_1000_generations(
+    request: pytest.FixtureRequest, s3_endpoint: str
+) -> None:
+    uri, options = request.getfixturevalue("s3_uri")
+    small = _first_save(uri, options, 10)
+    big = _first_save(uri.replace("/ckpt", "/big"), options, 1000)
+    assert small == big, (small, big)
+    assert sum(small.values()) <= 16, small  # was 2 requests per generation: every manifest read once
