@@ -199,7 +199,7 @@ def local_from_peers(
     group: Any, local_dirpath: str, durable: CheckpointStore, *, verify: bool = True
 ) -> TierChoice | None:
     """The newest local step every rank can get, its own part or a peer's intact replica of it (copied into its own
-    store first), and not older than the newest step ``durable`` lists (names only); ``None`` when there is none:
+    store first), and not older than a step committed on ``durable`` above rank 0's newest own one; ``None`` when none:
     every rank then resumes from ``durable`` together. Collective over ``group`` (a gloo group of every rank).
 
     Raises:
