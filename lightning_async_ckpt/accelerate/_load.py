@@ -22,14 +22,16 @@ from lightning_async_ckpt.accelerate._choose import Choice, choose
 from lightning_async_ckpt.accelerate._collective import collective_for
 from lightning_async_ckpt.accelerate._layout import _ATTR, _RNG_FILE_RE
 from lightning_async_ckpt.accelerate._numbering import continue_numbering, next_free_index
-from lightning_async_ckpt.accelerate._replicas import agree_local_location, choose_with_peers
-from lightning_async_ckpt.accelerate._tier_load import choose_across_tiers
+from lightning_async_ckpt.accelerate._replicas import agree_local_location
 from lightning_async_ckpt.core.collective import agree
 from lightning_async_ckpt.errors import CheckpointError
 from lightning_async_ckpt.storage import inflight
 from lightning_async_ckpt.storage.io import read_verified
 from lightning_async_ckpt.storage.manifest import MANIFEST_NAME, Manifest
 from lightning_async_ckpt.storage.regular import url_to_regular_fs
+from lightning_async_ckpt.storage.store import CheckpointStore
+from lightning_async_ckpt.tiers.replica_persist import manifest_of
+from lightning_async_ckpt.tiers.resume import OneStream, pick_local, pick_with_peers
 
 _log = logging.getLogger("lightning_async_ckpt")
 _CUSTOM_RE = re.compile(r"^custom_checkpoint_(\d+)\.pkl$")
@@ -64,9 +66,9 @@ def load_state(
             ``weights_only=True`` unpickler refuses. Unpickling runs code chosen by whoever wrote the file: pass
             it only when everyone who can write ``uri`` is trusted. Default ``False``: such a file is refused.
         local_dirpath: The local tier of ``attach(..., local_dirpath=...)``: resume from the newest verified
-            generation of either tier, every process the same step
-            (:mod:`~lightning_async_ckpt.accelerate._tier_load`); with ``replicas=F`` a process lacking it receives
-            it from a peer first (:mod:`~lightning_async_ckpt.accelerate._replicas`).
+            generation of either tier, every process the same step (the one cross-tier resume,
+            :mod:`~lightning_async_ckpt.tiers.resume`); with ``replicas=F`` a process lacking it receives it from a
+            peer first.
         **load_kwargs: Passed to ``accelerator.load_state``.
 
     Returns:
@@ -107,10 +109,8 @@ def load_state(
     if attached and callable(getattr(checkpointer, "drain", None)):
         checkpointer.drain(_wait_bound(collective))  # two tiers: this process's local commits and promotions first
     replicas = getattr(checkpointer, "replicas", None) if attached else None
-    if local_dirpath is not None and replicas is not None:  # a lost local folder is refilled from a peer
-        choice = choose_with_peers(accelerator, collective, replicas, uri, local_dirpath, options, step)
-    elif local_dirpath is not None:
-        choice = choose_across_tiers(accelerator, collective, uri, local_dirpath, options, step)
+    if local_dirpath is not None:  # with replicas, a lost local folder is refilled from a peer
+        choice = _across_tiers(collective, uri, local_dirpath, options, step, replicas)
     if choice is None:
         if accelerator.is_main_process:
             try:
@@ -152,6 +152,26 @@ def load_state(
             if checkpointer._engine is None:
                 checkpointer.local_uri = where
     return ready.manifest
+
+
+def _across_tiers(
+    collective: Any, uri: str, local_dirpath: str, options: dict[str, Any], step: int | None, replicas: Any
+) -> Choice | None:
+    """Collective: this process's local generation every process agreed on (with ``step``: that step), or ``None``
+    (every process loads from ``uri``); with ``replicas`` a process lacking it receives it from a peer first."""
+    durable = CheckpointStore(uri, options, check_writable=False)
+    tier = OneStream(local_dirpath, durable, lambda m: m.extra.get("layout") == "accelerate", step)
+    beaten_by = None if step is not None else durable  # an asked-for step is never outranked
+    if replicas is not None:
+        if replicas.group is None:
+            raise CheckpointError("the replicas of this checkpointer were closed; attach() a new one")
+        local = pick_with_peers(replicas.group, tier, beaten_by, collective=collective)
+    else:
+        local = pick_local(tier, beaten_by, collective=collective, doing="load_state")
+    if local is None or local.beaten_by is not None:
+        return None
+    manifest = manifest_of(local.store, local.step) if replicas is not None else None  # a peer's copy: being committed
+    return Choice(url=local.store.url(local.step), step=local.step, manifest=manifest)
 
 
 def _wait_bound(collective: Any) -> float:

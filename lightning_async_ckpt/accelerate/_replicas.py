@@ -11,12 +11,9 @@ number of processes per node is one more than the highest ``accelerator.local_pr
 every process, never the training's group; each receiver writes its own folder, objects checked against the source
 manifest, the manifest last (a half-copied replica is never listed as committed).
 
-:func:`choose_with_peers` is :func:`~lightning_async_ckpt.accelerate.load_state`'s choice with replicas attached:
-every process reports the newest intact generation of its ``local_dirpath`` (every object re-read against its
-checksum, so a damaged replica is never used), the main process lists ``uri`` (names only), the processes agree on
-the newest local one any process holds unless ``uri`` lists a newer step, and a process whose folder lacks it
-receives it from one that holds it (:func:`~lightning_async_ckpt.tiers.replicas.restore_from_peers`). Only when no
-process holds a generation as new as ``uri``'s does every process load from ``uri`` together.
+With replicas attached, :func:`~lightning_async_ckpt.accelerate.load_state` takes the newest local generation any
+process holds intact unless ``uri`` holds a newer committed one, and a process whose folder lacks it receives it
+from one that holds it (:func:`~lightning_async_ckpt.tiers.resume.pick_with_peers`).
 """
 
 from __future__ import annotations
@@ -26,23 +23,18 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from lightning_async_ckpt.accelerate._choose import Choice
 from lightning_async_ckpt.accelerate._collective import collective_for
-from lightning_async_ckpt.accelerate._tier_load import accept_accelerate, holding_version, skip_damaged, version_store
 from lightning_async_ckpt.core.collective import agree
-from lightning_async_ckpt.errors import CheckpointError, ConfigError
-from lightning_async_ckpt.storage.finder import durable_step_to_beat
+from lightning_async_ckpt.errors import ConfigError
 from lightning_async_ckpt.storage.generation import version_folders
-from lightning_async_ckpt.storage.lookup import newest_intact
 from lightning_async_ckpt.storage.store import CheckpointStore
-from lightning_async_ckpt.tiers.replica_persist import manifest_of
-from lightning_async_ckpt.tiers.replicas import Replicator, replica_targets, restore_from_peers
+from lightning_async_ckpt.tiers.replicas import Replicator, replica_targets
+from lightning_async_ckpt.tiers.resume import version_store
 from lightning_async_ckpt.tiers.tiered_replicas import open_replicas
 
 __all__ = [
     "AccelerateReplicas",
     "agree_local_location",
-    "choose_with_peers",
     "open_accelerate_replicas",
     "replica_layout",
 ]
@@ -55,7 +47,7 @@ class AccelerateReplicas:
     """The replicas of one attached checkpointer: the restore group and the replicator (its own group).
 
     Attributes:
-        group: The gloo group :func:`choose_with_peers` agrees and copies over (never the replicator's).
+        group: The gloo group load_state agrees and copies over (never the replicator's).
         replicator: Sends the main process's committed local generations; receives on the targets.
         ranks_per_node: The node layout the targets were chosen by.
     """
@@ -110,54 +102,6 @@ def open_accelerate_replicas(
     return AccelerateReplicas(group, replicator, ranks_per_node)
 
 
-def choose_with_peers(
-    accelerator: Any,
-    collective: Any,
-    replicas: AccelerateReplicas,
-    uri: str,
-    local_dirpath: str,
-    options: dict[str, Any],
-    step: int | None,
-) -> Choice | None:
-    """Collective: the local generation every process loads, restored into this process's ``local_dirpath`` from a
-    peer where it lacks it; ``None`` when every process loads from ``uri`` (it lists a newer step, or no process
-    holds a local generation; with ``step``: no process holds ``step`` intact locally).
-
-    Raises:
-        RankFailedError: Another process failed to look at its folder or ``uri`` (its error is raised there).
-        StoreUnavailableError: ``uri`` cannot be listed (main process).
-        ReplicaError: A copy from a peer failed (on every process).
-    """
-    if replicas.group is None:
-        raise CheckpointError("the replicas of this checkpointer were closed; attach() a new one")
-    error: BaseException | None = None
-    newest: tuple[int, int] | None = None
-    durable: int | None = None
-    try:
-        newest = _newest(local_dirpath) if step is None else _holding(local_dirpath, step)
-        if accelerator.is_main_process and step is None:
-            stores = [CheckpointStore(uri, options, check_writable=False).location]
-            durable = durable_step_to_beat(stores, None if newest is None else newest[1])
-    except Exception as exc:  # noqa: BLE001 - raised on every process by agree
-        error = exc
-    # Errors first, on the bounded exchange: restore_from_peers' group would wait for a failed process forever.
-    agree(collective, error, doing="load_state: finding the local tiers' newest step")
-    agreed = restore_from_peers(
-        replicas.group,
-        local_dirpath,
-        newest_local=newest,
-        durable_step=durable,
-        newest_store=lambda version: version_store(local_dirpath, version),
-        background=True,  # loaded at once: a received copy's fsync and commit go on in the background
-    )
-    if agreed is None:
-        _log.info("load_state: no process holds a local generation as new as %s's: loading from it", uri)
-        return None
-    store = version_store(local_dirpath, agreed[0])
-    _log.info("load_state: every process resumes from its local tier, step %d (%s)", agreed[1], store.uri)
-    return Choice(url=store.url(agreed[1]), step=agreed[1], manifest=manifest_of(store, agreed[1]))
-
-
 def agree_local_location(collective: Any, local_dirpath: str, start_step: int) -> str:
     """Collective: the local tier location the main process writes from ``start_step`` on, chosen so that every
     process's folder holds no generation newer than ``start_step`` (committed or not) in that version folder.
@@ -198,13 +142,3 @@ def _own_location(local_dirpath: str, start_step: int) -> tuple[int, list[int]]:
             newer.append(version)
     free = [v for v in versions if v not in newer]
     return (max(free) if free else max(versions) + 1), newer
-
-
-def _newest(local_dirpath: str) -> tuple[int, int] | None:
-    found = newest_intact(local_dirpath, None, accept=accept_accelerate, on_skip=skip_damaged)
-    return None if found is None else (found.version, found.info.step)
-
-
-def _holding(local_dirpath: str, step: int) -> tuple[int, int] | None:
-    version = holding_version(local_dirpath, step)
-    return None if version is None else (version, step)

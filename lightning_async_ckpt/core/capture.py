@@ -32,6 +32,9 @@ from lightning_async_ckpt.core.proof import (
     storage_key,
 )
 
+# Leaves that are immutable and hold no tensor: the plan keeps them as they are (Python's RNG state is a tuple of
+# 625 ints; visiting each one cost milliseconds per cut).
+_ATOMS = frozenset({int, float, bool, str, bytes, complex, type(None)})
 # Categories whose first mutation after the cut is the optimizer update, when proven.
 _OPTIMIZER_UPDATED = (Category.PARAMETER, Category.OPTIMIZER_STATE)
 
@@ -130,6 +133,8 @@ class CapturePlan:
             return allowed, None
 
         def visit(obj: Any, path: str) -> Any:
+            if type(obj) in _ATOMS:
+                return obj  # immutable: deepcopy would return it as is
             if isinstance(obj, torch.Tensor):
                 return tensor_ref(obj, path)
             if isinstance(obj, dict):
@@ -139,8 +144,12 @@ class CapturePlan:
                     out[k] = visit(v, f"{path}.{k}" if path else str(k))
                 return out
             if isinstance(obj, list) and type(obj) is list:
+                if all(type(v) in _ATOMS for v in obj):
+                    return list(obj)
                 return [visit(v, f"{path}[{i}]") for i, v in enumerate(obj)]
             if isinstance(obj, tuple) and type(obj) is tuple:
+                if all(type(v) in _ATOMS for v in obj):
+                    return obj  # RNG states: hundreds of ints, immutable as a whole
                 return tuple(visit(v, f"{path}[{i}]") for i, v in enumerate(obj))
             if isinstance(obj, tuple) and hasattr(obj, "_fields"):
                 return type(obj)(*(visit(v, f"{path}.{f}") for f, v in zip(obj._fields, obj, strict=True)))

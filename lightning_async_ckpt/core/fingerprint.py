@@ -10,7 +10,7 @@ import torch
 
 from lightning_async_ckpt.storage.io import crc32c_module
 
-__all__ = ["FINGERPRINT_CHUNK", "checksum", "combine_partials", "device_partials", "fingerprint"]
+__all__ = ["FINGERPRINT_CHUNK", "checksum", "combine_partials", "device_partials", "fingerprint", "fingerprints"]
 
 #: Bytes per CRC-32C of the exact fingerprint (a chunk is the unit compared, and of the parallel work at the cut).
 FINGERPRINT_CHUNK = 8 << 20
@@ -94,13 +94,21 @@ def fingerprint(data: torch.Tensor, pool: ThreadPoolExecutor | None = None) -> t
     is missing), computed on ``pool`` when given (CRC-32C releases the GIL). Device storages are fingerprinted by
     :func:`device_partials` instead (no host synchronization at the cut).
     """
+    return fingerprints([data], pool)[0]
+
+
+def fingerprints(datas: Sequence[torch.Tensor], pool: ThreadPoolExecutor | None = None) -> list[tuple[int, ...]]:
+    """:func:`fingerprint` of each ``uint8`` host tensor; with ``pool``, every chunk of every tensor is one task
+    (a state of many storages of one chunk each is hashed in parallel too)."""
     crc = crc32c_module()  # crc32c where installed, else google-crc32c (a dependency); storage/io.py
-    array = data.numpy()
     if crc is None:
-        one: Callable[[tuple[int, int]], int] = lambda c: checksum(data[c[0] : c[1]])  # noqa: E731
+        one: Callable[[tuple[int, int, int]], int] = lambda c: checksum(datas[c[0]][c[1] : c[2]])  # noqa: E731
     else:
-        one = lambda c: crc.crc32c(array[c[0] : c[1]])  # noqa: E731
-    chunks = _host_chunks(data)
-    if pool is None or len(chunks) == 1:
-        return tuple(one(c) for c in chunks)
-    return tuple(pool.map(one, chunks))
+        arrays = [data.numpy() for data in datas]
+        one = lambda c: crc.crc32c(arrays[c[0]][c[1] : c[2]])  # noqa: E731
+    chunks = [(i, *chunk) for i, data in enumerate(datas) for chunk in _host_chunks(data)]
+    values = list(map(one, chunks)) if pool is None or len(chunks) == 1 else list(pool.map(one, chunks))
+    out: list[list[int]] = [[] for _ in datas]
+    for (i, _, _), value in zip(chunks, values, strict=True):
+        out[i].append(value)
+    return [tuple(sums) for sums in out]

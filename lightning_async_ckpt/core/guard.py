@@ -30,6 +30,7 @@ from lightning_async_ckpt.core.fingerprint import (
     combine_partials,
     device_partials,
     fingerprint,
+    fingerprints,
 )
 from lightning_async_ckpt.core.write_tracker import WriteTracker, page_interior, tracker
 from lightning_async_ckpt.errors import ConfigError
@@ -195,8 +196,8 @@ class CutGuard:
                 self._sums[slot.index] = fingerprint(_as_bytes(slot.storage))
             return
         with ThreadPoolExecutor(workers, thread_name_prefix="lightning_async_ckpt-fingerprint") as pool:
-            for slot in host:
-                self._sums[slot.index] = fingerprint(_as_bytes(slot.storage), pool)
+            sums = fingerprints([_as_bytes(slot.storage) for slot in host], pool)
+        self._sums.update((slot.index, value) for slot, value in zip(host, sums, strict=True))
 
     def _track(self, host: list[StorageSlot]) -> list[StorageSlot]:
         """Write-protect the whole pages of the large host slots (their partial pages fingerprinted here); returns
@@ -292,8 +293,15 @@ class CutGuard:
                     found.append((slot, "version counter before its fence"))
         return found
 
-    def check(self, buffers: Sequence[torch.Tensor]) -> list[tuple[StorageSlot, str]]:
-        """After the copies: the slots whose staged copy may differ from the cut, each with the check that saw it."""
+    def check(
+        self, buffers: Sequence[torch.Tensor], staged: dict[int, tuple[int, ...]] | None = None
+    ) -> list[tuple[StorageSlot, str]]:
+        """After the copies: the slots whose staged copy may differ from the cut, each with the check that saw it.
+
+        ``staged``: the exact fingerprint of staged host buffers already computed while they were copied (by slot
+        index; CRC-32C per :data:`FINGERPRINT_CHUNK`); the others are read here.
+        """
+        staged_sums = staged or {}
         if self.mode == GuardMode.OFF:
             return []
         torn: dict[int, tuple[StorageSlot, str]] = {}
@@ -311,8 +319,11 @@ class CutGuard:
                 expected = self._sums[slot.index]
                 if isinstance(expected, torch.Tensor):
                     expected = (combine_partials(expected.tolist()),)
-                staged = fingerprint(buf) if slot.device.type == "cpu" else (checksum(buf),)
-                if staged != expected:
+                if slot.device.type != "cpu":
+                    copy: tuple[int, ...] = (checksum(buf),)
+                else:
+                    copy = staged_sums.get(slot.index) or fingerprint(buf)
+                if copy != expected:
                     torn[slot.index] = (slot, "checksum")
             else:
                 idx, expected = self._samples[slot.index]

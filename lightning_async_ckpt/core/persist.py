@@ -113,16 +113,18 @@ class PumpedWriter:
         io: The I/O worker.
         abandon: Set when the save is abandoned.
         owners: The staged buffers; chunks inside them are written without a copy.
+        checksums: CRC-32C of staged buffers by address (computed during the staging copy): a chunk that is exactly
+            such a buffer is checksummed by the object stream without reading it again.
     """
 
-    def __init__(self, writer: Any, io: Worker, abandon: threading.Event, owners: Sequence[torch.Tensor]) -> None:
+    def __init__(
+        self, writer: Any, io: Worker, abandon: threading.Event, owners: Sequence[torch.Tensor], checksums: Any = None
+    ) -> None:
         self._writer = writer
         self._io = io
         self._abandon = abandon
-        self._ranges = sorted(
-            ((b.data_ptr(), b.data_ptr() + b.numel() * b.element_size(), b) for b in owners if b.numel()),
-            key=lambda r: r[0],
-        )
+        known, spans = checksums or {}, [(b.data_ptr(), b.numel() * b.element_size(), b) for b in owners if b.numel()]
+        self._ranges = sorted(((at, at + n, b, known.get(at)) for at, n, b in spans), key=lambda r: r[0])
 
     def open(self, name: str) -> PumpedStream:
         """Open object ``name`` (on this thread) and return a stream whose writes run on the I/O thread."""
@@ -147,7 +149,9 @@ class PumpedStream(WriteOnlyStream):
     ``abandon`` is set; the I/O thread then stops at its next chunk and discards the object.
     """
 
-    def __init__(self, stream: Any, io: Worker, abandon: threading.Event, ranges: list[tuple[int, int, Any]]) -> None:
+    def __init__(
+        self, stream: Any, io: Worker, abandon: threading.Event, ranges: list[tuple[int, int, Any, int | None]]
+    ) -> None:
         self._stream = stream
         self._abandon = abandon
         self._ranges = ranges
@@ -176,32 +180,33 @@ class PumpedStream(WriteOnlyStream):
         n = len(view)
         if n == 0:
             return 0
-        owner = self._owner(view)
+        owner, crc = self._owner(view)
         if owner is None:
             self._block += view  # a view of memory the caller may free after we return: copy it
             if len(self._block) >= _BLOCK:
                 self._flush_block()
         else:
             self._flush_block()
-            self._put((view, owner))
+            self._put((view, owner, crc))
         self._size += n
         return n
 
-    def _owner(self, view: memoryview) -> Any:
+    def _owner(self, view: memoryview) -> tuple[Any, int | None]:
+        """The staged buffer ``view`` lies in, and its CRC-32C when ``view`` is exactly that whole buffer."""
         if not self._ranges:
-            return None
+            return None, None
         start = np.frombuffer(view, dtype=np.uint8).__array_interface__["data"][0]
         i = bisect.bisect_right(self._starts, start) - 1
         if i >= 0:
-            lo, hi, owner = self._ranges[i]
+            lo, hi, owner, crc = self._ranges[i]
             if lo <= start and start + len(view) <= hi:
-                return owner
-        return None
+                return owner, crc if (start, start + len(view)) == (lo, hi) else None
+        return None, None
 
     def _flush_block(self) -> None:
         if self._block:
             block, self._block = bytes(self._block), bytearray()
-            self._put((memoryview(block), None))
+            self._put((memoryview(block), None, None))
 
     def _put(self, item: Any) -> None:
         while True:
@@ -230,7 +235,7 @@ class PumpedStream(WriteOnlyStream):
             return
         self._flush_block()
         self._closed = True
-        self._put(("close", None))
+        self._put(("close", None, None))
         while True:
             try:
                 self._done.result(timeout=_POLL_S)
@@ -246,7 +251,7 @@ class PumpedStream(WriteOnlyStream):
             self._closed = self._cancelled = True
             # Never blocks: the I/O thread may be stuck in storage; it discards the object when it gets here.
             with contextlib.suppress(queue.Full):
-                self._queue.put_nowait(("cancel", None))
+                self._queue.put_nowait(("cancel", None, None))
 
     def __enter__(self) -> PumpedStream:
         return self
@@ -265,12 +270,14 @@ class PumpedStream(WriteOnlyStream):
     # -- consumer side (the I/O thread) ------------------------------------------------------------------
     def _drain(self) -> None:
         stream, failed = self._stream, False
+        # An object stream that takes a checksum already computed (ObjectStream.write_checksummed) is spared a pass.
+        known = getattr(stream, "write_checksummed", None)
         while True:
             try:
-                item, owner = self._queue.get(timeout=_POLL_S)
+                item, owner, crc = self._queue.get(timeout=_POLL_S)
             except queue.Empty:
                 if self._cancelled or self._abandon.is_set():
-                    item, owner = "cancel", None
+                    item, owner, crc = "cancel", None, None
                 else:
                     continue
             if isinstance(item, str):
@@ -278,7 +285,10 @@ class PumpedStream(WriteOnlyStream):
             if failed or self._cancelled or self._abandon.is_set():
                 continue
             try:
-                stream.write(item)
+                if crc is not None and known is not None:
+                    known(item, crc)
+                else:
+                    stream.write(item)
             except BaseException as exc:  # noqa: BLE001 - handed to the producer at its next call
                 self._error, failed = exc, True
             del item, owner
@@ -312,10 +322,12 @@ def persist(
     commit: Callable[[Any], Any],
     on_retry: Callable[[int, BaseException], None],
     object_keys: Mapping[str, str] | None = None,
+    checksums: Mapping[int, int] | None = None,
 ) -> Any:
     """Write one generation with retries: serialize through the pump, then ``commit(writer)`` writes the manifest.
 
-    ``object_keys`` maps object names to the file each is written to (:meth:`GenerationWriter.place`).
+    ``object_keys`` maps object names to the file each is written to (:meth:`GenerationWriter.place`);
+    ``checksums`` gives the CRC-32C of staged buffers by address (:meth:`StagingJob.staged_checksums`).
 
     Returns:
         The committed manifest.
@@ -334,7 +346,7 @@ def persist(
             writer = store.begin(step)
             for name, key in (object_keys or {}).items():
                 writer.place(name, key)
-            serializer.write(state, PumpedWriter(writer, io, abandon, buffers))
+            serializer.write(state, PumpedWriter(writer, io, abandon, buffers, checksums))
             record.upload_s = time.time() - t_up
             record.bytes = sum(o.size for o in writer.objects)
             record.throughput_bps = record.bytes / record.upload_s if record.upload_s > 0 else None

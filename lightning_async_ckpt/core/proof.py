@@ -7,6 +7,7 @@ optimizer update, and demotes them to an earlier fence when a rule does not hold
 from __future__ import annotations
 
 import inspect
+import threading
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
@@ -24,6 +25,7 @@ __all__ = [
     "Fence",
     "forward_writers",
     "is_own_hook",
+    "proof_inputs",
     "prove_deferral",
     "storage_key",
 ]
@@ -139,8 +141,102 @@ def prove_deferral(
             are always ignored).
 
     Returns:
-        The proof, with the latest allowed fence per category.
+        The proof, with the latest allowed fence per category. The same proof object is returned again while
+        nothing it depends on changed (:func:`proof_inputs`); ``ignore_hooks`` must answer the same for the same
+        hook.
     """
+    flags = (automatic_optimization, has_optimizer_step_fence, has_batch_start_fence, tuple(extra_failures))
+    key = proof_inputs(modules, optimizers, (*flags, ignore_hooks))
+    with _proofs_lock:
+        cached = _proofs.get(key)
+    if cached is None:
+        cached = _prove(modules, optimizers, *flags, ignore_hooks)
+        with _proofs_lock:
+            if len(_proofs) >= _PROOFS_KEPT:
+                _proofs.pop(next(iter(_proofs)))
+            _proofs[key] = cached
+    return cached
+
+
+# The last few proofs by what they were proven from (a plain loop and a Lightning fit each use one at a time).
+_proofs: dict[tuple, DeferralProof] = {}
+_proofs_lock = threading.Lock()
+_PROOFS_KEPT = 8
+
+
+def _hook_ids(hooks: Any) -> tuple:
+    return tuple((k, id(v)) for k, v in hooks.items()) if hooks else ()
+
+
+def proof_inputs(modules: Sequence[torch.nn.Module], optimizers: Sequence[Any], extra: tuple = ()) -> tuple:
+    """Everything :func:`prove_deferral` reads, cheaply: identities, types, hook table entries, parameter ownership.
+
+    Two equal answers mean the same proof: the module tree (each submodule's type, children and ``max_norm``), each
+    parameter's identity, ``requires_grad``, storage and gradient hooks, every module and optimizer hook table (and
+    the global ones) entry by entry, each optimizer's type, ``step`` (its class's and its own) and the parameters of
+    its groups. A hook added or removed, a parameter group added, a parameter frozen or replaced changes it.
+    """
+    parts: list[Any] = [extra]
+    for opt in optimizers:
+        opt = getattr(opt, "optimizer", opt)
+        groups = getattr(opt, "param_groups", None) or ()
+        parts.append(
+            (
+                id(opt),
+                type(opt),
+                id(getattr(type(opt), "step", None)),
+                id(getattr(opt, "__dict__", {}).get("step")),
+                _hook_ids(getattr(opt, "_optimizer_step_pre_hooks", None)),
+                tuple(len(g["params"]) for g in groups),
+                tuple(id(p) for g in groups for p in g["params"]),
+            )
+        )
+    parts.append(_hook_ids(getattr(_torch_optimizer, "_global_optimizer_pre_hooks", None)))
+    for module in modules:
+        parts.append(id(module))
+        for sub in module.modules():
+            parts.append(
+                (
+                    id(sub),
+                    type(sub),
+                    tuple(sub._modules),
+                    sub.__dict__.get("max_norm"),
+                    _hook_ids(sub._forward_pre_hooks),
+                    _hook_ids(sub._forward_hooks),
+                    _hook_ids(sub._backward_hooks),
+                    _hook_ids(getattr(sub, "_backward_pre_hooks", None)),
+                )
+            )
+            for name, p in sub._parameters.items():
+                if p is None:
+                    parts.append((name, None))
+                    continue
+                parts.append(
+                    (
+                        name,
+                        id(p),
+                        p.requires_grad,
+                        p.device,
+                        p.untyped_storage().data_ptr(),
+                        _hook_ids(getattr(p, "_post_accumulate_grad_hooks", None)),
+                        _hook_ids(getattr(p, "_backward_hooks", None)),
+                    )
+                )
+    for attr in ("_global_forward_pre_hooks", "_global_forward_hooks", "_global_backward_hooks"):
+        parts.append(_hook_ids(getattr(torch.nn.modules.module, attr, None)))
+    parts.append(_hook_ids(getattr(torch.nn.modules.module, "_global_backward_pre_hooks", None)))
+    return tuple(parts)
+
+
+def _prove(
+    modules: Sequence[torch.nn.Module],
+    optimizers: Sequence[Any],
+    automatic_optimization: bool,
+    has_optimizer_step_fence: bool,
+    has_batch_start_fence: bool,
+    extra_failures: tuple[str, ...],
+    ignore_hooks: Callable[[Any], bool] | None,
+) -> DeferralProof:
     rules: list[str] = []
     failures: list[str] = list(extra_failures)
     opts = [getattr(opt, "optimizer", opt) for opt in optimizers]  # LightningOptimizer wraps .optimizer

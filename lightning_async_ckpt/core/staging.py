@@ -16,6 +16,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -23,8 +24,9 @@ import torch
 from lightning_async_ckpt.core.buffer_pool import AUTO_BUDGET_FRACTION, BufferPool, resolve_budget
 from lightning_async_ckpt.core.capture import Category, Fence, StorageSlot
 from lightning_async_ckpt.core.cuda_copy import CudaCopies, as_bytes
-from lightning_async_ckpt.core.guard import CutGuard, GuardMode, resolve_guard_mode
+from lightning_async_ckpt.core.guard import FINGERPRINT_CHUNK, CutGuard, GuardMode, resolve_guard_mode
 from lightning_async_ckpt.errors import CheckpointError, TornSnapshotError
+from lightning_async_ckpt.storage.io import crc32c_combine, crc32c_in_place
 
 __all__ = ["AUTO_BUDGET_FRACTION", "BufferPool", "StagingJob", "resolve_budget"]
 
@@ -33,17 +35,41 @@ _COPY_CHUNK = 64 << 20
 # Copy-at-cut host storages up to this size are copied with the GIL held: torch's copy_ releases it, and getting it
 # back costs up to a switch interval (5 ms) whenever a background thread runs Python, once per small tensor.
 _SMALL_COPY = 64 << 10
+# Background copies are checksummed in blocks of this size, each right after it was copied (still in the cache): on
+# the 2-core VM 0.12 CPU s per GB for both alone, against 0.18 for a copy and a later CRC-32C pass; 1 MiB measured
+# better than 256 KiB and 4 MiB beside a busy training thread.
+_CRC_BLOCK = 1 << 20
+assert _COPY_CHUNK % FINGERPRINT_CHUNK == 0  # chunks of the fingerprint never straddle two copy chunks
 _memmove_holding_gil = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)(
     ctypes._memmove_addr  # noqa: SLF001 - ctypes' own memmove, called through a GIL-holding prototype
 )
 
 
-def _copy_in_chunks(dst: np.ndarray, src: np.ndarray, abandon: threading.Event | None) -> None:
-    """``np.copyto`` in chunks, stopping between them once ``abandon`` is set (never touching memory after it)."""
-    for start in range(0, max(len(src), 1), _COPY_CHUNK):
+def _copy_in_chunks(
+    dst: np.ndarray, src: np.ndarray, abandon: threading.Event | None, crc: Any = None
+) -> tuple[int, ...] | None:
+    """``np.copyto`` in chunks, stopping between them once ``abandon`` is set (never touching memory after it).
+
+    With ``crc`` (the ``crc32c`` package), each block is checksummed right after it was copied, while it is still in
+    the cache: returns the CRC-32C of every :data:`FINGERPRINT_CHUNK` of ``dst`` (the exact guard's fingerprint of the
+    staged copy, and the upload's checksum, without another pass over memory).
+    """
+    n = len(src)
+    sums: list[int] = []
+    for start in range(0, max(n, 1), _COPY_CHUNK):
         if abandon is not None and abandon.is_set():
             raise CheckpointError("staging abandoned: the save was abandoned at close")
-        np.copyto(dst[start : start + _COPY_CHUNK], src[start : start + _COPY_CHUNK])
+        if crc is None:
+            np.copyto(dst[start : start + _COPY_CHUNK], src[start : start + _COPY_CHUNK])
+            continue
+        for chunk in range(start, min(start + _COPY_CHUNK, n), FINGERPRINT_CHUNK):
+            value, chunk_end = 0, min(chunk + FINGERPRINT_CHUNK, n)
+            for block in range(chunk, chunk_end, _CRC_BLOCK):
+                end = min(block + _CRC_BLOCK, chunk_end)
+                np.copyto(dst[block:end], src[block:end])
+                value = crc.crc32c(dst[block:end], value)
+            sums.append(value)
+    return tuple(sums) if crc is not None and n else None
 
 
 @dataclass
@@ -85,6 +111,8 @@ class StagingJob:
         self.abandon: threading.Event | None = None
         #: Called on the staging thread right after a fence was released (observability and tests).
         self.on_release: Callable[[Fence], None] | None = None
+        #: CRC-32C of every FINGERPRINT_CHUNK of each staged host buffer, by slot index, computed during its copy.
+        self.staged_sums: dict[int, tuple[int, ...]] = {}
         self._deferred = [s for s in self.slots if s.fence != Fence.CUT]
         self._guard = CutGuard(self._deferred, self.guard)
         # Earlier fences first, so the first wait is released as soon as possible.
@@ -130,10 +158,15 @@ class StagingJob:
         try:
             host = [s for s in self._deferred if s.device.type != "cuda"]
             pending = {f: sum(1 for s in host if s.fence == f) for f in self.fences}
+            crc = crc32c_in_place()
             for slot in host:
                 # A single-threaded memcpy that releases the GIL: torch's copy_ would start a second OpenMP team
                 # on this thread, whose spinning workers compete with the training thread's team.
-                _copy_in_chunks(self.buffers[slot.index].numpy(), as_bytes(slot.storage).numpy(), self.abandon)
+                sums = _copy_in_chunks(
+                    self.buffers[slot.index].numpy(), as_bytes(slot.storage).numpy(), self.abandon, crc
+                )
+                if sums is not None:
+                    self.staged_sums[slot.index] = sums
                 pending[slot.fence] -= 1
                 if pending[slot.fence] == 0:
                     # Version counters are read before the fence opens: the optimizer's own step comes after it.
@@ -161,7 +194,21 @@ class StagingJob:
             self.on_release(fence)
 
     def _check_guard(self) -> None:
-        self._refuse_if_torn(self._guard.check(self.buffers))
+        self._refuse_if_torn(self._guard.check(self.buffers, self.staged_sums))
+
+    def staged_checksums(self) -> dict[int, int]:
+        """CRC-32C of each staged host buffer whose copy computed it, by the buffer's address (after :meth:`run`).
+
+        A writer given a view that is exactly such a buffer checksums it without reading it again.
+        """
+        out: dict[int, int] = {}
+        for index, sums in self.staged_sums.items():
+            buf, value = self.buffers[index], 0
+            nbytes = buf.numel() * buf.element_size()
+            for k, chunk in enumerate(sums):
+                value = crc32c_combine(value, chunk, min(FINGERPRINT_CHUNK, nbytes - k * FINGERPRINT_CHUNK))
+            out[buf.data_ptr()] = value
+        return out
 
     def observe(self) -> None:
         """On the training thread: once staging finished, read the version counters of every fence not reached.

@@ -115,6 +115,7 @@ class StreamPersister:
             commit=commit,
             on_retry=lambda attempt, exc: self.on_retry(work.step, attempt, exc),
             object_keys=work.object_keys,
+            checksums=work.job.staged_checksums(),
         )
 
     def close(self) -> None:

@@ -13,22 +13,20 @@ node, so each replica lands on another node), over a separate gloo group created
 Resuming: Lightning resolves ``"last"`` on each rank before its process group exists. With replicas the callback
 sets up the strategy's distributed environment there (what Lightning does right after, and skips once it is done),
 then every rank agrees on one step and each folder that lacks it gets it from a peer
-(:func:`~lightning_async_ckpt.tiers.replicas.restore_from_peers`); with no local generation newer than ``dirpath``'s,
-every rank resumes from ``dirpath`` together.
+(:func:`~lightning_async_ckpt.tiers.resume.pick_with_peers`); with no local generation as new as ``dirpath``'s newest
+committed one, every rank resumes from ``dirpath`` together.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from typing import Any
 
 from lightning_async_ckpt.errors import ConfigError
 from lightning_async_ckpt.lightning.sliced import writes_sharded
-from lightning_async_ckpt.storage.store import CheckpointStore
-from lightning_async_ckpt.tiers.replicas import Replicator, replica_plan, restore_from_peers
+from lightning_async_ckpt.tiers.replicas import Replicator, replica_plan
 
-__all__ = ["WRITERS", "agree_on_local", "ensure_group", "setup_replicas"]
+__all__ = ["WRITERS", "ensure_group", "setup_replicas"]
 
 _log = logging.getLogger("lightning_async_ckpt")
 
@@ -86,26 +84,3 @@ def _writes_dcp(tiers: Any, trainer: Any) -> bool:
     """Whether this fit writes DCP generations (every rank its own local generation)."""
     callback = next((cb for cb in trainer.callbacks if getattr(cb, "tiers", None) is tiers), None)
     return callback is not None and writes_sharded(callback, trainer)
-
-
-def agree_on_local(
-    tiers: Any,
-    trainer: Any,
-    *,
-    newest_local: tuple[int, int] | None,
-    durable_step: int | None,
-    store_of: Callable[[int], CheckpointStore],
-) -> tuple[int, int] | None:
-    """Every rank's ``"last"``: the agreed ``(version, step)`` of the local tier (restored from a peer where this
-    rank's folder lacks it, committed in the background: read its manifest with
-    :func:`~lightning_async_ckpt.tiers.replica_persist.manifest_of`), or ``None`` when every rank resumes from
-    ``dirpath``."""
-    group = ensure_group(tiers, trainer)
-    return restore_from_peers(  # a received copy is loaded at once; its fsync and commit go on in the background
-        group,
-        tiers.local_dirpath,
-        newest_local=newest_local,
-        durable_step=durable_step,
-        newest_store=store_of,
-        background=True,
-    )

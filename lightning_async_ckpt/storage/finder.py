@@ -44,7 +44,6 @@ __all__ = [
     "RELISTS",
     "StepListing",
     "describe_entry",
-    "durable_step_to_beat",
     "list_steps",
     "manifest_gone",
     "newest_committed_above",
@@ -139,19 +138,6 @@ def newest_committed_above(stores: Iterable[StoreRoot], step: int | None) -> int
         if store.read_generation(s).committed:
             return s
     return None
-
-
-def durable_step_to_beat(stores: Iterable[StoreRoot], local_step: int | None) -> int | None:
-    """The durable tier's step a local generation of ``local_step`` must reach to be resumed from: the newest step
-    committed above it (:func:`newest_committed_above`); without a local generation here, the newest step listed
-    (names only: another process's local generation is compared with it).
-
-    Raises:
-        StoreUnavailableError: A store cannot be listed.
-    """
-    if local_step is None:
-        return max((s for store in stores for s in list_steps(store).steps), default=None)
-    return newest_committed_above(stores, local_step)
 
 
 def newest_first(store: StoreRoot, steps: Iterable[int]) -> Iterator[GenerationInfo]:

@@ -27,6 +27,8 @@ __all__ = [
     "WriteOnlyStream",
     "atomic_local_write",
     "checksum_algorithm",
+    "crc32c_combine",
+    "crc32c_in_place",
     "exclusive_local_write",
     "file_identity",
     "fsync_dir",
@@ -72,6 +74,47 @@ def crc32c_module() -> Any:
 DEFAULT_CHECKSUM = "crc32c" if crc32c_module() is not None else "crc32"
 
 
+def crc32c_in_place() -> Any:
+    """The ``crc32c`` package where it is installed (it reads a buffer where it lies), else ``None``: callers that
+    checksum memory they just wrote, to spare a later pass over it, gain nothing from a module that copies first."""
+    try:
+        import crc32c
+    except ImportError:
+        return None
+    return crc32c
+
+
+_CRC32C_POLY = 0x82F63B78  # reflected Castagnoli polynomial
+
+
+def _multiply(a: int, b: int) -> int:
+    """``a * b`` modulo the CRC-32C polynomial (reflected bit order, as zlib's ``multmodp``)."""
+    product, bit = 0, 1 << 31
+    while a:
+        if a & bit:
+            product ^= b
+            a ^= bit
+        bit >>= 1
+        b = (b >> 1) ^ _CRC32C_POLY if b & 1 else b >> 1
+    return product
+
+
+_X_POWERS = [1 << 30]  # x^(2^k) modulo the polynomial for k = 0..63 (x^1 is 1 << 30 in reflected order)
+for _ in range(63):
+    _X_POWERS.append(_multiply(_X_POWERS[-1], _X_POWERS[-1]))
+
+
+def crc32c_combine(first: int, second: int, second_length: int) -> int:
+    """CRC-32C of ``A + B`` from the CRC-32C of ``A``, of ``B`` and the length of ``B`` in bytes (no data read)."""
+    shift, k, n = 1 << 31, 3, second_length  # x^(8n): n bytes of zeros appended to A
+    while n:
+        if n & 1:
+            shift = _multiply(_X_POWERS[k], shift)
+        n >>= 1
+        k += 1
+    return _multiply(shift, first) ^ second
+
+
 def checksum_algorithm(checksum: str) -> str:
     """The algorithm part of a ``"<algorithm>:<hex>"`` checksum."""
     return checksum.split(":", 1)[0]
@@ -108,6 +151,14 @@ class Checksum:
             self._value = self._crc32c.crc32c(data, self._value)
         else:
             self._value = zlib.crc32(data, self._value)
+
+    def extend(self, data: bytes | memoryview, crc32c: int | None) -> None:
+        """Add ``data``, whose CRC-32C the caller already computed (``None``: not known): with this checksum's
+        algorithm CRC-32C, the bytes are not read again; with another, they are."""
+        if crc32c is None or self.algorithm != "crc32c":
+            self.update(data)
+        else:
+            self._value = crc32c_combine(self._value, crc32c, len(data))
 
     def hexdigest(self) -> str:
         """``"<algorithm>:<hex digest>"``, the form manifests record."""
@@ -330,9 +381,10 @@ class ChecksumWriter(WriteOnlyStream):
         self.raw.write(view)
         return self.count(view)
 
-    def count(self, view: memoryview) -> int:
-        """Add ``view`` (just written) to the size and the checksum; returns its length."""
-        self.digest.update(view)
+    def count(self, view: memoryview, crc32c: int | None = None) -> int:
+        """Add ``view`` (just written) to the size and the checksum; returns its length. ``crc32c``: the CRC-32C of
+        ``view`` when the caller computed it from these very bytes (:meth:`Checksum.extend`)."""
+        self.digest.extend(view, crc32c)
         self.size += len(view)
         return len(view)
 

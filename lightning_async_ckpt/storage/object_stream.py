@@ -54,13 +54,18 @@ class ObjectStream(ChecksumWriter):
 
     def write(self, data: Any) -> int:
         """Write ``data``; a storage failure is kept so it, not a serializer's wrapper, decides retries."""
+        return self.write_checksummed(data, None)
+
+    def write_checksummed(self, data: Any, crc32c: int | None) -> int:
+        """:meth:`write` of ``data`` whose CRC-32C the caller computed from these very bytes (``None``: unknown):
+        with the object's checksum CRC-32C, they are not read again to checksum them."""
         view = memoryview(data).cast("B")
         try:
             self.raw.write(view)
         except Exception as exc:
             self.failure = StorageError(f"could not write object {self.name!r} of {self._writer.path}: {exc}")
             raise self.failure from exc
-        n = self.count(view)
+        n = self.count(view, crc32c)
         self._writer.renew()
         return n
 

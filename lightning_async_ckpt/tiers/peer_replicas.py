@@ -10,7 +10,7 @@ nodes; each target commits it, objects checked against the source manifest and t
 
 :meth:`DcpReplicas.resume` (collective): every rank lists its own committed steps and the replicas it holds; the
 steps every rank can get (its own part, or a peer's replica of it) and not older than the durable tier's newest
-listed step are tried newest first: every rank verifies its own part; a rank whose part is missing or damaged gets
+committed step (the one cross-tier rule, :mod:`~lightning_async_ckpt.tiers.resume`) are tried newest first: every rank verifies its own part; a rank whose part is missing or damaged gets
 it from a peer whose replica verifies intact (a damaged replica is never used), into its own ``rank-<r>`` store (a
 new version folder when a damaged committed copy holds the name). Only when no step works does every rank fall
 back to the durable tier together (rank 0 finds and verifies it).
@@ -29,12 +29,13 @@ import torch.distributed as dist
 
 from lightning_async_ckpt.errors import ConfigError, StoreUnavailableError
 from lightning_async_ckpt.sharded.once import latest_once
-from lightning_async_ckpt.storage.finder import durable_step_to_beat
+from lightning_async_ckpt.storage.finder import newest_committed_above
 from lightning_async_ckpt.storage.store import CheckpointStore
 from lightning_async_ckpt.tiers.local_tier import LOCAL_TIER_KEY, rank_store
 from lightning_async_ckpt.tiers.replica_wire import Kind, Wire, receive_generation, send_generation
 from lightning_async_ckpt.tiers.replicas import Replicator, replica_targets
-from lightning_async_ckpt.tiers.sharded_resume import TierChoice, local_roots, local_state, version_root
+from lightning_async_ckpt.tiers.resume import durable_roots
+from lightning_async_ckpt.tiers.sharded_resume import TierChoice, local_roots, local_state, part_problem, version_root
 
 __all__ = [
     "REPLICA_PREFIX",
@@ -198,7 +199,7 @@ def local_from_peers(
     group: Any, local_dirpath: str, durable: CheckpointStore, *, verify: bool = True
 ) -> TierChoice | None:
     """The newest local step every rank can get, its own part or a peer's intact replica of it (copied into its own
-    store first), and not older than the newest step ``durable`` lists (names only); ``None`` when there is none:
+    store first), and not older than a step committed on ``durable`` above rank 0's newest own one; ``None`` when none:
     every rank then resumes from ``durable`` together. Collective over ``group`` (a gloo group of every rank).
 
     Raises:
@@ -226,7 +227,7 @@ class _PeerResume:
         listed: Any = None
         if rank == 0:
             try:
-                listed = durable_step_to_beat([durable.location], max(own, default=None))
+                listed = newest_committed_above(durable_roots(durable), max(own, default=None))
             except Exception as exc:  # noqa: BLE001 - raised on every rank below
                 listed = f"{type(exc).__name__}: {exc}"
         everyone = self._gather({"own": own, "held": held_replicas(local, self.world_size), "durable": listed})
@@ -248,7 +249,7 @@ class _PeerResume:
             version = self._restore(step, everyone, sources, verify)
             if version is not None:
                 store = rank_store(version_root(local, version), rank)
-                return TierChoice(step, "local", store, max(candidates), version)
+                return TierChoice(step, "local", store)
         return None
 
     def _restore(self, step: int, everyone: list[Any], sources: Any, verify: bool) -> int | None:
@@ -257,7 +258,9 @@ class _PeerResume:
         local, rank = self.local_dirpath, self.rank
         own = everyone[rank]["own"]
         problem = (
-            "missing" if step not in own else _check(rank_store(version_root(local, own[step]), rank), step, verify)
+            "missing"
+            if step not in own
+            else part_problem(rank_store(version_root(local, own[step]), rank), step, verify)
         )
         verdicts = self._gather(problem)
         needers = [r for r, p in enumerate(verdicts) if p is not None]
@@ -266,7 +269,7 @@ class _PeerResume:
             return own[step]
         held = everyone[rank]["held"]
         checks = {
-            r: _check(replica_store(local, held[r][step], r), step, True)
+            r: part_problem(replica_store(local, held[r][step], r), step, True)
             for r in needers
             if r != rank and step in held.get(r, {})
         }
@@ -308,15 +311,3 @@ class _PeerResume:
             _log.warning("restoring local step %d from peers failed: %s", step, [o for o in outcome if o])
             return None
         return here
-
-
-def _check(store: CheckpointStore, step: int, verify: bool) -> str | None:
-    """``None`` when committed generation ``step`` of ``store`` is intact, else what is wrong."""
-    try:
-        store.manifest(step)
-        if not verify:
-            return None
-        result = store.verify(step)
-        return None if result.ok else "; ".join(result.problems) or "failed verification"
-    except Exception as exc:  # noqa: BLE001 - gathered: this copy is unusable
-        return f"{type(exc).__name__}: {exc}"

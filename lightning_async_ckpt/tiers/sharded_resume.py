@@ -2,13 +2,14 @@
 
 A local sharded generation is usable only when **every** rank holds its own part intact (:mod:`.local_tier`:
 each rank's part is in its own node-local store). :func:`latest_across_tiers` (a collective over the job's group,
-like :func:`~lightning_async_ckpt.sharded.once.latest_once`):
+like :func:`~lightning_async_ckpt.sharded.once.latest_once`) is the one cross-tier resume
+(:func:`~lightning_async_ckpt.tiers.resume.pick_local`) over :class:`RankParts`:
 
-1. every rank lists the steps committed in its local stores (every version folder, :func:`local_roots`) for this
-   world size and rank, and the lists are all-gathered; rank 0 lists the durable store's newest committed step;
-2. from the newest step **every** rank holds locally, down to the durable store's newest: every rank re-reads its
-   own part against its checksums and the verdicts are all-gathered; the first step intact on every rank wins
-   (a step present on both tiers is read locally);
+1. every rank finds its newest committed part (of this world size and rank, every version folder,
+   :func:`local_roots`) that re-reads intact against its checksums; the ranks agree on the oldest of these, each
+   rank above it looking again at or below it, until every rank holds one step intact;
+2. that step wins unless the durable store holds a newer committed one (rank 0 lists it; a step present on both
+   tiers is read locally);
 3. otherwise every rank falls back together to the durable store's newest verified generation (rank 0 verifies,
    :func:`~lightning_async_ckpt.sharded.once.latest_once`), an ordinary reshardable DCP checkpoint.
 
@@ -22,19 +23,30 @@ names are never rewritten.
 from __future__ import annotations
 
 import logging
-import re
 from dataclasses import dataclass
 from typing import Any
 
-from lightning_async_ckpt.sharded.once import gloo_group, job_broadcast, latest_once, once
+import fsspec
+
+from lightning_async_ckpt.core.collective import TorchCollective
+from lightning_async_ckpt.sharded.once import gloo_group, latest_once
 from lightning_async_ckpt.sharded.spread import load_generation
+from lightning_async_ckpt.storage.generation import version_folders
 from lightning_async_ckpt.storage.store import CheckpointStore
 from lightning_async_ckpt.tiers.local_tier import LOCAL_TIER_KEY, rank_store
+from lightning_async_ckpt.tiers.resume import pick_local
 
-__all__ = ["TierChoice", "latest_across_tiers", "local_roots", "local_state", "resolve_across_tiers", "version_root"]
+__all__ = [
+    "RankParts",
+    "TierChoice",
+    "latest_across_tiers",
+    "local_roots",
+    "local_state",
+    "part_problem",
+    "version_root",
+]
 
 _log = logging.getLogger("lightning_async_ckpt")
-_VERSION_RE = re.compile(r"^v([0-9]+)$")
 
 
 @dataclass(frozen=True)
@@ -45,15 +57,11 @@ class TierChoice:
         step: The agreed step.
         tier: ``"local"`` (every rank reads its own local part) or ``"durable"``.
         store: The store this rank loads from (its own local store, or the durable store).
-        newest_local: The newest local step any rank holds in the newest version folder (``None``: none).
-        version: The newest local version folder any rank has.
     """
 
     step: int
     tier: str
     store: CheckpointStore
-    newest_local: int | None = None
-    version: int = 0
 
     def load(self, state: dict[str, Any], **kwargs: Any) -> list[str]:
         """``dcp.load`` of the agreed generation into ``state`` in place, every object read verified (collective).
@@ -72,19 +80,8 @@ def version_root(local_dirpath: str, version: int) -> str:
 
 def local_roots(local_dirpath: str) -> list[int]:
     """The local version folders that exist (always including 0), ascending."""
-    import fsspec
-
     fs, path = fsspec.core.url_to_fs(local_dirpath)
-    versions = {0}
-    try:
-        names = [str(p).rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(path, detail=False)]
-    except FileNotFoundError:
-        names = []
-    for name in names:
-        match = _VERSION_RE.match(name)
-        if match:
-            versions.add(int(match.group(1)))
-    return sorted(versions)
+    return [0, *version_folders(fs, path)]
 
 
 def local_state(local_dirpath: str, rank: int, world_size: int) -> tuple[dict[int, int], int, int | None]:
@@ -120,60 +117,60 @@ def latest_across_tiers(local_dirpath: str, durable: CheckpointStore, *, verify:
     Raises:
         StoreUnavailableError: The durable store cannot be listed (on every rank).
     """
-    return resolve_across_tiers(local_dirpath, durable, verify=verify)[0]
-
-
-def resolve_across_tiers(
-    local_dirpath: str, durable: CheckpointStore, *, verify: bool = True
-) -> tuple[TierChoice | None, int | None, int]:
-    """:func:`latest_across_tiers`, with the newest local step any rank holds in the newest local version folder
-    (leftovers included) and that version: a writer resuming below that step writes a new version folder."""
     import torch.distributed as dist
 
     distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
     rank = dist.get_rank() if distributed else 0
     world = dist.get_world_size() if distributed else 1
-    group = None if not distributed or str(dist.get_backend()) == "gloo" else gloo_group()
-
-    def gather(obj: Any) -> list[Any]:
-        if not distributed:
-            return [obj]
-        out: list[Any] = [None] * world
-        dist.all_gather_object(out, obj, group=group)
-        return out
-
-    steps, version, newest = local_state(local_dirpath, rank, world)
-    everyone = gather((sorted(steps), version, newest))
-    top_version = max(v for _, v, _ in everyone)
-    newest_local = max((n for _, v, n in everyone if v == top_version and n is not None), default=None)
-    common = set(everyone[0][0]).intersection(*(set(s) for s, _, _ in everyone[1:]))
-
-    def newest_durable() -> int | None:
-        listed = [g.step for g in durable.generations() if g.committed]
-        return max(listed) if listed else None
-
-    floor = once(newest_durable, broadcast=job_broadcast(), doing=f"listing {durable.uri}")
-    for step in sorted(common, reverse=True):
-        if floor is not None and step < floor:
-            break
-        store = rank_store(version_root(local_dirpath, steps[step]), rank)
-        problem = None
-        if verify:
-            try:
-                result = store.verify(step)
-                problem = None if result.ok else "; ".join(result.problems) or "failed verification"
-            except Exception as exc:  # noqa: BLE001 - gathered: this rank's part is unusable
-                problem = f"{type(exc).__name__}: {exc}"
-        verdicts = gather(problem)
-        bad = {r: p for r, p in enumerate(verdicts) if p is not None}
-        if not bad:
-            _log.info("resuming step %d from the local tier %s (every rank holds it intact)", step, local_dirpath)
-            return TierChoice(step, "local", store, newest_local, top_version), newest_local, top_version
-        _log.warning("local step %d is damaged on rank(s) %s: %s", step, sorted(bad), bad)
+    collective = None
+    if distributed:
+        collective = TorchCollective(None if str(dist.get_backend()) == "gloo" else gloo_group())
+    parts = RankParts(local_dirpath, rank, world, verify)
+    local = pick_local(parts, durable, collective=collective, doing="resuming sharded")
+    if local is not None and local.beaten_by is None:
+        _log.info("resuming step %d from the local tier %s (every rank holds it intact)", local.step, local_dirpath)
+        return TierChoice(local.step, "local", local.store)
     info = latest_once(durable, verify=verify)
     if info is None:
-        if newest_local is not None:
-            _log.warning("no generation every rank holds intact on either tier: starting fresh")
-        return None, newest_local, top_version
+        return None
     _log.info("resuming step %d from the durable tier %s", info.step, durable.uri)
-    return TierChoice(info.step, "durable", durable, newest_local, top_version), newest_local, top_version
+    return TierChoice(info.step, "durable", durable)
+
+
+@dataclass(frozen=True)
+class RankParts:
+    """A local tier of DCP generations: this rank's own part of each, in ``<local_dirpath>[/v<k>]/rank-<r>``
+    (a :class:`~lightning_async_ckpt.tiers.resume.LocalTier`)."""
+
+    local_dirpath: str
+    rank: int
+    world_size: int
+    verify: bool = True
+
+    def newest(self, ceiling: int | None) -> tuple[int, int] | None:
+        """``(version, step)`` of this rank's newest committed part at or below ``ceiling`` that re-reads intact
+        against its checksums (a damaged one is skipped with a warning), or ``None``."""
+        steps, _, _ = local_state(self.local_dirpath, self.rank, self.world_size)
+        for step in sorted((s for s in steps if ceiling is None or s <= ceiling), reverse=True):
+            problem = part_problem(self.store(steps[step]), step, self.verify)
+            if problem is None:
+                return steps[step], step
+            _log.warning("rank %d: local step %d is damaged: %s", self.rank, step, problem)
+        return None
+
+    def store(self, version: int) -> CheckpointStore:
+        """This rank's store in local version folder ``version``."""
+        return rank_store(version_root(self.local_dirpath, version), self.rank)
+
+
+def part_problem(store: CheckpointStore, step: int, verify: bool) -> str | None:
+    """``None`` when committed generation ``step`` of ``store`` is intact (``verify``: every object re-read against
+    its checksum), else what is wrong."""
+    try:
+        store.manifest(step)
+        if not verify:
+            return None
+        result = store.verify(step)
+        return None if result.ok else "; ".join(result.problems) or "failed verification"
+    except Exception as exc:  # noqa: BLE001 - this copy is unusable
+        return f"{type(exc).__name__}: {exc}"

@@ -30,8 +30,7 @@ from lightning_async_ckpt.tiers.tiered_replicas import (
     Restored,
     open_replicas,
     require_process_group,
-    restore_across_ranks,
-    restore_single,
+    restore_tiered,
 )
 
 __all__ = ["CommitRelay", "Copier", "TieredCheckpointer", "local_location"]
@@ -283,16 +282,13 @@ class TieredCheckpointer:
         return handle
 
     def restore(self) -> Restored | None:
-        """The generation to resume from: the newest intact local one unless ``durable`` lists a newer step, then
-        ``durable``'s newest verified one; ``None`` on a first run. Its run continues (the stores' run id).
+        """The generation to resume from: the newest intact local one unless ``durable`` holds a newer committed step,
+        then ``durable``'s newest verified one; ``None`` on a first run. Its run continues (the stores' run id).
 
         With ``replicas`` it is collective (every rank calls it): every rank agrees on one step, and a rank whose
-        local folder lacks it receives it from a peer first (:func:`restore_across_ranks`).
+        local folder lacks it receives it from a peer first (:func:`restore_tiered`).
         """
-        if self.group is not None:
-            restored = restore_across_ranks(self.group, self.local_dirpath, self.durable)
-        else:
-            restored = restore_single(self.local_dirpath, self.durable)
+        restored = restore_tiered(self.group, self.local_dirpath, self.durable)
         if restored is not None and restored.manifest.run_id:
             self.local.run_id = self.durable.run_id = restored.manifest.run_id
         return restored

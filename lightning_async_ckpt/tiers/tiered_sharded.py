@@ -31,7 +31,7 @@ from lightning_async_ckpt.storage.store import CheckpointStore
 from lightning_async_ckpt.tiers.local_tier import LocalTierPersister, rank_store
 from lightning_async_ckpt.tiers.peer_replicas import DcpReplicas, check_replicas
 from lightning_async_ckpt.tiers.promote_dcp import DcpPromoter
-from lightning_async_ckpt.tiers.sharded_resume import TierChoice, local_state, resolve_across_tiers, version_root
+from lightning_async_ckpt.tiers.sharded_resume import TierChoice, latest_across_tiers, local_state, version_root
 from lightning_async_ckpt.tiers.tiered import CommitRelay
 
 __all__ = ["TieredShardedCheckpointer"]
@@ -193,7 +193,7 @@ class TieredShardedCheckpointer(ShardedCheckpointer):
         if self.replicas is not None:
             choice = self.replicas.resume(self.durable, verify=verify)
         else:
-            choice = resolve_across_tiers(self.local_dirpath, self.durable, verify=verify)[0]
+            choice = latest_across_tiers(self.local_dirpath, self.durable, verify=verify)
         if choice is not None:
             choice.load(state, process_group=self.process_group)
         self.continue_from(choice.step if choice is not None else 0)

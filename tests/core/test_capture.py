@@ -100,6 +100,22 @@ def test_python_objects_are_deep_copied_at_the_cut_and_are_not_staged() -> None:
     assert rebuilt["hparams"] == {"lr": 0.1, "layers": [1, 2, 3]}
 
 
+def test_rng_states_and_lists_of_numbers_are_kept_as_they_were_at_the_cut() -> None:
+    import random
+
+    random.seed(1)
+    python_rng = random.getstate()  # a tuple holding a tuple of 625 ints: kept whole, never visited item by item
+    counts = [1, 2, 3]
+    plan = CapturePlan.build({"python": python_rng, "mixed": (counts, torch.ones(2))})
+    expected = random.random()
+    counts.append(4)  # the next training step mutates the live list
+    rebuilt = _materialize_copy(plan)
+    assert rebuilt["python"] == python_rng
+    assert rebuilt["mixed"][0] == [1, 2, 3]
+    random.setstate(rebuilt["python"])
+    assert random.random() == expected
+
+
 def test_plan_without_a_proof_copies_everything_at_the_cut() -> None:
     model = _model()
     opt = _stepped_adam(model)
