@@ -19,6 +19,7 @@ commit of the main process to the replicator, which copies it to F other process
 
 from __future__ import annotations
 
+import time
 from dataclasses import replace
 from typing import Any
 
@@ -27,6 +28,7 @@ from typing_extensions import override
 from lightning_async_ckpt.accelerate._checkpointer import AccelerateCheckpointer
 from lightning_async_ckpt.accelerate._layout import _log
 from lightning_async_ckpt.accelerate._replicas import AccelerateReplicas
+from lightning_async_ckpt.core.commit_target import time_left
 from lightning_async_ckpt.core.engine import AsyncCheckpointer, CheckpointOptions, SaveHandle
 from lightning_async_ckpt.core.preemption import PreemptionHandler, check_preemption
 from lightning_async_ckpt.errors import ConfigError
@@ -158,7 +160,12 @@ class TieredAccelerateCheckpointer(AccelerateCheckpointer):
     def drain(self, timeout: float | None = None) -> bool:
         """Wait for this process's local commits, then their promotions and replicas (main process); whether all
         ended in time. Errors stay pending (raised at the next collective call)."""
-        return self._engine is None or not self._main or self._engine.drain_quietly(timeout)
+        engine = self._engine
+        if engine is None or not self._main:
+            return True
+        deadline = None if timeout is None else time.monotonic() + timeout
+        saved = engine.drain_quietly(timeout)
+        return engine.target.drain(time_left(deadline)) and saved
 
     @override
     def close(self, timeout: float | None = None) -> None:

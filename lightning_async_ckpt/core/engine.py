@@ -346,16 +346,17 @@ class AsyncCheckpointer(ProgressView, CommitCallbacks, Lifecycle, DrainOnExit):
             True if everything ended within ``timeout``.
         """
         self.in_flight.observe_staged()
-        finished = self.drain_quietly(timeout)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        saved = self.drain_quietly(timeout)
+        handed = self.target.drain(time_left(deadline))
         self.deliver_commits()
         self.raise_pending()
-        return finished
+        return saved and handed
 
     def drain_quietly(self, timeout: float | None) -> bool:
-        """Like :meth:`drain` but never raises (pending errors stay pending); returns whether everything ended."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        saved = self.in_flight.drain(timeout)
-        return self.target.drain(time_left(deadline)) and saved
+        """Wait until every outstanding save ended, its commit handed to the target (not the promotion nor the
+        replicas: :meth:`drain`); never raises (pending errors stay pending). Whether they all ended in time."""
+        return self.in_flight.drain(timeout)
 
     def emergency_save(self, step: int, state: Any, *, grace_s: float | None = None, **kwargs: Any) -> str:
         """The save before the process goes away: the newest save made durable when it is of ``step``, else
