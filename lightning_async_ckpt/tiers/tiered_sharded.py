@@ -108,6 +108,8 @@ class TieredShardedCheckpointer(ShardedCheckpointer):
             raise ConfigError(f"durable must be a CheckpointStore or a URL string, got {type(durable).__name__}")
         self.local_dirpath = local_dirpath.rstrip("/")
         self.version = 0
+        self.promote_every_n_steps = promote_every_n_steps
+        self._tier_args = (durable, storage_options, keep_last, local_keep_last, replicas, ranks_per_node, timeout_s)
         super().__init__(
             self.local_dirpath,
             timeout_s=timeout_s,
@@ -119,32 +121,28 @@ class TieredShardedCheckpointer(ShardedCheckpointer):
             plan_caching=False,
             options=options,
         )
+        self.target.bind(self, replica_errors=False)  # type: ignore[attr-defined]
+        self.preemption = PreemptionHandler(signum)
+        self.preemption.install()
+
+    def _make_target(self, store: CheckpointStore) -> TieredTarget:
+        # Every rank hands its own local commits to the promoter (collective rounds) and its replicas.
+        durable, storage_options, keep_last, local_keep_last, replicas, per_node, timeout_s = self._tier_args
         if isinstance(durable, str):
-            durable = CheckpointStore(durable, storage_options, run_id=self.store.run_id)
+            durable = CheckpointStore(durable, storage_options, run_id=store.run_id)
         self.durable = durable
-        self.promote_every_n_steps = promote_every_n_steps
         self.promoter = DcpPromoter(
-            self.store, durable, keep_last=keep_last, local_keep_last=local_keep_last, timeout_s=timeout_s
+            store, durable, keep_last=keep_last, local_keep_last=local_keep_last, timeout_s=timeout_s
         )
         self.replicas = (
             None
             if replicas is None
             else DcpReplicas(
-                self.local_dirpath,
-                replicas,
-                ranks_per_node=ranks_per_node,
-                keep_last=local_keep_last,
-                timeout_s=timeout_s,
+                self.local_dirpath, replicas, ranks_per_node=per_node, keep_last=local_keep_last, timeout_s=timeout_s
             )
         )
         replicator = None if self.replicas is None else self.replicas.replicator
-        self.target = target = TieredTarget(
-            self.store, durable, self.promoter, replicator, promote_every_n_steps, rank=self.rank
-        )
-        self.completion.target = target  # every rank hands its own local commits over
-        target.bind(self, replica_errors=False)
-        self.preemption = PreemptionHandler(signum)
-        self.preemption.install()
+        return TieredTarget(store, durable, self.promoter, replicator, self.promote_every_n_steps, rank=self.rank)
 
     def _open_store(self, uri: str, storage_options: dict[str, Any] | None, run_id: str | None) -> CheckpointStore:
         return rank_store(uri, self.rank, run_id=run_id)
