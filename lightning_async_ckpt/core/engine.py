@@ -66,9 +66,8 @@ class AsyncCheckpointer(ProgressView, CommitCallbacks, Lifecycle, DrainOnExit):
             into ``store``; the sharded checkpointer passes its DCP persister).
         capturer: How a cut is captured (default: :class:`PlainCapturer`; the sharded checkpointer captures DTensors
             through their local shards).
-        target: Where each commit goes next (:class:`~lightning_async_ckpt.core.interfaces.CommitTarget`; default:
-            ``store``'s retention by ``keep_last``; tiers pass a
-            :class:`~lightning_async_ckpt.tiers.target.TieredTarget`): :meth:`drain` and :meth:`close` reach it.
+        target: Where each commit goes next (``CommitTarget``; default: ``store``'s retention by ``keep_last``; tiers
+            pass a ``TieredTarget``); :meth:`drain` and :meth:`close` reach it.
         **overrides: Any :class:`CheckpointOptions` field.
 
     Example::
@@ -340,11 +339,7 @@ class AsyncCheckpointer(ProgressView, CommitCallbacks, Lifecycle, DrainOnExit):
 
     def drain(self, timeout: float | None = None) -> bool:
         """Wait until every outstanding save ended and the target finished what the commits handed to it (promotions
-        due, replicas); re-raise a background error.
-
-        Returns:
-            True if everything ended within ``timeout``.
-        """
+        due, replicas); re-raise a background error. Whether everything ended within ``timeout``."""
         self.in_flight.observe_staged()
         deadline = None if timeout is None else time.monotonic() + timeout
         saved = self.drain_quietly(timeout)

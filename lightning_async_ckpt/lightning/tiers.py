@@ -27,12 +27,12 @@ from typing import Any
 from lightning_async_ckpt.core.capture import Fence
 from lightning_async_ckpt.core.engine import AsyncCheckpointer
 from lightning_async_ckpt.lightning.arguments import check_apart
-from lightning_async_ckpt.lightning.naming import run_locations, version_uri
 from lightning_async_ckpt.lightning.replicas import setup_replicas
 from lightning_async_ckpt.lightning.sharded_tiers import place_sharded
 from lightning_async_ckpt.storage.store import CheckpointStore
 from lightning_async_ckpt.tiers.promote import Promoter
 from lightning_async_ckpt.tiers.target import TieredTarget
+from lightning_async_ckpt.tiers.tiered import local_location
 
 __all__ = ["Tiers", "open_checkpointer"]
 
@@ -109,7 +109,7 @@ class Tiers:
         """
         if engine is None or engine.writes_dcp:  # sharded: every rank's local tier (lightning/sharded_tiers.py)
             return place_sharded(self, engine, start_step)
-        target = self._local_location(start_step)
+        target = local_location(self.local_dirpath, start_step)  # the newest version where this fit continues
         local = self.local_store
         promoter = self.promoter
         if (
@@ -127,16 +127,6 @@ class Tiers:
         assert self.local_store is not None
         self.local_store.run_id = store.run_id
         return engine
-
-    def _local_location(self, start_step: int) -> str:
-        # The newest version where this fit can continue: a run that moved to v1 once keeps writing (and retaining)
-        # there instead of going back to the older folder.
-        locations = run_locations(self.local_dirpath)
-        for loc in reversed(locations):
-            steps = [g.step for g in loc.store.scan(include_uncommitted=True).generations if g.holds_step]
-            if not steps or max(steps) <= start_step:
-                return version_uri(self.local_dirpath, loc.version)
-        return version_uri(self.local_dirpath, max(loc.version for loc in locations) + 1)
 
     # -- cuts --------------------------------------------------------------------------------------------
     def local_due(self, step: int) -> bool:
