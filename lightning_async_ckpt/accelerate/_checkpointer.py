@@ -298,7 +298,7 @@ class AccelerateCheckpointer(FolderSaves, CommitFanOut, DrainOnExit):
         self.wait()
 
     # -- internals -----------------------------------------------------------------------------------------
-    def _save(self, engine: AsyncCheckpointer, step: int, state: dict, extra: dict[str, Any]) -> SaveHandle:
+    def _save(self, engine: AsyncCheckpointer, step: int, state: dict, extra: dict[str, Any], **how: Any) -> SaveHandle:
         acc = self.accelerator
         handle = engine.save(
             step,
@@ -310,6 +310,7 @@ class AccelerateCheckpointer(FolderSaves, CommitFanOut, DrainOnExit):
             cut={"accelerator_step": acc.step, "num_processes": acc.num_processes},
             extra=extra,
             final=self._final_save,
+            **how,
         )
         self.handles.append(handle)
         return handle
@@ -327,8 +328,8 @@ class AccelerateCheckpointer(FolderSaves, CommitFanOut, DrainOnExit):
             self._engine = self._new_engine(store, self.options)
         return self._engine
 
-    def _new_engine(self, store: CheckpointStore, options: CheckpointOptions) -> AsyncCheckpointer:
-        engine = AsyncCheckpointer(store, options, serializer=_LayoutSerializer())
+    def _new_engine(self, store: CheckpointStore, options: CheckpointOptions, target: Any = None) -> AsyncCheckpointer:
+        engine = AsyncCheckpointer(store, options, target=target, serializer=_LayoutSerializer())
         engine.declare_fences({Fence.OPTIMIZER_STEP})
         self.commit_callbacks_to(engine)  # add_commit_callback (core/commit_hooks.py)
         # Our exit handler must run before the engine's (newest first): it confirms pending folders first.

@@ -2,8 +2,8 @@
 
 :class:`TieredAccelerateCheckpointer` is what :func:`~lightning_async_ckpt.accelerate.attach` returns with
 ``local_dirpath``. The fully asynchronous path's engine writes ``local_dirpath`` (accelerate's file layout, manifest
-last, as with one tier); a :class:`~lightning_async_ckpt.tiers.promote.Promoter` copies each generation due on the
-durable cadence (``every_n_train_steps``, ``final=True``, the emergency save) from its committed local objects to
+last, as with one tier); its commit target (:class:`~lightning_async_ckpt.tiers.target.TieredTarget`) has a
+:class:`~lightning_async_ckpt.tiers.promote.Promoter` copy each generation due on the durable cadence (``every_n_train_steps``, ``final=True``, the emergency save) from its committed local objects to
 ``uri`` on the thread ``lightning_async_ckpt-promote``: nothing is staged twice and nothing of it runs on the training
 thread. Only the main process writes, so only it holds the engine and the promoter.
 
@@ -13,39 +13,31 @@ call while ``preemption_signal`` is set), so any process's signal counts: that c
 every process (copied at the cut, committed locally, promoted, within ``preemption_grace_s``; logged) and
 :attr:`TieredAccelerateCheckpointer.preempted` turns true everywhere.
 
-Peer replicas (``replicas=F``, :mod:`~lightning_async_ckpt.accelerate._replicas`): each local commit of the main
-process is also handed to the replicator, which copies it to F other processes' local tiers in the background.
+Peer replicas (``replicas=F``, :mod:`~lightning_async_ckpt.accelerate._replicas`): the target also hands each local
+commit of the main process to the replicator, which copies it to F other processes' local tiers in the background.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import replace
-from functools import partial
 from typing import Any
+
+from typing_extensions import override
 
 from lightning_async_ckpt.accelerate._checkpointer import AccelerateCheckpointer
 from lightning_async_ckpt.accelerate._layout import _log
 from lightning_async_ckpt.accelerate._replicas import AccelerateReplicas
+from lightning_async_ckpt.core.commit_target import time_left
 from lightning_async_ckpt.core.engine import AsyncCheckpointer, CheckpointOptions, SaveHandle
 from lightning_async_ckpt.core.preemption import PreemptionHandler, check_preemption
 from lightning_async_ckpt.errors import ConfigError
 from lightning_async_ckpt.storage.store import CheckpointStore
 from lightning_async_ckpt.tiers.promote import Promoter
-from lightning_async_ckpt.tiers.tiered import CommitRelay, local_location
+from lightning_async_ckpt.tiers.target import TieredTarget, check_tier_options
+from lightning_async_ckpt.tiers.tiered import local_location
 
 __all__ = ["TieredAccelerateCheckpointer", "check_tier_options"]
-
-
-def check_tier_options(**values: Any) -> None:
-    """Validate the step counts and retentions of the tiers (``None`` or an int >= 1).
-
-    Raises:
-        ConfigError: Naming the argument.
-    """
-    for name, value in values.items():
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise ConfigError(f"{name} must be None or an int >= 1, got {value!r}")
 
 
 class TieredAccelerateCheckpointer(AccelerateCheckpointer):
@@ -92,7 +84,6 @@ class TieredAccelerateCheckpointer(AccelerateCheckpointer):
         signum, self.preemption_grace_s = check_preemption(preemption_signal, preemption_grace_s)
         self.preemption = PreemptionHandler(signum)
         self.promoter: Promoter | None = None
-        self.relay: CommitRelay | None = None
         self.preempted = False
         #: Peer replicas (set by ``attach(..., replicas=F)`` on every process), else ``None``.
         self.replicas: AccelerateReplicas | None = None
@@ -100,6 +91,7 @@ class TieredAccelerateCheckpointer(AccelerateCheckpointer):
         self.local_uri: str | None = None
         self.last_emergency: str | None = None
         self._last_cut: SaveHandle | None = None
+        self._durable: bool | None = None  # of the cut being taken
         super().__init__(accelerator, uri, storage_options=storage_options, defer=defer, options=options)
         self.preemption.install()
 
@@ -159,66 +151,48 @@ class TieredAccelerateCheckpointer(AccelerateCheckpointer):
         # A cut of this step was just taken (save_state, then emergency_save): promote it instead of cutting again.
         last = self._last_cut  # the same on every process: each took part in every cut
         if last is None or last.step != step or last.committed.cancelled() or not last.decision.admitted:
-            handle = self._tiered_save(step, final=True, due=True)
-        else:
-            handle = last
-            if self.relay is not None:
-                self.relay.promote(step)
+            last = self._tiered_save(step, final=True, due=True)
         self.preempted = True
-        if self._main and self._engine is not None:
-            self.last_emergency = self._drain_tiers(self.preemption_grace_s)[1]
-            _log.warning("emergency checkpoint at step %d: %s", step, self.last_emergency)
-        return handle
+        if self._main and self._engine is not None:  # the engine's one emergency save: promote that cut, drain
+            self.last_emergency = self._engine.emergency_save(step, None, grace_s=self.preemption_grace_s)
+        return last
 
     def drain(self, timeout: float | None = None) -> bool:
-        """Wait for this process's local commits, then their promotions (main process); whether both ended in time.
-        Errors stay pending (raised at the next collective call)."""
-        return self._drain_tiers(timeout)[0] if self._main else True
+        """Wait for this process's local commits, then their promotions and replicas (main process); whether all
+        ended in time. Errors stay pending (raised at the next collective call)."""
+        engine = self._engine
+        if engine is None or not self._main:
+            return True
+        deadline = None if timeout is None else time.monotonic() + timeout
+        saved = engine.drain_quietly(timeout)
+        return engine.target.drain(time_left(deadline)) and saved
 
+    @override
     def close(self, timeout: float | None = None) -> None:
-        """Drain the local commits and the promotions (within ``timeout``), restore the signal handler, and close as
-        :meth:`AccelerateCheckpointer.close` (collective; raises a save's or a promotion's error on every process)."""
+        """:meth:`AccelerateCheckpointer.close` (the engine drains the local commits, then the promotions and the
+        replicas, within ``timeout``; collective; raises a save's or a promotion's error on every process), the
+        signal handler restored and the replicas' groups released."""
         if self.closed:
             return
         self.preemption.remove()
-        deadline = None if timeout is None else time.monotonic() + timeout
-        if self._main and self.promoter is not None:
-            self._drain_tiers(timeout)
-            self.promoter.close(_left(deadline))
-        if self.replicas is not None:
-            # The main process tells its targets to stop; they end their receivers when it does. A failed replica
-            # was handed to the engine: raised on every process by the collective close below.
-            self.replicas.close(_left(deadline))
-        super().close(_left(deadline))
+        try:
+            super().close(timeout)
+        finally:
+            if self.replicas is not None:  # every process: the receivers end, the groups are released
+                self.replicas.close(timeout)
 
     # -- internals -----------------------------------------------------------------------------------------
     def _tiered_save(self, step: int, *, final: bool, due: bool) -> SaveHandle:
-        handle = super().save_state(step, automatic=False, final=final)
+        self._durable = due
+        try:
+            handle = super().save_state(step, automatic=False, final=final)
+        finally:
+            self._durable = None
         self._last_cut = handle
-        if self._main and self.relay is not None and handle.decision.admitted:
-            self.relay.track(handle, due)
         return handle
 
-    def _drain_tiers(self, timeout: float | None) -> tuple[bool, str]:
-        engine, promoter, relay = self._engine, self.promoter, self.relay
-        if engine is None or promoter is None or relay is None:
-            return True, "nothing saved"
-        deadline = None if timeout is None else time.monotonic() + timeout
-        saved = engine.drain_quietly(timeout)
-        saved = relay.flush(_left(deadline)) and saved
-        promoted = promoter.drain(_left(deadline))
-        replicator = None if self.replicas is None else self.replicas.replicator
-        replicated = replicator is None or replicator.drain(_left(deadline))
-        where = f"committed step {engine.committed_step} to {engine.store.uri}"
-        if not saved:
-            where += f" (steps {engine.in_flight_steps()} still in flight after {timeout}s)"
-        where += f"; promoted step {promoter.promoted_step} to {promoter.target.uri}"
-        if not promoted:
-            where += f" (a promotion was still running after {timeout}s)"
-        if replicator is not None:
-            where += f"; replicated step(s) {sorted(replicator.replicated)[-1:]} to processes {replicator.targets}"
-            where += "" if replicated else f" (a replica was still being copied after {timeout}s)"
-        return saved and promoted and replicated, where
+    def _save(self, engine: AsyncCheckpointer, step: int, state: dict, extra: dict[str, Any], **how: Any) -> SaveHandle:
+        return super()._save(engine, step, state, extra, durable=self._durable, **how)
 
     def _get_engine(self) -> AsyncCheckpointer:
         if self._engine is None:
@@ -227,34 +201,19 @@ class TieredAccelerateCheckpointer(AccelerateCheckpointer):
             local = CheckpointStore(where, run_id=self.run_id)
             durable = CheckpointStore(self.uri, self.storage_options, run_id=self.run_id)
             # Retention of the local tier is the promoter's: it keeps the generation due on uri until promoted.
-            self._engine = engine = self._new_engine(local, replace(self.options, keep_last=None))
-            engine.commit_tier = "local"  # each promotion is its own commit event, tier="durable"
             self.promoter = Promoter(
-                local,
-                durable,
-                keep_last=self.options.keep_last,
-                source_keep_last=self.local_keep_last,
-                on_error=self._engine.report_error,
-                on_event=self._engine.events.emit,
-                on_commit=lambda manifest: engine.commit_hooks.committed(manifest, durable, tier="durable"),
+                local, durable, keep_last=self.options.keep_last, source_keep_last=self.local_keep_last
             )
             replicator = None if self.replicas is None else self.replicas.replicator
-            if replicator is not None:
-                replicator.on_error = self._engine.report_error  # raised on every process at the next collective
-                replicator.on_event = self._engine.events.emit  # replicated / replica_failed in the event log
-            self.relay = CommitRelay(
-                self.promoter, None if replicator is None else partial(replicator.replicate, local)
-            )
+            target = TieredTarget(local, durable, self.promoter, replicator)  # save_state says which cut is durable
+            self._engine = self._new_engine(local, replace(self.options, keep_last=None), target=target)
+            target.bind(self._engine)  # failures raised on every process at the next collective; events logged
             _log.info("local tier of this run: %s (promoted to %s)", local.uri, durable.uri)
         return self._engine
 
     def _exit(self) -> None:
         self.preemption.remove()
         super()._exit()
-
-
-def _left(deadline: float | None) -> float | None:
-    return None if deadline is None else max(0.0, deadline - time.monotonic())
 
 
 def _on(every: int | None, step: int) -> bool:

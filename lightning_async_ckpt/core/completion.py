@@ -15,6 +15,7 @@ from lightning_async_ckpt.core.admission import AdmissionResult
 from lightning_async_ckpt.core.capture import Category
 from lightning_async_ckpt.core.capturer import CutCapture
 from lightning_async_ckpt.core.handle import SaveHandle
+from lightning_async_ckpt.core.interfaces import CommitTarget
 from lightning_async_ckpt.core.persist import AbandonedError
 from lightning_async_ckpt.core.staging import BufferPool
 from lightning_async_ckpt.core.stream_persister import PersistWork
@@ -117,7 +118,8 @@ class ProgressView:
 
 
 class Completion:
-    """Everything after the cut, on the engine's upload thread: persist, commit bookkeeping, outcomes, retention.
+    """Everything after the cut, on the engine's upload thread: persist, commit bookkeeping, outcomes, the hand-over
+    to the commit target.
 
     Owned by :class:`~lightning_async_ckpt.core.engine.AsyncCheckpointer`; :meth:`run` is the upload thread's job
     for one admitted save.
@@ -128,7 +130,9 @@ class Completion:
         events: The event log.
         progress: Where outcomes, records and errors go.
         abandoning: Set when the engine abandons its saves.
-        retention: Called after each commit when this process runs retention (``keep_last``), else ``None``.
+        target: Told of each commit this process hands on, before ``committed`` resolves
+            (:class:`~lightning_async_ckpt.core.interfaces.CommitTarget`: retention, promotion, replicas), else
+            ``None``.
         on_commit: Told of each manifest this process committed, on the upload thread, before ``committed``
             resolves (the engine's :class:`~lightning_async_ckpt.core.commit_hooks.CommitHooks`).
     """
@@ -141,7 +145,7 @@ class Completion:
         events: EventLog,
         progress: Progress,
         abandoning: threading.Event,
-        retention: Callable[[], list[int]] | None,
+        target: CommitTarget | None,
         on_commit: Callable[[Any], None] | None = None,
     ) -> None:
         self.persister = persister
@@ -149,7 +153,7 @@ class Completion:
         self.events = events
         self.progress = progress
         self.abandoning = abandoning
-        self.retention = retention if persister.coordinator else None
+        self.target = target
         self.on_commit = on_commit if persister.coordinator else None
 
     def run(
@@ -160,6 +164,7 @@ class Completion:
         extra: dict[str, Any],
         object_keys: dict[str, str] | None = None,
         objects: dict[str, bytes] | None = None,
+        durable: bool | None = None,
     ) -> None:
         record, job, buffers = handle.record, capture.job, capture.buffers
 
@@ -213,11 +218,11 @@ class Completion:
             self.finish_record(record)
             if self.on_commit is not None:  # queued before the future resolves: a drain then finds it
                 self.on_commit(manifest)
+            if self.target is not None:  # handed on before the future resolves: the engine's drain covers it
+                self._hand_over(handle.step, durable)
         finally:
             # Whatever telemetry does, the committed future resolves: drain and close() must never hang on it.
             handle.committed.set_result(manifest)
-        if self.retention is not None:
-            self._retain()
 
     def _uploaded(self, handle: SaveHandle, value: Any, nbytes: int) -> None:
         if not handle.uploaded.done():
@@ -260,14 +265,13 @@ class Completion:
                 if not fut.done():
                     fut.set_exception(error)
 
-    def _retain(self) -> None:
+    def _hand_over(self, step: int, durable: bool | None) -> None:
         try:
-            removed = self.retention()  # type: ignore[misc]
-        except Exception:  # noqa: BLE001 - retention never fails a committed save
-            _log.warning("retention failed", exc_info=True)
-            return
-        if removed:
-            self.events.emit("gc", removed=removed)
+            self.target.committed(step, durable)  # type: ignore[union-attr]
+        except Exception as exc:  # noqa: BLE001 - the save committed; what follows it failed
+            error = CheckpointError(f"step {step} committed, but handing it on failed: {type(exc).__name__}: {exc}")
+            error.__cause__ = exc
+            self.progress.report(error)
 
     def requested(self, record: SaveRecord, decision: AdmissionResult) -> None:
         """Emit the ``request`` event of a request admission decided on."""

@@ -5,7 +5,7 @@ Pipeline of one request::
     save(step, state) -> admission (admission.py) -> capture plan + copy at the cut (the capturer: capturer.py)
         -> staging thread (fenced) -> staged -> upload thread: the persister writes the objects (a torch.save
         stream: stream_persister.py; DCP files on every rank: sharded/persister.py) -> uploaded
-        -> manifest last -> committed -> retention (only after a newer commit)
+        -> manifest last -> the commit target (retention; with tiers the promotion and the replicas) -> committed
 
 This is the one save lifecycle of the package: plain loops, Accelerate, the Lightning callback (one writer,
 sliced DDP, sharded) and ``ShardedCheckpointer`` all drive this class; only the capturer and the persister differ
@@ -28,11 +28,12 @@ from lightning_async_ckpt.core.admission import Admission, AdmissionDecision
 from lightning_async_ckpt.core.capture import DeferralProof, Fence
 from lightning_async_ckpt.core.capturer import PlainCapturer
 from lightning_async_ckpt.core.commit_hooks import CommitCallbacks
+from lightning_async_ckpt.core.commit_target import StoreTarget, emergency_save, time_left
 from lightning_async_ckpt.core.completion import Completion, Progress, ProgressView
 from lightning_async_ckpt.core.handle import DrainOnExit, SaveHandle
 from lightning_async_ckpt.core.hooks import FenceHooks
 from lightning_async_ckpt.core.in_flight import InFlight
-from lightning_async_ckpt.core.interfaces import Capturer, Persister
+from lightning_async_ckpt.core.interfaces import Capturer, CommitTarget, Persister
 from lightning_async_ckpt.core.lifecycle import Lifecycle
 from lightning_async_ckpt.core.options import CheckpointOptions, Serializer, TorchSaveSerializer
 from lightning_async_ckpt.core.persist import RetryPolicy
@@ -65,6 +66,8 @@ class AsyncCheckpointer(ProgressView, CommitCallbacks, Lifecycle, DrainOnExit):
             into ``store``; the sharded checkpointer passes its DCP persister).
         capturer: How a cut is captured (default: :class:`PlainCapturer`; the sharded checkpointer captures DTensors
             through their local shards).
+        target: Where each commit goes next (``CommitTarget``; default: ``store``'s retention by ``keep_last``; tiers
+            pass a ``TieredTarget``); :meth:`drain` and :meth:`close` reach it.
         **overrides: Any :class:`CheckpointOptions` field.
 
     Example::
@@ -86,6 +89,7 @@ class AsyncCheckpointer(ProgressView, CommitCallbacks, Lifecycle, DrainOnExit):
         *,
         persister: Persister | None = None,
         capturer: Capturer | None = None,
+        target: CommitTarget | None = None,
         **overrides: Any,
     ) -> None:
         if isinstance(store, str):
@@ -122,13 +126,15 @@ class AsyncCheckpointer(ProgressView, CommitCallbacks, Lifecycle, DrainOnExit):
             self.io_worker,
             on_retry=lambda step, attempt, exc: self.events.emit("retry", step=step, attempt=attempt, error=str(exc)),
         )
+        self.target: CommitTarget = target or StoreTarget(lambda: self.store, options.keep_last, self.events.emit)
+        self.newest_save: SaveHandle | None = None  # the emergency save promotes it when it is of its step
         self.completion = Completion(
             persister=self.persister,
             pool=self.pool,
             events=self.events,
             progress=self.progress,
             abandoning=self.abandoning,
-            retention=None if options.keep_last is None else lambda: self.store.gc(options.keep_last),
+            target=self.target if target is not None or self.persister.coordinator else None,
             on_commit=self.commit_queued,
         )
 
@@ -148,6 +154,7 @@ class AsyncCheckpointer(ProgressView, CommitCallbacks, Lifecycle, DrainOnExit):
         object_keys: dict[str, str] | None = None,
         objects: dict[str, bytes] | None = None,
         final: bool = False,
+        durable: bool | None = None,
     ) -> SaveHandle:
         """Request a checkpoint of ``state`` at the cut ``step``.
 
@@ -174,6 +181,8 @@ class AsyncCheckpointer(ProgressView, CommitCallbacks, Lifecycle, DrainOnExit):
             final: The checkpoint that ends training: copied at the cut (no deferral: nothing follows to overlap
                 with, and code after the loop cannot reach it, so the guard can never refuse it) and admitted with
                 ``"wait"`` unless ``admission`` says otherwise.
+            durable: With tiers: whether the generation goes to the durable tier too (``None``: the target's
+                cadence); a plain store ignores it.
 
         Returns:
             The save's handle; for a skipped or coalesced request its futures are cancelled.
@@ -213,6 +222,7 @@ class AsyncCheckpointer(ProgressView, CommitCallbacks, Lifecycle, DrainOnExit):
         self.requested_step = step
         self.completion.requested(record, decision)
         handle = SaveHandle(step=step, record=record, decision=decision)
+        self.newest_save = handle
         if not decision.admitted:
             record.outcome = Outcome.COALESCED if decision.decision is AdmissionDecision.COALESCE else Outcome.SKIPPED
             record.committed_step = self.committed_step
@@ -253,7 +263,9 @@ class AsyncCheckpointer(ProgressView, CommitCallbacks, Lifecycle, DrainOnExit):
             inflight.track(self.store, step, handle.committed)
         self.stage_worker.submit(job.run)
         keys, more = dict(object_keys or {}), dict(objects or {})
-        self.upload_worker.submit(lambda: self.completion.run(handle, capture, cut_meta, extra or {}, keys, more))
+        self.upload_worker.submit(
+            lambda: self.completion.run(handle, capture, cut_meta, extra or {}, keys, more, durable=durable)
+        )
         return handle
 
     @property
@@ -326,20 +338,27 @@ class AsyncCheckpointer(ProgressView, CommitCallbacks, Lifecycle, DrainOnExit):
         self.raise_pending()
 
     def drain(self, timeout: float | None = None) -> bool:
-        """Wait until every outstanding save ended; re-raise a background error.
-
-        Returns:
-            True if everything ended within ``timeout``.
-        """
+        """Wait until every outstanding save ended and the target finished what the commits handed to it (promotions
+        due, replicas); re-raise a background error. Whether everything ended within ``timeout``."""
         self.in_flight.observe_staged()
-        finished = self.drain_quietly(timeout)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        saved = self.drain_quietly(timeout)
+        handed = self.target.drain(time_left(deadline))
         self.deliver_commits()
         self.raise_pending()
-        return finished
+        return saved and handed
 
     def drain_quietly(self, timeout: float | None) -> bool:
-        """Like :meth:`drain` but never raises (pending errors stay pending); returns whether everything ended."""
+        """Wait until every outstanding save ended, its commit handed to the target (not the promotion nor the
+        replicas: :meth:`drain`); never raises (pending errors stay pending). Whether they all ended in time."""
         return self.in_flight.drain(timeout)
+
+    def emergency_save(self, step: int, state: Any, *, grace_s: float | None = None, **kwargs: Any) -> str:
+        """The save before the process goes away: the newest save made durable when it is of ``step``, else
+        ``state`` saved copied at the cut and durable (``None``: the caller cut already; ``kwargs``: more
+        :meth:`save` arguments); the commit, the promotion and the replicas drained within ``grace_s``. Returns
+        what is where (also logged at WARNING)."""
+        return emergency_save(self, step, state, grace_s, kwargs)
 
     def in_flight_steps(self) -> list[int]:
         """Steps of the saves admitted and not yet ended, oldest first."""

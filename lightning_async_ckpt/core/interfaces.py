@@ -14,6 +14,8 @@ seam needs in one place and a type checker holds each implementation to it:
 * :class:`SaveTarget` and :class:`GenerationSink`: where the persist step writes one attempt of a generation.
   Implemented by :class:`~lightning_async_ckpt.storage.store.CheckpointStore` /
   :class:`~lightning_async_ckpt.storage.writer.GenerationWriter` and by Accelerate's folder store.
+* :class:`CommitTarget`: where a committed generation goes next (retention of a plain store; the durable tier and
+  the peer replicas of :class:`~lightning_async_ckpt.tiers.target.TieredTarget`).
 """
 
 from __future__ import annotations
@@ -24,7 +26,15 @@ from typing import Any, Protocol, runtime_checkable
 
 from lightning_async_ckpt.core.capture import Fence
 
-__all__ = ["Capturer", "GenerationSink", "Persister", "SaveTarget", "TrainingCheckpointer", "TrainingSaveHandle"]
+__all__ = [
+    "Capturer",
+    "CommitTarget",
+    "GenerationSink",
+    "Persister",
+    "SaveTarget",
+    "TrainingCheckpointer",
+    "TrainingSaveHandle",
+]
 
 
 class TrainingSaveHandle(Protocol):
@@ -154,3 +164,30 @@ class Persister(Protocol):
     def persist(self, work: Any) -> Any: ...
 
     def close(self) -> None: ...
+
+
+class CommitTarget(Protocol):
+    """Where a committed generation goes next: the engine's only view of what follows a commit.
+
+    Call sequence: :meth:`committed` on the engine's upload thread after each manifest this process committed and
+    before that save's ``committed`` future resolves (so the engine's own drain covers the hand-over);
+    :meth:`make_durable` on the training thread (the emergency save right after a local cut of the same step);
+    :meth:`drain` and :meth:`close` after the engine's saves ended; :meth:`report` for the emergency save's line.
+    Implemented by :class:`~lightning_async_ckpt.core.commit_target.StoreTarget` (a plain store: retention) and
+    :class:`~lightning_async_ckpt.tiers.target.TieredTarget` (a local and a durable tier, peer replicas).
+    """
+
+    def committed(self, step: int, durable: bool | None) -> None:
+        """Generation ``step`` committed; ``durable`` asks for it on the durable tier (``None``: the cadence)."""
+
+    def make_durable(self, step: int) -> bool:
+        """Make the committed (or committing) newest generation ``step`` due on the durable tier; whether it is."""
+
+    def drain(self, timeout: float | None) -> bool:
+        """Wait for the work the commits handed over; whether it ended within ``timeout``."""
+
+    def close(self, timeout: float | None) -> None:
+        """Drain within ``timeout`` and stop the threads."""
+
+    def report(self, step: int) -> str:
+        """What is where beyond the engine's own store (``"; promoted step ..."``), for the emergency line."""

@@ -96,10 +96,14 @@ class Lifecycle:
             return None if deadline is None else max(0.0, deadline - time.monotonic())
 
         error: BaseException | None = None
-        finished = self.drain_quietly(remaining())  # type: ignore[attr-defined]
+        finished = self.in_flight.drain(remaining())  # type: ignore[attr-defined]  # the saves; the target below
         if not finished:
             self._abandon_outstanding(f"close: not drained within {timeout}s")
         self._stop_workers(None if finished and not self.abandoning.is_set() else remaining())
+        try:
+            self.target.close(0.0 if self.abandoning.is_set() else remaining())  # type: ignore[attr-defined]
+        except Exception as exc:  # noqa: BLE001 - raised below, after the rest closed
+            error = exc
         self.deliver_commits()  # type: ignore[attr-defined]  # the last commits' callbacks, on this thread
         self.events.close()
         self.persister.close()
@@ -146,7 +150,7 @@ class Lifecycle:
             return
         pending = len(self.in_flight_steps())  # type: ignore[attr-defined]
         t0 = time.monotonic()
-        done = self.drain_quietly(self.options.drain_timeout_s)
+        done = self.in_flight.drain(self.options.drain_timeout_s)  # type: ignore[attr-defined]
         if pending or not done:  # nothing was outstanding: nothing to report
             _log.warning(
                 "interpreter exit: drained %d outstanding checkpoint save(s) in %.2fs (%s); last committed step %s",

@@ -160,8 +160,7 @@ class AsyncCheckpointCallback(TrainingEnds, ProgressReports, CallbackArguments):
         restore_after_exception(self.preemption, trainer)  # teardown does not run after an exception
         if self.checkpointer is not None:
             try:
-                if self.tiers is not None:  # the save in flight lands locally, then its promotion, within the bound
-                    self.tiers.finish(self.checkpointer, self.options.drain_timeout_s)
+                # The save in flight lands (locally, then its promotion and replicas), within the bound.
                 self.checkpointer.close(timeout=self.options.drain_timeout_s)
             except Exception:  # noqa: BLE001 - the training exception is the one that propagates
                 _log.warning("checkpoint error while handling a training exception", exc_info=True)
@@ -327,10 +326,9 @@ class AsyncCheckpointCallback(TrainingEnds, ProgressReports, CallbackArguments):
                     admission="wait" if final else None,
                     extra={**self.selection.extra(entry), **cut_metrics(self, candidates)},
                     object_keys={CHECKPOINT_NAME: key} if key and not dcp else None,
+                    **({} if self.tiers is None else {"durable": durable}),  # promoted by the engine's target
                 )
                 decision = handle.decision.decision
-                if self.tiers is not None:
-                    self.tiers.track(handle, durable=durable)
                 if self.verbose:
                     handle.committed.add_done_callback(log_commit)
         except Exception as exc:  # noqa: BLE001 - re-raised below, after the other ranks heard of it
@@ -359,9 +357,7 @@ class AsyncCheckpointCallback(TrainingEnds, ProgressReports, CallbackArguments):
         error: BaseException | None = None
         if self.checkpointer is not None and not self.checkpointer.closed:
             try:
-                if self.tiers is not None:  # the final commit, then its promotion; errors raised by close()
-                    self.tiers.finish(self.checkpointer)
-                self.checkpointer.close()
+                self.checkpointer.close()  # the final commit, then its promotion and replicas; errors raised
             except Exception as exc:  # noqa: BLE001 - raised below, after every rank took part in the collective
                 error = exc
             self._sync_progress()

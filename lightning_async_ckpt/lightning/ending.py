@@ -14,7 +14,6 @@ import lightning.pytorch as pl
 from lightning_async_ckpt.lightning.hooks import inside_accumulation_window, stops_here
 from lightning_async_ckpt.lightning.preemption import Emergency, EmergencyWindow, warn_mid_window
 from lightning_async_ckpt.lightning.schedule import CutSchedule
-from lightning_async_ckpt.lightning.tiers import emergency_drain
 
 __all__ = ["TrainingEnds"]
 
@@ -78,8 +77,6 @@ class TrainingEnds:
             return self._poll(trainer)
         if not self._skip(trainer):
             self._cut(trainer, pl_module, trainer.global_step, final=True)
-        elif self.tiers is not None and self._last_cut_step == trainer.global_step:
-            self.tiers.promote(trainer.global_step)  # this step was cut already (a micro-batch since), maybe locally
-        if self.checkpointer is not None:
-            emergency_drain(self.checkpointer, self.tiers, self._emergency_window.left(), trainer.global_step)
+        if self.checkpointer is not None:  # the cut of this step (maybe taken locally already) made durable, drained
+            self.checkpointer.emergency_save(trainer.global_step, None, grace_s=self._emergency_window.left())
         self._poll(trainer)

@@ -6,14 +6,14 @@ Every rank writes a self-contained local generation of its own (its shards, the 
 (:class:`~lightning_async_ckpt.tiers.tiered_sharded.TieredShardedCheckpointer`); the generations due on the durable cadence
 are promoted by every rank together to ``dirpath``, an ordinary Lightning DCP folder with rank 0's ``meta.pt``
 (:mod:`~lightning_async_ckpt.tiers.promote_dcp`). The callback's :class:`~lightning_async_ckpt.lightning.tiers.Tiers`
-tracks the saves and hands the due ones to that promoter, as for single-file generations.
+says which saves are durable; the checkpointer's commit target promotes them, as for single-file generations.
 
 ``ckpt_path="last"``: every rank agrees on one step (:func:`find_last_sharded`, a collective: the strategy's
 distributed environment is set up first, as Lightning does next anyway); a rank then loads its own local folder, or
 every rank the durable generation when any rank's local part is missing, damaged or behind. With ``replicas=F``
 each rank's committed local generations are also copied to F peers' folders, and a rank whose part is missing or
 damaged gets it from a peer's intact replica first (:mod:`~lightning_async_ckpt.tiers.peer_replicas`); the
-emergency save waits for the replicas of its step within ``preemption_grace_s`` (:func:`emergency_replicas`).
+emergency save waits for the replicas of its step within ``preemption_grace_s`` (the engine's ``emergency_save``).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from typing import Any
 
 from lightning_async_ckpt.storage.store import CheckpointStore
 
-__all__ = ["emergency_replicas", "find_last_sharded", "open_tiered_sharded", "place_sharded"]
+__all__ = ["find_last_sharded", "open_tiered_sharded", "place_sharded"]
 
 _log = logging.getLogger("lightning_async_ckpt")
 # The strategy attribute holding this rank's agreed local folder until the strategy loads it.
@@ -51,8 +51,7 @@ def open_tiered_sharded(callback: Any, store: CheckpointStore, options: Any, ran
         replicas=replicas,
         ranks_per_node=per_node,
     )
-    tiers.local_store = checkpointer.store
-    tiers.hand_over(checkpointer.promoter)
+    tiers.local_store, tiers.promoter = checkpointer.store, checkpointer.promoter
     return checkpointer
 
 
@@ -63,14 +62,6 @@ def place_sharded(tiers: Any, engine: Any, start_step: int) -> Any:
         engine.continue_from(start_step)
         tiers.local_store = engine.store
     return engine
-
-
-def emergency_replicas(engine: Any, step: int, timeout: float | None) -> str:
-    """After an emergency save's promotion: wait (up to ``timeout``, the grace left) for this rank's replicas of
-    ``step`` when ``engine`` is a sharded two-tier checkpointer with ``replicas``; what was replicated where (``""``
-    for any other engine: the single-writer layouts' replicas are the callback's tiers', drained with them)."""
-    report = getattr(engine, "replicas_report", None)  # TieredShardedCheckpointer's (nothing imported in a hurry)
-    return "" if report is None else report(step, timeout)
 
 
 def find_last_sharded(callback: Any, trainer: Any) -> set[str]:

@@ -2,7 +2,9 @@
 are promoted from there to ``dirpath`` in the background (:class:`~lightning_async_ckpt.tiers.promote.Promoter`).
 
 The engine (:class:`~lightning_async_ckpt.core.engine.AsyncCheckpointer`) writes the local tier
-(``local_dirpath``): staged once, committed with its manifest last. A generation due on the durable cadence
+(``local_dirpath``): staged once, committed with its manifest last, then handed to its commit target
+(:class:`~lightning_async_ckpt.tiers.target.TieredTarget`), which promotes it when due and hands it to the peer
+replicas. This module builds that target and says which cut is durable. A generation due on the durable cadence
 (``every_n_train_steps``, the epoch and validation triggers, the final and the emergency checkpoint) is copied
 from its committed local objects to ``dirpath``, verified against the local manifest's checksums, and committed
 there with its own manifest last. Nothing of a promotion runs on the training thread; its errors are queued in the
@@ -19,21 +21,20 @@ every rank, restoring a lost local tier from a peer (:mod:`~lightning_async_ckpt
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import replace
 from typing import Any
 
 from lightning_async_ckpt.core.capture import Fence
 from lightning_async_ckpt.core.engine import AsyncCheckpointer
 from lightning_async_ckpt.lightning.arguments import check_apart
-from lightning_async_ckpt.lightning.naming import run_locations, version_uri
 from lightning_async_ckpt.lightning.replicas import setup_replicas
-from lightning_async_ckpt.lightning.sharded_tiers import emergency_replicas, place_sharded
+from lightning_async_ckpt.lightning.sharded_tiers import place_sharded
 from lightning_async_ckpt.storage.store import CheckpointStore
 from lightning_async_ckpt.tiers.promote import Promoter
-from lightning_async_ckpt.tiers.tiered import CommitRelay
+from lightning_async_ckpt.tiers.target import TieredTarget
+from lightning_async_ckpt.tiers.tiered import local_location
 
-__all__ = ["Tiers", "emergency_drain", "open_checkpointer"]
+__all__ = ["Tiers", "open_checkpointer"]
 
 _log = logging.getLogger("lightning_async_ckpt")
 
@@ -41,8 +42,7 @@ _log = logging.getLogger("lightning_async_ckpt")
 class Tiers:
     """The callback's local tier and its promotion to ``dirpath`` (the writing rank's view).
 
-    Thread-safety: called on the training thread, except :meth:`track`'s hand-over (:class:`CommitRelay`, on the
-    upload thread).
+    Thread-safety: called on the training thread.
 
     Args:
         local_dirpath: The node-local folder (NVMe, ``/dev/shm``) every cut is committed to.
@@ -70,23 +70,13 @@ class Tiers:
         self.local_keep_last = local_keep_last
         self.every_n_train_steps = every_n_train_steps or None
         self.local_store: CheckpointStore | None = None
-        self.promoter: Promoter | None = None
-        self.relay: CommitRelay | None = None  # hands each local commit to the promoter, then to the replicas
+        self.promoter: Any = None  # this fit's (the engine's target holds it)
 
     def __getstate__(self) -> dict[str, Any]:
         # A pickled callback (LightningCLI, deepcopy) carries the configuration, not the stores and threads.
         state = dict(self.__dict__)
-        state.update(local_store=None, promoter=None, relay=None, group=None, replicator=None)
+        state.update(local_store=None, promoter=None, group=None, replicator=None)
         return state
-
-    def hand_over(self, promoter: Any) -> None:
-        """Hand this fit's local commits to ``promoter`` (then to the replicas): a new relay."""
-        self.promoter = promoter
-        self.relay = CommitRelay(promoter, self._replicate)
-
-    def _replicate(self, step: int) -> None:
-        if self.replicator is not None and self.local_store is not None:
-            self.replicator.replicate(self.local_store, step)  # to the peers, on its own thread
 
     # -- setup -------------------------------------------------------------------------------------------
     def setup(self, trainer: Any) -> None:
@@ -100,22 +90,13 @@ class Tiers:
         self.local_store = CheckpointStore(local_uri or self.local_dirpath, run_id=store.run_id, check_writable=False)
         self.local_store.backend.check_writable(self.local_store.root, self.local_store.uri, name="local_dirpath")
         # Retention of the local tier is the promoter's: it keeps the generation being promoted.
-        engine = AsyncCheckpointer(self.local_store, replace(options, keep_last=None))
-        engine.declare_fences({Fence.BATCH_START, Fence.OPTIMIZER_STEP})
-        engine.commit_tier = "local"  # each promotion is its own commit event, tier="durable"
-        promoter = Promoter(
-            self.local_store,
-            store,
-            keep_last=options.keep_last,
-            source_keep_last=self.local_keep_last,
-            on_error=engine.report_error,
-            on_event=engine.events.emit,  # promoted / promotion_failed / promotion_skipped in the event log
-            on_commit=lambda manifest: engine.commit_hooks.committed(manifest, store, tier="durable"),
+        self.promoter = Promoter(
+            self.local_store, store, keep_last=options.keep_last, source_keep_last=self.local_keep_last
         )
-        self.hand_over(promoter)
-        if self.replicator is not None:
-            self.replicator.on_error = engine.report_error  # a failed replica is raised like a failed promotion
-            self.replicator.on_event = engine.events.emit  # replicated / replica_failed in the event log
+        target = TieredTarget(self.local_store, store, self.promoter, self.replicator)  # the callback says durable
+        engine = AsyncCheckpointer(self.local_store, replace(options, keep_last=None), target=target)
+        engine.declare_fences({Fence.BATCH_START, Fence.OPTIMIZER_STEP})
+        target.bind(engine)  # failures raised at the next hook; events in the event log; durable commit hooks
         return engine
 
     def place(self, engine: Any, store: CheckpointStore, options: Any, start_step: int) -> Any:
@@ -128,7 +109,7 @@ class Tiers:
         """
         if engine is None or engine.writes_dcp:  # sharded: every rank's local tier (lightning/sharded_tiers.py)
             return place_sharded(self, engine, start_step)
-        target = self._local_location(start_step)
+        target = local_location(self.local_dirpath, start_step)  # the newest version where this fit continues
         local = self.local_store
         promoter = self.promoter
         if (
@@ -138,24 +119,14 @@ class Tiers:
             or promoter is None
             or promoter.target is not store
         ):
+            if isinstance(engine.target, TieredTarget):
+                engine.target.replicas = None  # the fit's replicator goes on with the next engine
             engine.close()  # nothing was saved yet: place_run may have opened one on the durable store
-            if promoter is not None:
-                promoter.close()
             engine = self.checkpointer(store, options, target)
             _log.info("local tier of this run: %s", target)
         assert self.local_store is not None
         self.local_store.run_id = store.run_id
         return engine
-
-    def _local_location(self, start_step: int) -> str:
-        # The newest version where this fit can continue: a run that moved to v1 once keeps writing (and retaining)
-        # there instead of going back to the older folder.
-        locations = run_locations(self.local_dirpath)
-        for loc in reversed(locations):
-            steps = [g.step for g in loc.store.scan(include_uncommitted=True).generations if g.holds_step]
-            if not steps or max(steps) <= start_step:
-                return version_uri(self.local_dirpath, loc.version)
-        return version_uri(self.local_dirpath, max(loc.version for loc in locations) + 1)
 
     # -- cuts --------------------------------------------------------------------------------------------
     def local_due(self, step: int) -> bool:
@@ -167,39 +138,6 @@ class Tiers:
         """Whether the generation of a cut at ``step`` is promoted to ``dirpath``."""
         m = self.every_n_train_steps
         return final or bool(ranked) or (m is not None and step % m == 0)
-
-    def track(self, handle: Any, *, durable: bool) -> None:
-        """Once the save of ``handle`` commits locally: promote it when ``durable``, and apply local retention."""
-        if handle is not None and self.relay is not None:
-            self.relay.track(handle, durable)
-
-    def promote(self, step: int) -> None:
-        """Make the save of ``step`` (the newest, already requested) due on ``dirpath`` too (the emergency save of a
-        step the local cadence had just cut)."""
-        if self.relay is not None:
-            self.relay.promote(step)
-
-    def drain(self, timeout: float | None) -> bool:
-        """Hand over the local commits, then wait for the promotions and replicas asked for; whether they ended in
-        time."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        handed = self.relay is None or self.relay.flush(timeout)
-        promoted = self.promoter is None or self.promoter.drain(_left(deadline))
-        return (self.replicator is None or self.replicator.drain(_left(deadline))) and promoted and handed
-
-    def finish(self, engine: Any, timeout: float | None = None) -> bool:
-        """At the end of training (or at an exception, bounded by ``timeout``): the local commits, then their
-        promotions (errors queued in ``engine``); whether both ended in time."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        saved = engine.drain_quietly(timeout)
-        return self.close(None if deadline is None else max(0.0, deadline - time.monotonic())) and saved
-
-    def close(self, timeout: float | None) -> bool:
-        """Finish the promotions and replicas (within ``timeout``) and stop their threads (the peers stop receiving)."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        handed = self.relay is None or self.relay.flush(timeout)  # the newest commit's replica is queued first
-        promoted = self.promoter is None or self.promoter.close(_left(deadline))
-        return (self.replicator is None or self.replicator.close(_left(deadline))) and promoted and handed
 
     @property
     def promoted_step(self) -> int | None:
@@ -214,28 +152,3 @@ def open_checkpointer(store: CheckpointStore, options: Any, tiers: Tiers | None)
     engine = AsyncCheckpointer(store, options)
     engine.declare_fences({Fence.BATCH_START, Fence.OPTIMIZER_STEP})
     return engine
-
-
-def emergency_drain(engine: Any, tiers: Tiers | None, grace_s: float | None, step: int) -> None:
-    """After the emergency cut at ``step``: the local commit, then its promotion, within ``grace_s``; the log says
-    what landed where."""
-    deadline = None if grace_s is None else time.monotonic() + grace_s
-
-    def left() -> float | None:
-        return None if deadline is None else max(0.0, deadline - time.monotonic())
-
-    committed_in_time = engine.drain_quietly(left())
-    where = f"committed step {engine.committed_step} to {engine.store.uri}"
-    if not committed_in_time:
-        where += f" (steps {engine.in_flight_steps()} still in flight after the grace period)"
-    if tiers is not None:
-        promoted_in_time = tiers.drain(left())
-        where += f"; promoted step {tiers.promoted_step} to {tiers.promoter.target.uri if tiers.promoter else '?'}"
-        if not promoted_in_time:
-            where += " (a promotion was still running after the grace period)"
-    where += emergency_replicas(engine, step, left())  # DCP layouts: every rank's own replicas
-    _log.warning("emergency checkpoint at step %d: %s; training stops", step, where)
-
-
-def _left(deadline: float | None) -> float | None:
-    return None if deadline is None else max(0.0, deadline - time.monotonic())

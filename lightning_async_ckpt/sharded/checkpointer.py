@@ -121,7 +121,8 @@ class ShardedCheckpointer(AsyncCheckpointer):
                 run_id = ids[0]
             store = self._open_store(store, storage_options, run_id)
         persister = self._make_persister(store, plan_caching)
-        super().__init__(store, engine_options, persister=persister, capturer=ShardedCapturer())
+        target = self._make_target(store)
+        super().__init__(store, engine_options, persister=persister, capturer=ShardedCapturer(), target=target)
 
     def _open_store(self, uri: str, storage_options: dict[str, Any] | None, run_id: str | None) -> CheckpointStore:
         """The store for ``uri`` (the tiered checkpointer opens this rank's local store instead)."""
@@ -137,6 +138,10 @@ class ShardedCheckpointer(AsyncCheckpointer):
             write_retry=self.write_retry,
             plan_key=new_cache_key() if plan_caching and plan_caching_available() else None,
         )
+
+    def _make_target(self, store: CheckpointStore) -> Any:
+        """Where each commit goes next (``None``: ``store``'s retention; the tiered checkpointer's local tier)."""
+        return None
 
     def close(self, timeout: float | None = None, *, abandon: bool = False) -> None:
         """Drain (bounded by ``timeout``), stop the threads and release the gloo group created here; idempotent.

@@ -88,6 +88,7 @@ class DcpPromoter:
         self.local_keep_last = local_keep_last
         self.on_error = on_error
         self.on_event = on_event
+        self.on_commit: Callable[[Any], None] | None = None  # told of each durable manifest, on rank 0
         distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
         self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s)) if distributed else None
         self.rank = dist.get_rank() if distributed else 0
@@ -295,6 +296,8 @@ class DcpPromoter:
             self.promoted_step = max(step, self.promoted_step or step)
         _log.info("step %d promoted from %s to %s", step, self.local.uri, self.durable.uri)
         self._event("promoted", step=step, promote_s=time.monotonic() - started, target=self.durable.uri)
+        if self.rank == 0 and self.on_commit is not None:  # the commit hooks (tier="durable")
+            self.on_commit(self.durable.manifest(step))
         if self.rank == 0 and self.keep_last is not None:
             _retain(self.durable, self.keep_last, frozenset())
         self._retain_local()

@@ -1,20 +1,18 @@
 """Two tiers for plain loops: every save committed to a local store, the due ones promoted to a durable store.
 
-:class:`TieredCheckpointer` wraps an :class:`~lightning_async_ckpt.core.engine.AsyncCheckpointer` writing the local
-tier and a :class:`~lightning_async_ckpt.tiers.promote.Promoter` copying committed local generations to the
-durable tier in the background (verified, manifest last; ``docs/tiers.md``). With ``preemption_signal`` it records
-the signal; the loop asks :attr:`TieredCheckpointer.preempted` and calls :meth:`TieredCheckpointer.emergency_save`.
+:class:`TieredCheckpointer` is the :class:`~lightning_async_ckpt.core.engine.AsyncCheckpointer` writing the local
+tier, with a :class:`~lightning_async_ckpt.tiers.target.TieredTarget` as its commit target: a
+:class:`~lightning_async_ckpt.tiers.promote.Promoter` copies the due committed local generations to the durable
+tier in the background (verified, manifest last; ``docs/tiers.md``), a replicator copies each to peers. With
+``preemption_signal`` it records the signal; the loop asks :attr:`TieredCheckpointer.preempted` and calls :meth:`TieredCheckpointer.emergency_save`.
 """
 
 from __future__ import annotations
 
-import logging
-import threading
-import time
-from collections.abc import Callable
 from dataclasses import replace
-from functools import partial
-from typing import Any, Protocol
+from typing import Any
+
+from typing_extensions import override
 
 from lightning_async_ckpt.core.engine import AsyncCheckpointer
 from lightning_async_ckpt.core.handle import SaveHandle
@@ -25,6 +23,7 @@ from lightning_async_ckpt.storage.generation import version_folders
 from lightning_async_ckpt.storage.store import CheckpointStore
 from lightning_async_ckpt.tiers.promote import Promoter
 from lightning_async_ckpt.tiers.replicas import Replicator
+from lightning_async_ckpt.tiers.target import TieredTarget, check_tier_options
 from lightning_async_ckpt.tiers.tiered_replicas import (
     WRITERS,
     Restored,
@@ -33,9 +32,7 @@ from lightning_async_ckpt.tiers.tiered_replicas import (
     restore_tiered,
 )
 
-__all__ = ["CommitRelay", "Copier", "TieredCheckpointer", "local_location"]
-
-_log = logging.getLogger("lightning_async_ckpt")
+__all__ = ["TieredCheckpointer", "local_location"]
 
 
 def local_location(local_dirpath: str, start_step: int) -> str:
@@ -56,99 +53,12 @@ def local_location(local_dirpath: str, start_step: int) -> str:
     return uri(max(versions) + 1)
 
 
-class Copier(Protocol):
-    """The role that takes a tier's commits onward: told of every local commit, it applies local retention and
-    copies the due ones to the durable tier (:class:`~lightning_async_ckpt.tiers.promote.Promoter`, the DCP
-    promoter)."""
-
-    def committed(self, step: int, *, promote: bool) -> None:
-        """Generation ``step`` committed locally; ``promote`` asks for its copy to the durable tier."""
-
-
-class CommitRelay:
-    """Hands each local commit to the copier (promoted when it was due) and to ``also`` (peer replicas), once.
-
-    Thread-safety: :meth:`track` on the training thread; the hand-over runs on the thread that resolves the commit
-    future (the engine's upload thread) or in :meth:`flush` (a waiter may wake before a future's callbacks ran).
-    :meth:`flush` returns only once every hand-over started so far has ended, so a drain that follows it sees the
-    promotion and the replica of the newest commit queued.
-
-    Args:
-        promoter: Told of every local commit (:meth:`Copier.committed`).
-        also: Called with each committed step after the promoter (e.g. :meth:`Replicator.replicate`).
-    """
-
-    def __init__(self, promoter: Copier, also: Callable[[int], None] | None = None) -> None:
-        self.promoter = promoter
-        self.also = also
-        self._cond = threading.Condition()
-        self._due: dict[int, tuple[SaveHandle, bool]] = {}  # id(handle) -> (handle, due), until handed over
-        self._delivered: set[int] = set()
-        self._handing = 0  # hand-overs running now (on the upload thread, or in flush)
-        self._newest: SaveHandle | None = None
-
-    def track(self, handle: SaveHandle, due: bool) -> None:
-        """Once ``handle`` commits locally: promote it when ``due``, apply local retention, call ``also``."""
-        with self._cond:
-            # Handed over ones are dropped, so a long loop keeps only the saves still in flight.
-            self._due = {k: v for k, v in self._due.items() if k not in self._delivered}
-            self._delivered &= set(self._due)
-            self._due[id(handle)] = (handle, due)
-            self._newest = handle
-        handle.committed.add_done_callback(lambda _: self._deliver(handle))
-
-    def promote(self, step: int) -> SaveHandle | None:
-        """Make the newest save, when it is of ``step``, due on the durable tier too (an emergency save right after
-        a local cut of the same step); its handle, or ``None`` when the newest save is of another step."""
-        with self._cond:
-            handle = self._newest
-            if handle is None or handle.step != step or handle.committed.cancelled():
-                return None
-            entry = self._due.get(id(handle))
-            if entry is None or entry[1]:  # handed over long ago (not the newest then), or due already
-                return handle
-            self._due[id(handle)] = (handle, True)
-            handed_over = id(handle) in self._delivered
-        if handed_over:
-            self.promoter.committed(step, promote=True)
-        return handle
-
-    def _deliver(self, handle: SaveHandle) -> None:
-        future = handle.committed
-        if future.cancelled() or future.exception() is not None:
-            return
-        with self._cond:
-            if id(handle) in self._delivered or id(handle) not in self._due:
-                return
-            self._delivered.add(id(handle))
-            self._handing += 1
-            due = self._due[id(handle)][1]
-        try:
-            self.promoter.committed(handle.step, promote=due)
-            if self.also is not None:
-                self.also(handle.step)
-        finally:
-            with self._cond:
-                self._handing -= 1
-                self._cond.notify_all()
-
-    def flush(self, timeout: float | None = None) -> bool:
-        """Hand over every commit seen so far and wait for the hand-overs in progress; whether they all ended
-        within ``timeout``."""
-        with self._cond:
-            handles = [h for h, _ in self._due.values()]
-        for handle in handles:
-            if handle.committed.done():
-                self._deliver(handle)
-        with self._cond:
-            return self._cond.wait_for(lambda: self._handing == 0, timeout)
-
-
-class TieredCheckpointer:
+class TieredCheckpointer(AsyncCheckpointer):
     """Asynchronous checkpoints to a local tier, promoted to a durable tier every ``every_n_train_steps``.
 
     Thread-safety: like :class:`AsyncCheckpointer`, called from one training thread; promotions run on the thread
     ``lightning_async_ckpt-promote``. Their errors are raised once at the next ``save``/``wait``/``poll``/``drain``.
+    ``drain``, ``close`` and ``emergency_save`` are the engine's: they cover the promotions and the replicas.
 
     Args:
         local: The node-local store (or a path).
@@ -198,18 +108,14 @@ class TieredCheckpointer:
         promote_every_n_steps: int | None = None,
         **overrides: Any,
     ) -> None:
-        promote_every_n_steps = renamed(
-            "every_n_train_steps", every_n_train_steps, "promote_every_n_steps", promote_every_n_steps
+        every = renamed("every_n_train_steps", every_n_train_steps, "promote_every_n_steps", promote_every_n_steps)
+        check_tier_options(
+            every_n_train_steps=every,
+            keep_last=keep_last,
+            local_keep_last=local_keep_last,
+            replicas=replicas,
+            ranks_per_node=ranks_per_node,
         )
-        for name, value in (
-            ("every_n_train_steps", promote_every_n_steps),
-            ("keep_last", keep_last),
-            ("local_keep_last", local_keep_last),
-            ("replicas", replicas),
-            ("ranks_per_node", ranks_per_node),
-        ):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise ConfigError(f"{name} must be None or an int >= 1, got {value!r}")
         signum, _ = check_preemption(preemption_signal, None)
         if replicas:
             require_process_group()  # before any thread or handler exists
@@ -219,18 +125,7 @@ class TieredCheckpointer:
             options = CheckpointOptions(**overrides)
         elif overrides:
             options = replace(options, **overrides)
-        self.engine = AsyncCheckpointer(self.local, replace(options, keep_last=None))
-        self.engine.commit_tier = "local"  # a promotion is its own event, tier="durable"
-        self.promoter = Promoter(
-            self.local,
-            self.durable,
-            keep_last=keep_last,
-            source_keep_last=local_keep_last,
-            on_error=self.engine.report_error,
-            on_event=self.engine.events.emit,
-            on_commit=lambda manifest: self.engine.commit_hooks.committed(manifest, self.durable, tier="durable"),
-        )
-        self.promote_every_n_steps = promote_every_n_steps
+        self.promoter = Promoter(self.local, self.durable, keep_last=keep_last, source_keep_last=local_keep_last)
         self.local_dirpath = local if isinstance(local, str) else self.local.root
         self.group: Any = None
         self.replicator: Replicator | None = None
@@ -238,12 +133,18 @@ class TieredCheckpointer:
             self.group, self.replicator = open_replicas(
                 self.local_dirpath, replicas, ranks_per_node=ranks_per_node, keep_last=local_keep_last
             )
-            self.replicator.on_error = self.engine.report_error  # raised at the next save/wait/poll/drain
-            self.replicator.on_event = self.engine.events.emit
-        replicate = None if self.replicator is None else partial(self.replicator.replicate, self.local)
-        self.relay = CommitRelay(self.promoter, replicate)
+        target = TieredTarget(self.local, self.durable, self.promoter, self.replicator, every)
+        # Retention of the local tier is the promoter's: it keeps the generation due on the durable tier.
+        super().__init__(self.local, replace(options, keep_last=None), target=target)
+        target.bind(self)
+        self.promote_every_n_steps = every
         self.preemption = PreemptionHandler(signum)
         self.preemption.install()
+
+    @property
+    def engine(self) -> TieredCheckpointer:
+        """This checkpointer (the engine writing the local tier)."""
+        return self
 
     @property
     def preempted(self) -> bool:
@@ -251,22 +152,14 @@ class TieredCheckpointer:
         return self.preemption.requested.is_set()
 
     @property
-    def committed_step(self) -> int | None:
-        """The newest step committed on the local tier."""
-        return self.engine.committed_step
-
-    @property
     def promoted_step(self) -> int | None:
         """The newest step committed on the durable tier by a promotion."""
         return self.promoter.promoted_step
 
-    def attach(self, model: Any, optimizer: Any) -> TieredCheckpointer:
-        """Install the plain-loop fences (:meth:`AsyncCheckpointer.attach`)."""
-        self.engine.attach(model, optimizer)
-        return self
-
+    @override
     def save(self, step: int, state: Any, *, promote: bool | None = None, **kwargs: Any) -> SaveHandle:
-        """:meth:`AsyncCheckpointer.save` to the local tier; promoted when ``promote`` (default: on the cadence)."""
+        """:meth:`AsyncCheckpointer.save` to the local tier; durable when ``promote`` (or ``durable``; default: on the
+        cadence)."""
         if self.replicator is not None and self.group is not None:
             import torch.distributed as dist
 
@@ -275,11 +168,9 @@ class TieredCheckpointer:
                     f"with replicas only rank {WRITERS[0]} saves (the single-writer layout: its generation holds the "
                     f"whole state); rank {dist.get_rank()} receives replicas and calls restore() and close() only"
                 )
-        every = self.promote_every_n_steps
-        due = promote if promote is not None else (every is not None and step % every == 0)
-        handle = self.engine.save(step, state, **kwargs)
-        self.relay.track(handle, due)
-        return handle
+        if promote is not None:
+            kwargs["durable"] = promote
+        return super().save(step, state, **kwargs)
 
     def restore(self) -> Restored | None:
         """The generation to resume from: the newest intact local one unless ``durable`` holds a newer committed step,
@@ -293,74 +184,15 @@ class TieredCheckpointer:
             self.local.run_id = self.durable.run_id = restored.manifest.run_id
         return restored
 
-    def add_commit_callback(self, fn: Callable[[Any], Any]) -> None:
-        """:meth:`AsyncCheckpointer.add_commit_callback`: each local commit (``tier="local"``) and each promotion
-        (``tier="durable"``) is its own call."""
-        self.engine.add_commit_callback(fn)
-
-    def wait(self, fence: Any, *, raise_errors: bool = True) -> float:
-        """:meth:`AsyncCheckpointer.wait`."""
-        return self.engine.wait(fence, raise_errors=raise_errors)
-
-    def poll(self) -> None:
-        """Raise a pending error of a save or a promotion."""
-        self.engine.poll()
-
-    def drain(self, timeout: float | None = None) -> bool:
-        """Wait for the saves, then their promotions; re-raise a background error. Whether both ended in time."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        saved = self.engine.drain_quietly(timeout)
-        handed = self.relay.flush(_left(deadline))
-        promoted = self.promoter.drain(_left(deadline))
-        replicated = self.replicator is None or self.replicator.drain(_left(deadline))
-        self.engine.deliver_commits()
-        self.engine.raise_pending()
-        return saved and handed and promoted and replicated
-
+    @override
     def emergency_save(self, step: int, state: Any, *, grace_s: float | None = None, **kwargs: Any) -> str:
-        """Save ``state`` copied at the cut, commit it locally, promote it within ``grace_s``; say where it landed.
-
-        Returns:
-            What was committed where (also logged at WARNING).
-        """
+        """:meth:`AsyncCheckpointer.emergency_save`; :attr:`preempted` is cleared."""
         self.preemption.requested.clear()
-        deadline = None if grace_s is None else time.monotonic() + grace_s
-        if self.relay.promote(step) is None:  # not just cut at this step: cut it now
-            self.save(step, state, promote=True, final=True, **kwargs)
-        saved = self.engine.drain_quietly(grace_s)
-        saved = self.relay.flush(_left(deadline)) and saved
-        promoted = self.promoter.drain(_left(deadline))
-        where = f"committed step {self.committed_step} to {self.local.uri}" + ("" if saved else " (not in time)")
-        where += f"; promoted step {self.promoted_step} to {self.durable.uri}" + ("" if promoted else " (not in time)")
-        if self.replicator is not None:
-            replicated = self.replicator.drain(_left(deadline))
-            where += f"; replicated to ranks {self.replicator.targets}" + ("" if replicated else " (not in time)")
-        _log.warning("emergency checkpoint at step %d: %s", step, where)
-        return where
+        return super().emergency_save(step, state, grace_s=grace_s, **kwargs)
 
-    def close(self, timeout: float | None = None) -> None:
-        """Drain the saves and promotions (within ``timeout``), stop the threads, restore the signal handler.
-
-        Raises:
-            CheckpointError: A save or promotion error not raised yet.
-        """
+    @override
+    def close(self, timeout: float | None = None, *, abandon: bool = False) -> None:
+        """:meth:`AsyncCheckpointer.close` (the saves, then the promotions and replicas), and the signal handler
+        restored."""
         self.preemption.remove()
-        deadline = None if timeout is None else time.monotonic() + timeout
-        try:
-            self.engine.drain_quietly(timeout)
-            self.relay.flush(_left(deadline))  # the newest commit's promotion and replica are queued before closing
-            self.promoter.close(_left(deadline))
-            if self.replicator is not None:
-                self.replicator.close(_left(deadline))  # rank 0 tells its targets to stop; they wait for that
-        finally:
-            self.engine.close(_left(deadline))
-
-    def __enter__(self) -> TieredCheckpointer:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
-
-def _left(deadline: float | None) -> float | None:
-    return None if deadline is None else max(0.0, deadline - time.monotonic())
+        super().close(timeout, abandon=abandon)

@@ -3,8 +3,9 @@ promoted to a durable store in the background.
 
 :class:`TieredShardedCheckpointer` is the :class:`~lightning_async_ckpt.sharded.checkpointer.ShardedCheckpointer`
 (one cut staged once: fences, guard, pooled buffers) writing the local tier (:mod:`.local_tier`: every rank a
-self-contained generation in ``<local_dirpath>/rank-<r>``), plus a
-:class:`~lightning_async_ckpt.tiers.promote_dcp.DcpPromoter` that copies the generations due on the durable
+self-contained generation in ``<local_dirpath>/rank-<r>``), with a
+:class:`~lightning_async_ckpt.tiers.target.TieredTarget` as its commit target: a
+:class:`~lightning_async_ckpt.tiers.promote_dcp.DcpPromoter` copies the generations due on the durable
 cadence to ``durable`` (every rank its own files, verified, rank 0's manifest last), and :meth:`resume` (every rank
 agrees on one step of either tier: :mod:`.tier_resume`). Names follow
 :class:`~lightning_async_ckpt.tiers.tiered.TieredCheckpointer` (``every_n_train_steps``, ``keep_last``,
@@ -13,12 +14,11 @@ agrees on one step of either tier: :mod:`.tier_resume`). Names follow
 
 from __future__ import annotations
 
-import logging
-import time
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from typing_extensions import override
 
 from lightning_async_ckpt.core.handle import SaveHandle
 from lightning_async_ckpt.core.options import CheckpointOptions
@@ -32,11 +32,9 @@ from lightning_async_ckpt.tiers.local_tier import LocalTierPersister, rank_store
 from lightning_async_ckpt.tiers.peer_replicas import DcpReplicas, check_replicas
 from lightning_async_ckpt.tiers.promote_dcp import DcpPromoter
 from lightning_async_ckpt.tiers.sharded_resume import TierChoice, latest_across_tiers, local_state, version_root
-from lightning_async_ckpt.tiers.tiered import CommitRelay
+from lightning_async_ckpt.tiers.target import TieredTarget, check_tier_options
 
 __all__ = ["TieredShardedCheckpointer"]
-
-_log = logging.getLogger("lightning_async_ckpt")
 
 
 class TieredShardedCheckpointer(ShardedCheckpointer):
@@ -101,19 +99,17 @@ class TieredShardedCheckpointer(ShardedCheckpointer):
         )
         signum, _ = check_preemption(preemption_signal, None)
         check_replicas(replicas, ranks_per_node, local_dirpath if isinstance(local_dirpath, str) else "")
-        for name, value in (
-            ("every_n_train_steps", promote_every_n_steps),
-            ("keep_last", keep_last),
-            ("local_keep_last", local_keep_last),
-        ):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise ConfigError(f"{name} must be None or an int >= 1, got {value!r}")
+        check_tier_options(
+            every_n_train_steps=promote_every_n_steps, keep_last=keep_last, local_keep_last=local_keep_last
+        )
         if not isinstance(local_dirpath, str) or not local_dirpath.strip():
             raise ConfigError(f"local_dirpath must be a non-empty node-local path, got {local_dirpath!r}")
         if not isinstance(durable, CheckpointStore | str):
             raise ConfigError(f"durable must be a CheckpointStore or a URL string, got {type(durable).__name__}")
         self.local_dirpath = local_dirpath.rstrip("/")
         self.version = 0
+        self.promote_every_n_steps = promote_every_n_steps
+        self._tier_args = (durable, storage_options, keep_last, local_keep_last, replicas, ranks_per_node, timeout_s)
         super().__init__(
             self.local_dirpath,
             timeout_s=timeout_s,
@@ -125,41 +121,28 @@ class TieredShardedCheckpointer(ShardedCheckpointer):
             plan_caching=False,
             options=options,
         )
+        self.target.bind(self, replica_errors=False)  # type: ignore[attr-defined]
+        self.preemption = PreemptionHandler(signum)
+        self.preemption.install()
+
+    def _make_target(self, store: CheckpointStore) -> TieredTarget:
+        # Every rank hands its own local commits to the promoter (collective rounds) and its replicas.
+        durable, storage_options, keep_last, local_keep_last, replicas, per_node, timeout_s = self._tier_args
         if isinstance(durable, str):
-            durable = CheckpointStore(durable, storage_options, run_id=self.store.run_id)
+            durable = CheckpointStore(durable, storage_options, run_id=store.run_id)
         self.durable = durable
-        self.promote_every_n_steps = promote_every_n_steps
-        self.commit_tier = "local"  # each rank's local commit; a promotion is its own event, tier="durable"
         self.promoter = DcpPromoter(
-            self.store,
-            durable,
-            keep_last=keep_last,
-            local_keep_last=local_keep_last,
-            timeout_s=timeout_s,
-            on_error=self.report_error,
-            on_event=self._promotion_event,
+            store, durable, keep_last=keep_last, local_keep_last=local_keep_last, timeout_s=timeout_s
         )
         self.replicas = (
             None
             if replicas is None
             else DcpReplicas(
-                self.local_dirpath,
-                replicas,
-                ranks_per_node=ranks_per_node,
-                keep_last=local_keep_last,
-                timeout_s=timeout_s,
-                on_event=self.events.emit,
+                self.local_dirpath, replicas, ranks_per_node=per_node, keep_last=local_keep_last, timeout_s=timeout_s
             )
         )
-        self.relay = CommitRelay(self.promoter, self._replicate)  # each local commit: promoted when due, replicated
-        self.preemption = PreemptionHandler(signum)
-        self.preemption.install()
-
-    def _promotion_event(self, name: str, **fields: Any) -> None:
-        # The promotion thread, right after the durable manifest (every rank hears "promoted"; rank 0 tells the hooks).
-        self.events.emit(name, **fields)
-        if name == "promoted" and self.promoter.rank == 0 and self.commit_hooks.listening:
-            self.commit_hooks.committed(self.durable.manifest(fields["step"]), self.durable, tier="durable")
+        replicator = None if self.replicas is None else self.replicas.replicator
+        return TieredTarget(store, durable, self.promoter, replicator, self.promote_every_n_steps, rank=self.rank)
 
     def _open_store(self, uri: str, storage_options: dict[str, Any] | None, run_id: str | None) -> CheckpointStore:
         return rank_store(uri, self.rank, run_id=run_id)
@@ -217,7 +200,7 @@ class TieredShardedCheckpointer(ShardedCheckpointer):
         self.version = version
         self.store = store
         self.persister.store = store  # type: ignore[attr-defined]
-        self.promoter.local = store
+        self.promoter.local = self.target.local = store  # type: ignore[attr-defined]
 
     @property
     def preempted(self) -> bool:
@@ -235,87 +218,28 @@ class TieredShardedCheckpointer(ShardedCheckpointer):
         dist.all_reduce(box, op=dist.ReduceOp.MAX, group=group)
         return bool(box.item())
 
+    @override
     def emergency_save(self, step: int, state: Any, *, grace_s: float | None = None, **kwargs: Any) -> str:
-        """Save ``state`` copied at the cut on every rank, commit it locally, promote it and replicate it (with
-        ``replicas``) within ``grace_s``.
-
-        Returns:
-            What was committed where (also logged at WARNING).
-        """
+        """:meth:`AsyncCheckpointer.emergency_save` on every rank (collective); :attr:`preempted` is cleared."""
         self.preemption.requested.clear()
-        deadline = None if grace_s is None else time.monotonic() + grace_s
-        self.save(step, state, promote=True, final=True, **kwargs)
-        saved = self.drain_quietly(grace_s)
-        saved = self.relay.flush(_left(deadline)) and saved
-        promoted = self.promoter.drain(_left(deadline))
-        where = f"committed step {self.committed_step} to {self.store.uri}" + ("" if saved else " (not in time)")
-        where += f"; promoted step {self.promoted_step} to {self.durable.uri}" + ("" if promoted else " (not in time)")
-        where += self.replicas_report(step, _left(deadline))
-        _log.warning("emergency checkpoint at step %d: %s", step, where)
-        return where
+        return super().emergency_save(step, state, grace_s=grace_s, **kwargs)
 
-    def replicas_report(self, step: int, timeout: float | None) -> str:
-        """Wait (up to ``timeout``) for this rank's replicas of ``step`` to reach its targets; what landed where
-        (``""`` without ``replicas``). The emergency save's last wait, within the grace period left."""
-        if self.replicas is None:
-            return ""
-        in_time = self.relay.flush(timeout)  # the newest commit is handed to the replicator first
-        replicator = self.replicas.replicator
-        in_time = replicator.drain(timeout) and in_time
-        done = sorted(set(replicator.replicated.get(step, [])))
-        missing = [t for t in replicator.targets if t not in done]
-        where = f"; replicated rank {self.rank}'s step {step} to ranks {done}"
-        if missing:
-            where += f" (not to ranks {missing}: " + ("not in time)" if not in_time else "failed or not committed)")
-        return where
-
+    @override
     def save(self, step: int, state: Any, *, promote: bool | None = None, **kwargs: Any) -> SaveHandle:
-        """Save ``state`` to the local tier (every rank, the same steps); promoted when ``promote`` (default: on
-        the cadence)."""
-        every = self.promote_every_n_steps
-        due = promote if promote is not None else (every is not None and step % every == 0)
-        handle = super().save(step, state, **kwargs)
-        self.relay.track(handle, due)
-        return handle
+        """Save ``state`` to the local tier (every rank, the same steps); durable when ``promote`` (or ``durable``;
+        default: on the cadence)."""
+        if promote is not None:
+            kwargs["durable"] = promote
+        return super().save(step, state, **kwargs)
 
-    def _replicate(self, step: int) -> None:
-        if self.replicas is not None:
-            self.replicas.replicate(self.store, step)
-
-    def drain(self, timeout: float | None = None) -> bool:
-        """Wait for the saves, then their promotions and replicas; re-raise a background error. Whether all ended in
-        time."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        saved = self.drain_quietly(timeout)
-        saved = self.relay.flush(_left(deadline)) and saved
-        promoted = self.promoter.drain(_left(deadline))
-        if self.replicas is not None:
-            promoted = self.replicas.replicator.drain(_left(deadline)) and promoted
-        self.raise_pending()
-        return saved and promoted
-
+    @override
     def close(self, timeout: float | None = None, *, abandon: bool = False) -> None:
-        """Drain the saves and promotions, stop the promotion threads of every rank, release the groups.
+        """:meth:`ShardedCheckpointer.close` (the saves, then the promotions and replicas of every rank), and the
+        signal handler restored.
 
         Raises:
             ShardedSaveError: A save error not raised yet.
             PromotionError: A promotion error not raised yet.
         """
-        if self.closed:
-            return
         self.preemption.remove()
-        try:
-            if not abandon:
-                self.drain_quietly(timeout)
-                self.relay.flush(timeout)  # the newest commit's promotion and replica are queued before closing
-            try:
-                self.promoter.close(timeout)
-            finally:
-                if self.replicas is not None:  # the peers' receivers stop too
-                    self.replicas.close(0 if abandon else timeout)
-        finally:
-            super().close(timeout, abandon=abandon)
-
-
-def _left(deadline: float | None) -> float | None:
-    return None if deadline is None else max(0.0, deadline - time.monotonic())
+        super().close(timeout, abandon=abandon)

@@ -143,16 +143,20 @@ def test_drain_and_emergency_save_wait_for_a_hand_over_in_progress(tmp_path):
     # returned while it ran said "drained" before the replica was queued, and close() then dropped it.
     import threading
 
+    from lightning_async_ckpt.tiers.target import TieredTarget
+
     entered, release = threading.Event(), threading.Event()
     handed: list[int] = []
 
-    def replicate(step: int) -> None:  # where a run with replicas hands the commit to its Replicator
-        entered.set()
-        release.wait()
-        handed.append(step)
+    class Handing(TieredTarget):  # where a run with replicas hands the commit to its Replicator
+        def committed(self, step, durable):
+            super().committed(step, durable)
+            entered.set()
+            release.wait()
+            handed.append(step)
 
     ckpt = TieredCheckpointer(str(tmp_path / "local"), str(tmp_path / "durable"), every_n_train_steps=4)
-    ckpt.relay.also = replicate
+    ckpt.target.__class__ = Handing
     try:
         ckpt.save(2, {"step": 2})
         assert entered.wait(120)  # step 2 committed; its hand-over is in progress

@@ -1,0 +1,168 @@
+"""Two tiers as the engine's commit target: each local commit promoted where due and handed to the peer replicas.
+
+:class:`TieredTarget` is the :class:`~lightning_async_ckpt.core.interfaces.CommitTarget` of an engine writing a
+node-local tier. The engine hands it every local commit on its upload thread, before the save's ``committed``
+future resolves, so a drained engine has handed its newest commit over; :meth:`TieredTarget.drain` then waits for
+the promotion and the replicas. The copier and the replicas are roles (:class:`Copier`, :class:`Replicas`): the
+one-stream :class:`~lightning_async_ckpt.tiers.promote.Promoter` or the
+:class:`~lightning_async_ckpt.tiers.promote_dcp.DcpPromoter`, and a
+:class:`~lightning_async_ckpt.tiers.replicas.Replicator`.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, Protocol
+
+from lightning_async_ckpt.core.commit_target import time_left
+from lightning_async_ckpt.errors import ConfigError
+from lightning_async_ckpt.storage.store import CheckpointStore
+
+__all__ = ["Copier", "Replicas", "TieredTarget", "check_tier_options"]
+
+
+def check_tier_options(**values: Any) -> None:
+    """Validate the step counts and retentions of the tiers (``None`` or an int >= 1).
+
+    Raises:
+        ConfigError: Naming the argument.
+    """
+    for name, value in values.items():
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ConfigError(f"{name} must be None or an int >= 1, got {value!r}")
+
+
+class Copier(Protocol):
+    """Takes a tier's commits onward: told of every local commit, it applies local retention and copies the due ones
+    to the durable tier (:class:`~lightning_async_ckpt.tiers.promote.Promoter`, the DCP promoter)."""
+
+    promoted_step: int | None
+    on_error: Any
+    on_event: Any
+    on_commit: Any
+
+    def committed(self, step: int, *, promote: bool) -> None:
+        """Generation ``step`` committed locally; ``promote`` asks for its copy to the durable tier."""
+
+    def drain(self, timeout: float | None = None) -> bool:
+        """Wait for the promotions asked for; whether they ended within ``timeout``."""
+
+    def close(self, timeout: float | None = None) -> bool:
+        """Finish the promotions asked for (within ``timeout``) and stop."""
+
+
+class Replicas(Protocol):
+    """Copies each local commit to peers' local tiers (:class:`~lightning_async_ckpt.tiers.replicas.Replicator`)."""
+
+    targets: list[int]
+    replicated: dict[int, list[int]]
+    on_error: Any
+    on_event: Any
+
+    def replicate(self, store: CheckpointStore, step: int) -> None:
+        """Send committed generation ``step`` of ``store`` to the targets, in the background."""
+
+    def drain(self, timeout: float | None = None) -> bool:
+        """Wait for the replications asked for; whether they ended within ``timeout``."""
+
+    def close(self, timeout: float | None = None) -> bool:
+        """Finish the replications asked for, stop the peers' receivers and the threads."""
+
+
+class TieredTarget:
+    """A local and a durable tier beneath one engine (module docstring).
+
+    Thread-safety: :meth:`committed` runs on the engine's upload thread, :meth:`make_durable`, :meth:`drain` and
+    :meth:`close` on the training thread.
+
+    Args:
+        local: The local tier the engine writes (reassigned when a run moves to a new local version folder).
+        durable: The durable tier.
+        copier: Promotes the due generations and runs local retention.
+        replicas: Peer replicas of each local commit (``None``: none).
+        every_n_steps: The durable cadence of saves that do not say (``None``: only the durable ones).
+        rank: This rank, for the emergency line.
+    """
+
+    def __init__(
+        self,
+        local: CheckpointStore,
+        durable: CheckpointStore,
+        copier: Copier,
+        replicas: Replicas | None = None,
+        every_n_steps: int | None = None,
+        *,
+        rank: int = 0,
+    ) -> None:
+        self.local, self.durable = local, durable
+        self.copier, self.replicas = copier, replicas
+        self.every_n_steps = every_n_steps
+        self.rank = rank
+        self._lock = threading.Lock()
+        self._newest: tuple[int, bool] | None = None  # the newest commit handed over: (step, promoted)
+        self._made_durable: set[int] = set()  # steps made durable before their commit was handed over
+
+    def bind(self, engine: Any, *, replica_errors: bool = True) -> None:
+        """Report the copier's (and with ``replica_errors`` the replicas') failures and events through ``engine``,
+        and its durable commits to ``engine``'s commit hooks (``tier="durable"``; the local ones say ``"local"``)."""
+        engine.commit_tier = "local"
+        self.copier.on_error, self.copier.on_event = engine.report_error, engine.events.emit
+        self.copier.on_commit = lambda manifest: engine.commit_hooks.committed(manifest, self.durable, tier="durable")
+        if self.replicas is not None:
+            self.replicas.on_event = engine.events.emit
+            if replica_errors:
+                self.replicas.on_error = engine.report_error
+
+    def due(self, step: int) -> bool:
+        """Whether ``step`` is on the durable cadence."""
+        return self.every_n_steps is not None and step % self.every_n_steps == 0
+
+    def committed(self, step: int, durable: bool | None) -> None:
+        """Promote ``step`` when ``durable`` (``None``: on the cadence) or made durable meanwhile; replicate it."""
+        with self._lock:
+            promote = (self.due(step) if durable is None else durable) or step in self._made_durable
+            self._made_durable = {s for s in self._made_durable if s > step}
+            self._newest = (step, promote)
+        self.copier.committed(step, promote=promote)
+        if self.replicas is not None:
+            self.replicas.replicate(self.local, step)
+
+    def make_durable(self, step: int) -> bool:
+        """Promote ``step`` (the engine's newest save) too: now when it was handed over, else at its hand-over."""
+        with self._lock:
+            newest = self._newest
+            if newest is None or newest[0] != step:
+                self._made_durable.add(step)
+                return True
+            if newest[1]:
+                return True
+            self._newest = (step, True)
+        self.copier.committed(step, promote=True)
+        return True
+
+    def drain(self, timeout: float | None) -> bool:
+        """Wait for the promotions and the replicas asked for; whether both ended within ``timeout``."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        promoted = self.copier.drain(timeout)
+        return (self.replicas is None or self.replicas.drain(time_left(deadline))) and promoted
+
+    def close(self, timeout: float | None) -> None:
+        """Finish and stop the promotions, then the replicas (the peers stop receiving), within ``timeout``."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            self.copier.close(timeout)
+        finally:
+            if self.replicas is not None:
+                self.replicas.close(time_left(deadline))
+
+    def report(self, step: int) -> str:
+        """``"; promoted step ... to ...; replicated rank r's step ... to ranks [...]"``."""
+        where = f"; promoted step {self.copier.promoted_step} to {self.durable.uri}"
+        if self.replicas is not None and self.replicas.targets:
+            done = sorted(set(self.replicas.replicated.get(step, [])))
+            missing = [t for t in self.replicas.targets if t not in done]
+            where += f"; replicated rank {self.rank}'s step {step} to ranks {done}"
+            if missing:
+                where += f" (not to ranks {missing}: failed, not committed or not in time)"
+        return where
