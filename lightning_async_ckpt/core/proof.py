@@ -217,7 +217,7 @@ def proof_inputs(modules: Sequence[torch.nn.Module], optimizers: Sequence[Any], 
                         id(p),
                         p.requires_grad,
                         p.device,
-                        p.untyped_storage().data_ptr(),
+                        _storage_key(p),
                         _hook_ids(getattr(p, "_post_accumulate_grad_hooks", None)),
                         _hook_ids(getattr(p, "_backward_hooks", None)),
                     )
@@ -226,6 +226,15 @@ def proof_inputs(modules: Sequence[torch.nn.Module], optimizers: Sequence[Any], 
         parts.append(_hook_ids(getattr(torch.nn.modules.module, attr, None)))
     parts.append(_hook_ids(getattr(torch.nn.modules.module, "_global_backward_pre_hooks", None)))
     return tuple(parts)
+
+
+def _storage_key(p: torch.Tensor) -> object:
+    """Where ``p``'s storage lives; a fresh object (never equal: the proof is rebuilt) when it has none to read, as
+    FSDP2's sharded parameters between steps (a DTensor's invalid wrapper storage)."""
+    try:
+        return p.untyped_storage().data_ptr()
+    except RuntimeError:
+        return object()
 
 
 def _prove(
