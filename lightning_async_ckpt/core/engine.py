@@ -7,12 +7,8 @@ Pipeline of one request::
         stream: stream_persister.py; DCP files on every rank: sharded/persister.py) -> uploaded
         -> manifest last -> the commit target (retention; with tiers the promotion and the replicas) -> committed
 
-This is the one save lifecycle of the package: plain loops, Accelerate, the Lightning callback (one writer,
-sliced DDP, sharded) and ``ShardedCheckpointer`` all drive this class; only the capturer and the persister differ
-(``core.interfaces.Capturer`` / ``Persister``).
-
-Threads and the interpreter-exit drain are in ``workers.py``, the plain-loop fences in ``hooks.py``, options in
-``options.py``, records and events in ``telemetry.py``.
+The one save lifecycle of the package: every integration drives this class; only the capturer and the persister
+differ (``core.interfaces.Capturer`` / ``Persister``). Threads: ``workers.py``; fences: ``hooks.py``.
 """
 
 from __future__ import annotations

@@ -10,8 +10,7 @@ construction; never the training's group nor the checkpoint group that saves use
     lease) -> all_gather(entries, local path -> durable path) -> rank 0 rewrites the global metadata's file paths,
     writes ``.metadata`` and the manifest last -> broadcast(outcome); a failed round removes every rank's uploads.
 
-The durable generation is an ordinary DCP checkpoint (``.metadata`` of every rank's files; a replicated item's
-second copy is unreferenced), reshardable. A rank killed mid-round leaves uploads without a manifest (never listed);
+The durable generation is an ordinary, reshardable DCP checkpoint. A rank killed mid-round leaves uploads without a manifest (never listed);
 the survivors' collectives fail on the broken connection and the promoter stops (its error raised once at the next
 hook). A stalled promoter that wakes later writes only its own token's names, and its commit loses to a committed
 manifest (``GenerationExistsError``), so it never touches a committed durable generation.
