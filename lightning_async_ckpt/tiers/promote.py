@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 from lightning_async_ckpt.errors import CheckpointError, GenerationExistsError, ManifestError
 from lightning_async_ckpt.storage.io import checksum_algorithm, read_verified
 from lightning_async_ckpt.storage.manifest import Manifest
+from lightning_async_ckpt.tiers.background import PromotionQueue, retain_quietly
 
 if TYPE_CHECKING:
     from lightning_async_ckpt.storage.store import CheckpointStore
@@ -58,7 +59,6 @@ def promote_generation(
     step: int,
     *,
     manifest: Manifest | None = None,
-    before_commit: Callable[[], None] | None = None,
 ) -> Manifest:
     """Copy committed generation ``step`` of ``source`` to ``target`` and commit it there, manifest last.
 
@@ -67,7 +67,6 @@ def promote_generation(
         target: Where it is promoted to (written with the target's run id and checksum algorithm).
         step: The generation's step.
         manifest: The source manifest when the caller has just read it.
-        before_commit: Called after every object landed, right before the target manifest (e.g. a deadline check).
 
     Returns:
         The target generation's manifest.
@@ -89,8 +88,6 @@ def promote_generation(
         raise PromotionError(f"promoting step {step} to {target.uri!r} failed before any object: {exc}") from exc
     try:
         copy_objects(writer, manifest, lambda obj, stream: _read_source(source, manifest.step, obj, stream))
-        if before_commit is not None:
-            before_commit()
         extra = {**manifest.extra, PROMOTED_FROM_KEY: {"uri": source.uri, "step": step, "run_id": manifest.run_id}}
         return writer.commit(cut=manifest.cut, plan=manifest.plan, timings=manifest.timings, extra=extra)
     except GenerationExistsError:
@@ -138,7 +135,7 @@ def copy_objects(writer: Any, manifest: Manifest, read_into: Callable[[Any, Any]
             )
 
 
-class Promoter:
+class Promoter(PromotionQueue):
     """Promotes committed generations of ``source`` to ``target`` on one background thread, and runs retention
     of both tiers.
 
@@ -164,37 +161,8 @@ class Promoter:
             (commit hooks: ``tier="durable"``).
     """
 
-    def __init__(
-        self,
-        source: CheckpointStore,
-        target: CheckpointStore,
-        *,
-        keep_last: int | None = None,
-        source_keep_last: int | None = None,
-        on_error: Callable[[BaseException], None] | None = None,
-        on_event: Callable[..., None] | None = None,
-        on_commit: Callable[[Manifest], None] | None = None,
-    ) -> None:
-        self.source = source
-        self.on_commit = on_commit
-        self.target = target
-        self.keep_last = keep_last
-        self.source_keep_last = source_keep_last
-        self.on_error = on_error
-        self.on_event = on_event
-        self.promoted_step: int | None = None
-        self.skipped = 0
-        self.failed: list[int] = []
-        self._cond = threading.Condition()
-        self._pending: int | None = None
-        self._in_flight: int | None = None
-        self._newest_due: int | None = None
-        self._closing = False
-        self._thread: threading.Thread | None = None
-        self._retaining = False  # a pass over source runs (one at a time: two would remove the same generation)
-        self._due: set[int] = set()  # asked to be promoted, newer than the newest promoted generation
-        self._lag_reported = False
-        self._retain_again = False
+    _thread: threading.Thread | None = None  # started at the first request
+    _lag_reported = False
 
     def committed(self, step: int, *, promote: bool) -> None:
         """Generation ``step`` was committed on ``source``; ``promote`` asks for its promotion."""
@@ -204,18 +172,15 @@ class Promoter:
                 if self._closing:
                     _log.warning("step %d committed on %s after promotions closed: not promoted", step, self.source.uri)
                 else:
-                    if self._pending is not None and self._pending < step:
-                        self.skipped += 1
-                        _log.info("promotion of step %d skipped: step %d is newer", self._pending, step)
-                        self._event("promotion_skipped", step=self._pending)
-                    if self._pending is None or self._pending < step:
-                        self._pending = step
-                    self._newest_due = max(step, self._newest_due or step)
-                    self._due.add(step)
+                    self._mark_due(step)
                     lagging = len(self._due) > LAG_WARN_GENERATIONS and not self._lag_reported
                     self._lag_reported = self._lag_reported or lagging
-                    self._start()
-                    self._cond.notify_all()
+                    if self._thread is None:
+                        self._thread = threading.Thread(
+                            target=self._run, name="lightning_async_ckpt-promote", daemon=True
+                        )
+                        self._thread.start()
+                    self._queue(step)
             if lagging:  # outside the lock: a logging handler may be slow
                 lag = self.lag
                 _log.warning(
@@ -244,23 +209,6 @@ class Promoter:
         with self._cond:
             return len(self._due)
 
-    @property
-    def busy(self) -> bool:
-        """Whether a promotion is pending or in flight."""
-        with self._cond:
-            return self._pending is not None or self._in_flight is not None
-
-    def drain(self, timeout: float | None = None) -> bool:
-        """Wait until no promotion is pending or in flight; return whether that happened within ``timeout``."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        with self._cond:
-            while self._pending is not None or self._in_flight is not None:
-                remaining = None if deadline is None else deadline - time.monotonic()
-                if remaining is not None and remaining <= 0:
-                    return False
-                self._cond.wait(remaining)
-        return True
-
     def close(self, timeout: float | None = None) -> bool:
         """Finish the promotions asked for (within ``timeout``) and stop the thread; idempotent.
 
@@ -269,36 +217,22 @@ class Promoter:
             one in flight keeps running on its (daemon) thread and commits or leaves no manifest; a pending one is
             dropped. Both are logged.
         """
-        finished = self.drain(timeout)
-        with self._cond:
-            self._closing = True
-            dropped, self._pending = self._pending, None
-            running = self._in_flight
-            self._cond.notify_all()
-        if dropped is not None:
-            _log.warning("promotion of step %d to %s dropped at close (the drain timed out)", dropped, self.target.uri)
-        thread = self._thread
-        if thread is not None and running is None:
-            thread.join()
-        elif running is not None:
+        finished, running = self._stop_queue(timeout)
+        if running is not None:
             _log.warning(
                 "promotion of step %d to %s still running after %.1fs: it commits or leaves no manifest",
                 running,
                 self.target.uri,
                 timeout or 0.0,
             )
+        elif self._thread is not None:
+            self._thread.join()
         return finished
-
-    def _start(self) -> None:
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="lightning_async_ckpt-promote", daemon=True)
-            self._thread.start()
 
     def _run(self) -> None:
         while True:
             with self._cond:
-                while self._pending is None and not self._closing:
-                    self._cond.wait()
+                self._cond.wait_for(lambda: self._pending is not None or self._closing)
                 if self._pending is None:
                     return
                 step, self._pending = self._pending, None
@@ -310,23 +244,13 @@ class Promoter:
                     self._in_flight = None
                     self._cond.notify_all()
 
-    def _event(self, name: str, **fields: Any) -> None:
-        if self.on_event is not None:
-            try:
-                self.on_event(name, **fields)
-            except Exception:  # noqa: BLE001 - telemetry never fails a promotion
-                _log.debug("promotion event %s not recorded", name, exc_info=True)
-
     def _promote(self, step: int) -> None:
         started = time.monotonic()
         try:
             manifest = promote_generation(self.source, self.target, step)
         except BaseException as exc:  # noqa: BLE001 - handed to on_error, raised on the training thread
-            self.failed.append(step)
-            _log.warning("promotion of step %d to %s failed: %s", step, self.target.uri, exc)
-            self._event("promotion_failed", step=step, error=f"{type(exc).__name__}: {exc}")
-            if self.on_error is not None:
-                self.on_error(exc)
+            message = f"promotion of step {step} to {self.target.uri} failed: {exc}"
+            self._fail(step, exc, message, f"{type(exc).__name__}: {exc}")
             return
         with self._cond:
             if self.promoted_step is None or manifest.step > self.promoted_step:
@@ -340,32 +264,5 @@ class Promoter:
             except Exception:  # noqa: BLE001 - a hook's bookkeeping never fails a promotion
                 _log.warning("commit hooks not told of promoted step %d", step, exc_info=True)
         self._event("promoted", step=step, promote_s=time.monotonic() - started, target=self.target.uri)
-        self._retain(self.target, self.keep_last)
+        retain_quietly(self.target, self.keep_last)
         self._retain_source()
-
-    def _retain_source(self) -> None:
-        # Called after each source commit (upload thread) and each promotion (promotion thread): one pass at a
-        # time; a pass asked for while one runs is run by that one once it ends, so the caller never waits.
-        if self.source_keep_last is None:
-            return
-        with self._cond:
-            if self._retaining:
-                self._retain_again = True
-                return
-            self._retaining = True
-        while True:
-            self._retain(self.source, self.source_keep_last, protect=self.protected())
-            with self._cond:
-                if not self._retain_again:
-                    self._retaining = False
-                    return
-                self._retain_again = False
-
-    @staticmethod
-    def _retain(store: CheckpointStore, keep_last: int | None, protect: frozenset[int] = frozenset()) -> None:
-        if keep_last is None:
-            return
-        try:
-            store.retain(keep_last, verify=False, protect=protect)
-        except Exception:  # noqa: BLE001 - retention never fails a commit or a promotion
-            _log.warning("retention of %s failed", store.uri, exc_info=True)

@@ -44,6 +44,7 @@ from lightning_async_ckpt.storage.io import read_verified
 from lightning_async_ckpt.storage.manifest import Manifest, ObjectEntry
 from lightning_async_ckpt.storage.store import CheckpointStore
 from lightning_async_ckpt.storage.verification import object_path
+from lightning_async_ckpt.tiers.background import PromotionQueue, retain_quietly
 from lightning_async_ckpt.tiers.local_tier import GLOBAL_METADATA_NAME
 from lightning_async_ckpt.tiers.promote import PROMOTED_FROM_KEY, PromotionError
 
@@ -53,7 +54,7 @@ _log = logging.getLogger("lightning_async_ckpt")
 _DATA_RE = re.compile(r"^__[0-9]+_[0-9]+\.distcp$")
 
 
-class DcpPromoter:
+class DcpPromoter(PromotionQueue):
     """Promotes committed local sharded generations to ``durable`` on every rank together (module docstring).
 
     Construct on every rank in the same order (creates a gloo group: a collective). :meth:`committed` is told of
@@ -81,56 +82,33 @@ class DcpPromoter:
         on_error: Callable[[BaseException], None] | None = None,
         on_event: Callable[..., None] | None = None,
     ) -> None:
-        self.local = local
-        self.durable = durable
-        self.keep_last = keep_last
-        self.local_keep_last = local_keep_last
-        self.on_error = on_error
-        self.on_event = on_event
-        self.on_commit: Callable[[Any], None] | None = None  # told of each durable manifest, on rank 0
+        # ``source``/``target`` are ``local``/``durable``; on_commit is told of each durable manifest on rank 0.
+        super().__init__(
+            local, durable, keep_last=keep_last, source_keep_last=local_keep_last, on_error=on_error, on_event=on_event
+        )
         distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
         self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s)) if distributed else None
         self.rank = dist.get_rank() if distributed else 0
         self.world_size = dist.get_world_size() if distributed else 1
-        self.promoted_step: int | None = None
-        self.skipped = 0
-        self.failed: list[int] = []
         self.broken: BaseException | None = None
-        self._cond = threading.Condition()
-        self._pending: int | None = None
-        self._in_flight: int | None = None
-        self._due: set[int] = set()
-        self._newest_due: int | None = None
         self._last_round: int | None = None
-        self._closing = False
         self._stopped = False
-        self._retaining = threading.Lock()  # the training side's and the promotion thread's retention, one at a time
         self._thread = threading.Thread(target=self._run, name="lightning_async_ckpt-promote-dcp", daemon=True)
         self._thread.start()
-
-    @property
-    def target(self) -> CheckpointStore:
-        """The durable store (the name :class:`~lightning_async_ckpt.tiers.promote.Promoter` uses)."""
-        return self.durable
 
     # -- the training side ------------------------------------------------------------------------------------
     def committed(self, step: int, *, promote: bool) -> None:
         """Local generation ``step`` was committed on every rank; ``promote`` asks for its promotion."""
         if promote:
             with self._cond:
-                self._due.add(step)
-                self._newest_due = max(step, self._newest_due or step)
+                self._mark_due(step)
                 if self._stopped or self._closing:
-                    _log.warning("step %d committed on %s after promotions stopped: not promoted", step, self.local.uri)
+                    _log.warning(
+                        "step %d committed on %s after promotions stopped: not promoted", step, self.source.uri
+                    )
                 elif self.rank == 0:
-                    if self._pending is not None and self._pending < step:
-                        self.skipped += 1
-                        _log.info("promotion of step %d skipped: step %d is newer", self._pending, step)
-                        self._event("promotion_skipped", step=self._pending)
-                    if self._pending is None or self._pending < step:
-                        self._pending = step
-                    self._cond.notify_all()
-        self._retain_local()
+                    self._queue(step)
+        self._retain_source()
 
     def protected(self) -> frozenset[int]:
         """Local steps retention keeps: due steps newer than the last round, the one in flight, and the newest due
@@ -143,36 +121,19 @@ class DcpPromoter:
                 steps.add(self._newest_due)
         return frozenset(steps)
 
-    def drain(self, timeout: float | None = None) -> bool:
-        """Wait until no promotion is pending or in flight and a round ran for the newest due step (rank 0 decides
-        which; the others follow its rounds). Whether that happened within ``timeout``."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        with self._cond:
-            while not self._stopped and self._busy():
-                remaining = None if deadline is None else deadline - time.monotonic()
-                if remaining is not None and remaining <= 0:
-                    return False
-                self._cond.wait(remaining)
-        return True
-
-    def _busy(self) -> bool:
-        # Rank 0 has the due step pending or in flight; another rank waits for rank 0's round of its newest due step.
+    def _working(self) -> bool:
+        # :meth:`drain` waits for it: rank 0 has the due step pending or in flight; another rank waits for rank 0's
+        # round of its newest due step (rank 0 decides which; the others follow its rounds).
         behind = self._newest_due is not None and (self._last_round is None or self._newest_due > self._last_round)
-        return self._pending is not None or self._in_flight is not None or behind
+        return not self._stopped and (super()._working() or behind)
 
     def close(self, timeout: float | None = None) -> bool:
         """Finish the promotions asked for (within ``timeout``), stop every rank's thread; call on every rank."""
-        finished = self.drain(timeout)
-        with self._cond:
-            self._closing = True
-            dropped, self._pending = self._pending, None
-            self._cond.notify_all()
-        if dropped is not None:
-            _log.warning("promotion of step %d to %s dropped at close (the drain timed out)", dropped, self.durable.uri)
+        finished, _ = self._stop_queue(timeout)
         self._thread.join(timeout)
         if self._thread.is_alive():
             _log.warning(
-                "the promotion thread of %s is still running: it commits or leaves no manifest", self.local.uri
+                "the promotion thread of %s is still running: it commits or leaves no manifest", self.source.uri
             )
             return False
         if self.group is not None and self.broken is None:
@@ -220,7 +181,7 @@ class DcpPromoter:
         except BaseException as exc:  # noqa: BLE001 - a broken group (dead peer, timeout): promotions stop
             # Reported before a waiter can see the round end, so a drain that returns raises it.
             self.broken = exc
-            self._fail(step, PromotionError(f"promotions to {self.durable.uri!r} stopped: {exc}"))
+            self._fail_round(step, PromotionError(f"promotions to {self.target.uri!r} stopped: {exc}"))
         finally:
             with self._cond:
                 self._stopped = True
@@ -230,13 +191,13 @@ class DcpPromoter:
     def _round(self, step: int) -> None:
         started = time.monotonic()
         try:
-            manifest: Manifest | None = self.local.manifest(step)
+            manifest: Manifest | None = self.source.manifest(step)
             problem = None
         except Exception as exc:  # noqa: BLE001 - gathered: every rank learns which rank lacks it
             manifest, problem = None, f"rank {self.rank}: {type(exc).__name__}: {exc}"
         problems = [p for p in self._gather(problem) if p is not None]
         if problems:
-            self._fail(
+            self._fail_round(
                 step, PromotionError(f"step {step} not promoted: not committed locally on " + "; ".join(problems))
             )
             return
@@ -245,7 +206,7 @@ class DcpPromoter:
         start: tuple[Any, ...]
         if self.rank == 0:
             try:
-                claim = self.durable.begin(step)
+                claim = self.target.begin(step)
                 start = ("go", claim.token, claim.prefix)
             except GenerationExistsError:
                 start = ("exists",)
@@ -254,12 +215,14 @@ class DcpPromoter:
         start = self._send(start if self.rank == 0 else None)
         if start[0] != "go":
             if start[0] == "exists":
-                _log.info("step %d is committed on %s already: not promoted again", step, self.durable.uri)
+                _log.info("step %d is committed on %s already: not promoted again", step, self.target.uri)
             else:
-                self._fail(step, PromotionError(f"promoting step {step} to {self.durable.uri!r} failed: {start[1]}"))
+                self._fail_round(
+                    step, PromotionError(f"promoting step {step} to {self.target.uri!r} failed: {start[1]}")
+                )
             return
         _, token, prefix = start
-        fs = StoreFileSystem(self.durable, self.durable.generation_path(step))
+        fs = StoreFileSystem(self.target, self.target.generation_path(step))
         fs.token = token
         try:
             report: Any = self._upload(step, manifest, fs, prefix, claim)
@@ -282,24 +245,24 @@ class DcpPromoter:
         if outcome[0] != "ok":
             fs.undo(frozenset())
             if len(outcome) > 2 and outcome[2]:
-                _log.info("step %d was committed on %s by another attempt first", step, self.durable.uri)
+                _log.info("step %d was committed on %s by another attempt first", step, self.target.uri)
                 return
-            self._fail(
+            self._fail_round(
                 step,
                 PromotionError(
-                    f"promoting step {step} to {self.durable.uri!r} failed; nothing was committed there: {outcome[1]}"
+                    f"promoting step {step} to {self.target.uri!r} failed; nothing was committed there: {outcome[1]}"
                 ),
             )
             return
         with self._cond:
             self.promoted_step = max(step, self.promoted_step or step)
-        _log.info("step %d promoted from %s to %s", step, self.local.uri, self.durable.uri)
-        self._event("promoted", step=step, promote_s=time.monotonic() - started, target=self.durable.uri)
+        _log.info("step %d promoted from %s to %s", step, self.source.uri, self.target.uri)
+        self._event("promoted", step=step, promote_s=time.monotonic() - started, target=self.target.uri)
         if self.rank == 0 and self.on_commit is not None:  # the commit hooks (tier="durable")
-            self.on_commit(self.durable.manifest(step))
-        if self.rank == 0 and self.keep_last is not None:
-            _retain(self.durable, self.keep_last, frozenset())
-        self._retain_local()
+            self.on_commit(self.target.manifest(step))
+        if self.rank == 0:
+            retain_quietly(self.target, self.keep_last)
+        self._retain_source()
 
     def _upload(
         self, step: int, manifest: Manifest, fs: StoreFileSystem, prefix: str, claim: Any
@@ -311,7 +274,7 @@ class DcpPromoter:
             fs.lease = claim.lease
         else:
             token = fs.token or ""
-            lease = Lease(self.durable, f"{folder}/{attempt_claim_name(token, self.rank)}", step, token, self.rank)
+            lease = Lease(self.target, f"{folder}/{attempt_claim_name(token, self.rank)}", step, token, self.rank)
             lease.create()
             fs.lease = lease
         paths: dict[str, str] = {}
@@ -324,11 +287,13 @@ class DcpPromoter:
                     # folder): rank 0's copy, under its fixed name, written by the step claim's holder.
                     if claim is not None:
                         with claim.open(obj.name) as stream:
-                            read_verified(self.local.fs, object_path(self.local.location, step, obj), obj, into=stream)
+                            read_verified(
+                                self.source.fs, object_path(self.source.location, step, obj), obj, into=stream
+                            )
                     continue
                 target = f"{folder}/{obj.name}"
                 with fs.create_stream(target, "wb") as stream:
-                    read_verified(self.local.fs, object_path(self.local.location, step, obj), obj, into=stream)
+                    read_verified(self.source.fs, object_path(self.source.location, step, obj), obj, into=stream)
                 written = fs.objects[obj.name]
                 if written.size != obj.size:
                     raise PromotionError(f"{obj.name}: wrote {written.size} bytes, the local manifest says {obj.size}")
@@ -354,7 +319,7 @@ class DcpPromoter:
             ranks[str(rank)] = [e.name for e in entries]
             paths.update(moved)
         entry = next(o for o in manifest.objects if o.name == GLOBAL_METADATA_NAME)
-        data = read_verified(self.local.fs, object_path(self.local.location, step, entry), entry)
+        data = read_verified(self.source.fs, object_path(self.source.location, step, entry), entry)
         metadata = load_metadata(io.BytesIO(data), where=GLOBAL_METADATA_NAME)
         storage = {}
         for index, info in metadata.storage_data.items():
@@ -369,33 +334,9 @@ class DcpPromoter:
                 "format": DCP_FORMAT,
                 "ranks": ranks,
                 "dcp_folder": claim.prefix.rstrip("/"),
-                PROMOTED_FROM_KEY: {"uri": self.local.uri, "step": step, "run_id": manifest.run_id},
+                PROMOTED_FROM_KEY: {"uri": self.source.uri, "step": step, "run_id": manifest.run_id},
             },
         )
 
-    def _fail(self, step: int | None, error: PromotionError) -> None:
-        if step is not None:
-            self.failed.append(step)
-        _log.warning("%s", error)
-        self._event("promotion_failed", step=step, error=str(error))
-        if self.on_error is not None:
-            self.on_error(error)
-
-    def _event(self, name: str, **fields: Any) -> None:
-        if self.on_event is not None:
-            try:
-                self.on_event(name, **fields)
-            except Exception:  # noqa: BLE001 - telemetry never fails a promotion
-                _log.debug("promotion event %s not recorded", name, exc_info=True)
-
-    def _retain_local(self) -> None:
-        if self.local_keep_last is not None:
-            with self._retaining:
-                _retain(self.local, self.local_keep_last, self.protected())
-
-
-def _retain(store: CheckpointStore, keep_last: int, protect: frozenset[int]) -> None:
-    try:
-        store.retain(keep_last, verify=False, protect=protect)
-    except Exception:  # noqa: BLE001 - retention never fails a commit or a promotion
-        _log.warning("retention of %s failed", store.uri, exc_info=True)
+    def _fail_round(self, step: int | None, error: PromotionError) -> None:
+        self._fail(step, error, str(error), str(error))

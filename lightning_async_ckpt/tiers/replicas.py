@@ -31,6 +31,7 @@ from typing import Any
 import torch.distributed as dist
 
 from lightning_async_ckpt.storage.store import CheckpointStore
+from lightning_async_ckpt.tiers.background import emit, retain_quietly
 from lightning_async_ckpt.tiers.replica_persist import wait_restored
 from lightning_async_ckpt.tiers.replica_restore import folder_id, restore_from_peers
 from lightning_async_ckpt.tiers.replica_wire import (
@@ -253,11 +254,7 @@ class Replicator:
             self._event("replicated", step=step, target=dst, copied=copied, replicate_s=time.monotonic() - started)
 
     def _event(self, name: str, **fields: Any) -> None:
-        if self.on_event is not None:
-            try:
-                self.on_event(name, **fields)
-            except Exception:  # noqa: BLE001 - telemetry never fails a replica
-                _log.debug("replica event %s not recorded", name, exc_info=True)
+        emit(self.on_event, "replica", name, **fields)
 
     def _receive_loop(self, src: int) -> None:
         wire = Wire(self.wire.group, tag=src + 1)  # the source's conversation, apart from this rank's own sends
@@ -286,15 +283,8 @@ class Replicator:
             committed = receive_generation(wire, src, header, self.local_dirpath)
             if committed is not None:
                 self.received.append(committed.step)
-                self._retain(CheckpointStore(tier_folder(self.local_dirpath, header["where"])))
-
-    def _retain(self, store: CheckpointStore) -> None:
-        if self.keep_last is None:
-            return
-        try:
-            store.retain(self.keep_last, verify=False, all_runs=True)
-        except Exception:  # noqa: BLE001 - retention never fails a replica
-            _log.warning("retention of %s failed", store.uri, exc_info=True)
+                store = CheckpointStore(tier_folder(self.local_dirpath, header["where"]))
+                retain_quietly(store, self.keep_last, all_runs=True)
 
 
 def _where(root: str, uri: str) -> str:

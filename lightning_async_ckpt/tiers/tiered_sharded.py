@@ -200,7 +200,7 @@ class TieredShardedCheckpointer(ShardedCheckpointer):
         self.version = version
         self.store = store
         self.persister.store = store  # type: ignore[attr-defined]
-        self.promoter.local = self.target.local = store  # type: ignore[attr-defined]
+        self.promoter.source = self.target.local = store  # type: ignore[attr-defined]
 
     @property
     def preempted(self) -> bool:
