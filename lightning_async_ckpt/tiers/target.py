@@ -16,10 +16,12 @@ import time
 from typing import Any, Protocol
 
 from lightning_async_ckpt.core.commit_target import time_left
+from lightning_async_ckpt.core.handle import SaveHandle
+from lightning_async_ckpt.core.preemption import PreemptionHandler
 from lightning_async_ckpt.errors import ConfigError
 from lightning_async_ckpt.storage.store import CheckpointStore
 
-__all__ = ["Copier", "Replicas", "TieredTarget", "check_tier_options"]
+__all__ = ["Copier", "Replicas", "TieredEngine", "TieredTarget", "check_tier_options"]
 
 
 def check_tier_options(**values: Any) -> None:
@@ -166,3 +168,47 @@ class TieredTarget:
             if missing:
                 where += f" (not to ranks {missing}: failed, not committed or not in time)"
         return where
+
+
+class TieredEngine:
+    """What the tiered checkpointers of plain loops add to their engine (mixed in before it): ``save(...,
+    promote=)``, :attr:`preempted` (cleared by the emergency save), :attr:`promoted_step`, and the signal handler
+    installed by :meth:`_install_preemption` and removed at ``close``."""
+
+    preemption: PreemptionHandler
+    promoter: Copier
+
+    def _install_preemption(self, signum: int | None) -> None:
+        self.preemption = PreemptionHandler(signum)
+        self.preemption.install()
+
+    @property
+    def preempted(self) -> bool:
+        """Whether ``preemption_signal`` arrived (at this rank; until the emergency save)."""
+        return self.preemption.requested.is_set()
+
+    @property
+    def promoted_step(self) -> int | None:
+        """The newest step committed on the durable tier by a promotion."""
+        return self.promoter.promoted_step
+
+    def save(self, step: int, state: Any, *, promote: bool | None = None, **kwargs: Any) -> SaveHandle:
+        """The engine's ``save`` to the local tier; durable when ``promote`` (or ``durable``; default: on the
+        cadence)."""
+        if promote is not None:
+            kwargs["durable"] = promote
+        return super().save(step, state, **kwargs)  # type: ignore[misc]
+
+    def emergency_save(self, step: int, state: Any, *, grace_s: float | None = None, **kwargs: Any) -> str:
+        """The engine's ``emergency_save`` (collective for sharded engines); :attr:`preempted` is cleared."""
+        self.preemption.requested.clear()
+        return super().emergency_save(step, state, grace_s=grace_s, **kwargs)  # type: ignore[misc]
+
+    def close(self, timeout: float | None = None, *, abandon: bool = False) -> None:
+        """The engine's ``close`` (the saves, then the promotions and replicas), and the signal handler restored.
+
+        Raises:
+            CheckpointError: A save's or a promotion's error not raised yet (the engine's).
+        """
+        self.preemption.remove()
+        super().close(timeout, abandon=abandon)  # type: ignore[misc]

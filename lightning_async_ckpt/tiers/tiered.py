@@ -17,13 +17,13 @@ from typing_extensions import override
 from lightning_async_ckpt.core.engine import AsyncCheckpointer
 from lightning_async_ckpt.core.handle import SaveHandle
 from lightning_async_ckpt.core.options import CheckpointOptions
-from lightning_async_ckpt.core.preemption import PreemptionHandler, check_preemption
+from lightning_async_ckpt.core.preemption import check_preemption
 from lightning_async_ckpt.errors import ConfigError, renamed
 from lightning_async_ckpt.storage.generation import version_folders
 from lightning_async_ckpt.storage.store import CheckpointStore
 from lightning_async_ckpt.tiers.promote import Promoter
 from lightning_async_ckpt.tiers.replicas import Replicator
-from lightning_async_ckpt.tiers.target import TieredTarget, check_tier_options
+from lightning_async_ckpt.tiers.target import TieredEngine, TieredTarget, check_tier_options
 from lightning_async_ckpt.tiers.tiered_replicas import (
     WRITERS,
     Restored,
@@ -53,7 +53,7 @@ def local_location(local_dirpath: str, start_step: int) -> str:
     return uri(max(versions) + 1)
 
 
-class TieredCheckpointer(AsyncCheckpointer):
+class TieredCheckpointer(TieredEngine, AsyncCheckpointer):
     """Asynchronous checkpoints to a local tier, promoted to a durable tier every ``every_n_train_steps``.
 
     Thread-safety: like :class:`AsyncCheckpointer`, called from one training thread; promotions run on the thread
@@ -138,23 +138,12 @@ class TieredCheckpointer(AsyncCheckpointer):
         super().__init__(self.local, replace(options, keep_last=None), target=target)
         target.bind(self)
         self.promote_every_n_steps = every
-        self.preemption = PreemptionHandler(signum)
-        self.preemption.install()
+        self._install_preemption(signum)
 
     @property
     def engine(self) -> TieredCheckpointer:
         """This checkpointer (the engine writing the local tier)."""
         return self
-
-    @property
-    def preempted(self) -> bool:
-        """Whether ``preemption_signal`` arrived (stays true once it did)."""
-        return self.preemption.requested.is_set()
-
-    @property
-    def promoted_step(self) -> int | None:
-        """The newest step committed on the durable tier by a promotion."""
-        return self.promoter.promoted_step
 
     @override
     def save(self, step: int, state: Any, *, promote: bool | None = None, **kwargs: Any) -> SaveHandle:
@@ -168,9 +157,7 @@ class TieredCheckpointer(AsyncCheckpointer):
                     f"with replicas only rank {WRITERS[0]} saves (the single-writer layout: its generation holds the "
                     f"whole state); rank {dist.get_rank()} receives replicas and calls restore() and close() only"
                 )
-        if promote is not None:
-            kwargs["durable"] = promote
-        return super().save(step, state, **kwargs)
+        return super().save(step, state, promote=promote, **kwargs)
 
     def restore(self) -> Restored | None:
         """The generation to resume from: the newest intact local one unless ``durable`` holds a newer committed step,
@@ -183,16 +170,3 @@ class TieredCheckpointer(AsyncCheckpointer):
         if restored is not None and restored.manifest.run_id:
             self.local.run_id = self.durable.run_id = restored.manifest.run_id
         return restored
-
-    @override
-    def emergency_save(self, step: int, state: Any, *, grace_s: float | None = None, **kwargs: Any) -> str:
-        """:meth:`AsyncCheckpointer.emergency_save`; :attr:`preempted` is cleared."""
-        self.preemption.requested.clear()
-        return super().emergency_save(step, state, grace_s=grace_s, **kwargs)
-
-    @override
-    def close(self, timeout: float | None = None, *, abandon: bool = False) -> None:
-        """:meth:`AsyncCheckpointer.close` (the saves, then the promotions and replicas), and the signal handler
-        restored."""
-        self.preemption.remove()
-        super().close(timeout, abandon=abandon)

@@ -18,12 +18,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from typing_extensions import override
 
-from lightning_async_ckpt.core.handle import SaveHandle
 from lightning_async_ckpt.core.options import CheckpointOptions
 from lightning_async_ckpt.core.persist import RetryPolicy
-from lightning_async_ckpt.core.preemption import PreemptionHandler, check_preemption
+from lightning_async_ckpt.core.preemption import check_preemption
 from lightning_async_ckpt.errors import ConfigError, renamed
 from lightning_async_ckpt.sharded.checkpointer import ShardedCheckpointer
 from lightning_async_ckpt.sharded.once import gloo_group
@@ -32,12 +30,12 @@ from lightning_async_ckpt.tiers.local_tier import LocalTierPersister, rank_store
 from lightning_async_ckpt.tiers.peer_replicas import DcpReplicas, check_replicas
 from lightning_async_ckpt.tiers.promote_dcp import DcpPromoter
 from lightning_async_ckpt.tiers.sharded_resume import TierChoice, latest_across_tiers, local_state, version_root
-from lightning_async_ckpt.tiers.target import TieredTarget, check_tier_options
+from lightning_async_ckpt.tiers.target import TieredEngine, TieredTarget, check_tier_options
 
 __all__ = ["TieredShardedCheckpointer"]
 
 
-class TieredShardedCheckpointer(ShardedCheckpointer):
+class TieredShardedCheckpointer(TieredEngine, ShardedCheckpointer):
     """Asynchronous sharded checkpoints to a node-local tier, promoted to a durable tier every
     ``every_n_train_steps``.
 
@@ -122,8 +120,7 @@ class TieredShardedCheckpointer(ShardedCheckpointer):
             options=options,
         )
         self.target.bind(self, replica_errors=False)  # type: ignore[attr-defined]
-        self.preemption = PreemptionHandler(signum)
-        self.preemption.install()
+        self._install_preemption(signum)
 
     def _make_target(self, store: CheckpointStore) -> TieredTarget:
         # Every rank hands its own local commits to the promoter (collective rounds) and its replicas.
@@ -158,11 +155,6 @@ class TieredShardedCheckpointer(ShardedCheckpointer):
             thread_count=self.thread_count,
             write_retry=self.write_retry,
         )
-
-    @property
-    def promoted_step(self) -> int | None:
-        """The newest step committed on the durable tier by a promotion."""
-        return self.promoter.promoted_step
 
     def resume(self, state: dict[str, Any], *, verify: bool = True) -> TierChoice | None:
         """Load the newest generation every rank can load, from either tier, into ``state`` in place (collective).
@@ -202,11 +194,6 @@ class TieredShardedCheckpointer(ShardedCheckpointer):
         self.persister.store = store  # type: ignore[attr-defined]
         self.promoter.source = self.target.local = store  # type: ignore[attr-defined]
 
-    @property
-    def preempted(self) -> bool:
-        """Whether ``preemption_signal`` arrived at this rank."""
-        return self.preemption.requested.is_set()
-
     def preemption_due(self) -> bool:
         """Whether ``preemption_signal`` arrived at any rank (collective: call on every rank at the same step, on
         the training thread; over the job's default group, or a gloo group beside a non-gloo one)."""
@@ -217,29 +204,3 @@ class TieredShardedCheckpointer(ShardedCheckpointer):
         box = torch.tensor([int(flag)], dtype=torch.int32)
         dist.all_reduce(box, op=dist.ReduceOp.MAX, group=group)
         return bool(box.item())
-
-    @override
-    def emergency_save(self, step: int, state: Any, *, grace_s: float | None = None, **kwargs: Any) -> str:
-        """:meth:`AsyncCheckpointer.emergency_save` on every rank (collective); :attr:`preempted` is cleared."""
-        self.preemption.requested.clear()
-        return super().emergency_save(step, state, grace_s=grace_s, **kwargs)
-
-    @override
-    def save(self, step: int, state: Any, *, promote: bool | None = None, **kwargs: Any) -> SaveHandle:
-        """Save ``state`` to the local tier (every rank, the same steps); durable when ``promote`` (or ``durable``;
-        default: on the cadence)."""
-        if promote is not None:
-            kwargs["durable"] = promote
-        return super().save(step, state, **kwargs)
-
-    @override
-    def close(self, timeout: float | None = None, *, abandon: bool = False) -> None:
-        """:meth:`ShardedCheckpointer.close` (the saves, then the promotions and replicas of every rank), and the
-        signal handler restored.
-
-        Raises:
-            ShardedSaveError: A save error not raised yet.
-            PromotionError: A promotion error not raised yet.
-        """
-        self.preemption.remove()
-        super().close(timeout, abandon=abandon)
