@@ -70,6 +70,24 @@ class DcpPersister:
         Raises:
             ShardedSaveError: The save failed on some rank (the same error on every rank).
         """
+        writer = StoreStorageWriter(
+            self.store, work.step, views=tuple(work.extra.get(DCP_VIEWS, ())), **self.writer_options(work)
+        )
+        try:
+            dcp.save(
+                work.state,
+                storage_writer=writer,
+                planner=caching_planner(self.plan_key) if self.plan_key else None,
+                process_group=self.process_group,
+                no_dist=self.process_group is None,
+            )
+            return writer.commit_result if writer.committed else self._read_manifest(work.step)
+        except (Exception, CheckpointException) as exc:  # noqa: BLE001 - any failure fails this save on every rank
+            writer.abort()
+            raise self.save_error(work, exc, "sharded") from exc
+
+    def writer_options(self, work: PersistWork) -> dict[str, Any]:
+        """The storage writer's arguments every DCP save of ``work`` shares: the upload record and the staging checks."""
         job, record = work.job, work.record
         started = time.time()
 
@@ -84,31 +102,21 @@ class DcpPersister:
             record.mark("upload", started)
             work.uploaded(report, nbytes)
 
-        writer = StoreStorageWriter(
-            self.store,
-            work.step,
-            thread_count=self.thread_count,
-            on_written=written,
-            on_plan=staged_ok,
-            before_report=job.confirm,  # the guard's last word on this rank, before the coordinator may commit
-            objects=dict(work.objects) or None,
-            retry=self.write_retry,
-            views=tuple(work.extra.get(DCP_VIEWS, ())),
-        )
-        try:
-            dcp.save(
-                work.state,
-                storage_writer=writer,
-                planner=caching_planner(self.plan_key) if self.plan_key else None,
-                process_group=self.process_group,
-                no_dist=self.process_group is None,
-            )
-            return writer.commit_result if writer.committed else self._read_manifest(work.step)
-        except (Exception, CheckpointException) as exc:  # noqa: BLE001 - any failure fails this save on every rank
-            writer.abort()
-            error = ShardedSaveError(f"sharded save of step {work.step} failed, not committed: {describe_failure(exc)}")
-            error.torn = bool(job.torn_categories) or is_torn(exc)
-            raise error from exc
+        return {
+            "thread_count": self.thread_count,
+            "on_written": written,
+            "on_plan": staged_ok,
+            "before_report": job.confirm,  # the guard's last word on this rank, before the coordinator may commit
+            "objects": dict(work.objects) or None,
+            "retry": self.write_retry,
+        }
+
+    @staticmethod
+    def save_error(work: PersistWork, exc: BaseException, what: str) -> ShardedSaveError:
+        """The error of a failed ``dcp.save`` of ``work`` (``.torn`` when a guard refused it)."""
+        error = ShardedSaveError(f"{what} save of step {work.step} failed, not committed: {describe_failure(exc)}")
+        error.torn = bool(work.job.torn_categories) or is_torn(exc)
+        return error
 
     def _read_manifest(self, step: int) -> Manifest | None:
         # DCP's save returned on this rank: the coordinator's commit succeeded. A failing read-back must not make

@@ -27,7 +27,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import pickle
-import time
 from typing import Any
 
 import torch
@@ -52,7 +51,8 @@ from lightning_async_ckpt.sharded.dcp_writer import (
     StoreStorageWriter,
     below_prefix,
 )
-from lightning_async_ckpt.sharded.handle import ShardedSaveError, describe_failure, is_torn
+from lightning_async_ckpt.sharded.handle import ShardedSaveError
+from lightning_async_ckpt.sharded.persister import DcpPersister
 from lightning_async_ckpt.storage.manifest import Manifest
 from lightning_async_ckpt.storage.store import CheckpointStore
 
@@ -183,7 +183,7 @@ class LocalTierWriter(StoreStorageWriter):
         )
 
 
-class LocalTierPersister:
+class LocalTierPersister(DcpPersister):
     """The engine's persist step for the local tier of sharded generations (see the module docstring).
 
     Args:
@@ -195,8 +195,6 @@ class LocalTierPersister:
         write_retry: Retries of a throttled write.
     """
 
-    collective = True
-
     def __init__(
         self,
         store: CheckpointStore,
@@ -207,13 +205,10 @@ class LocalTierPersister:
         thread_count: int = 1,
         write_retry: RetryPolicy | None = None,
     ) -> None:
-        self.store = store
-        self.process_group = process_group
-        self.rank = rank
+        super().__init__(
+            store, process_group=process_group, rank=rank, thread_count=thread_count, write_retry=write_retry
+        )
         self.world_size = world_size
-        self.coordinator = rank == 0
-        self.thread_count = thread_count
-        self.write_retry = write_retry
 
     def persist(self, work: PersistWork) -> Manifest | None:
         """Save the staged state to this rank's local store; every rank commits or the save fails on every rank.
@@ -221,39 +216,14 @@ class LocalTierPersister:
         Raises:
             ShardedSaveError: The save failed on some rank (raised on every rank).
         """
-        job, record = work.job, work.record
-        started = time.time()
-
-        def staged_ok() -> None:
-            if job.error is not None:
-                raise job.error
-
-        def written(report: RankObjects) -> None:
-            nbytes = sum(o.size for o in report.objects)
-            record.bytes, record.upload_s = nbytes, time.time() - started
-            record.mark("upload", started)
-            work.uploaded(report, nbytes)
-
         planner = LocalSavePlanner()
-        writer = LocalTierWriter(
-            self.store,
-            work.step,
-            planner=planner,
-            thread_count=self.thread_count,
-            on_written=written,
-            on_plan=staged_ok,
-            before_report=job.confirm,
-            objects=dict(work.objects) or None,
-            retry=self.write_retry,
-        )
+        writer = LocalTierWriter(self.store, work.step, planner=planner, **self.writer_options(work))
         pg = self.process_group
         try:
             dcp.save(work.state, storage_writer=writer, planner=planner, process_group=pg, no_dist=pg is None)
         except (Exception, CheckpointException) as exc:  # noqa: BLE001 - DCP failed it on every rank
             writer.abort()
-            error = ShardedSaveError(f"local save of step {work.step} failed, not committed: {describe_failure(exc)}")
-            error.torn = bool(job.torn_categories) or is_torn(exc)
-            raise error from exc
+            raise self.save_error(work, exc, "local") from exc
         box = [writer.global_metadata]
         try:
             if pg is not None:
@@ -278,6 +248,3 @@ class LocalTierPersister:
             where = f"rank {self.rank}: {type(failure).__name__}: {failure}" if failure else "on another rank"
             raise ShardedSaveError(f"local commit of step {work.step} failed {where}; the step is not committed")
         return manifest
-
-    def close(self) -> None:
-        """Nothing to release: the checkpointer owns the process group."""
