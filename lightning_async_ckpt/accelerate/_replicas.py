@@ -26,10 +26,9 @@ from typing import Any
 from lightning_async_ckpt.accelerate._collective import collective_for
 from lightning_async_ckpt.core.collective import agree
 from lightning_async_ckpt.errors import ConfigError
-from lightning_async_ckpt.storage.generation import version_folders
-from lightning_async_ckpt.storage.store import CheckpointStore
 from lightning_async_ckpt.tiers.replicas import Replicator, replica_targets
 from lightning_async_ckpt.tiers.resume import version_store
+from lightning_async_ckpt.tiers.tiered import local_versions
 from lightning_async_ckpt.tiers.tiered_replicas import open_replicas
 
 __all__ = [
@@ -118,7 +117,7 @@ def agree_local_location(collective: Any, local_dirpath: str, start_step: int) -
     error: BaseException | None = None
     mine: tuple[int, list[int]] = (0, [])
     try:
-        mine = _own_location(local_dirpath, start_step)
+        mine = local_versions(local_dirpath, start_step)
     except Exception as exc:  # noqa: BLE001 - raised on every process by agree
         error = exc
     everyone = agree(collective, error, mine, doing="choosing the local tier's version folder")
@@ -127,18 +126,3 @@ def agree_local_location(collective: Any, local_dirpath: str, start_step: int) -
     while version in blocked:
         version += 1
     return version_store(local_dirpath, version).uri
-
-
-def _own_location(local_dirpath: str, start_step: int) -> tuple[int, list[int]]:
-    """The version :func:`~lightning_async_ckpt.tiers.tiered.local_location` picks here, and the version folders
-    holding a generation newer than ``start_step``."""
-    root = CheckpointStore(local_dirpath, check_writable=False)
-    versions = [0, *version_folders(root.fs, root.root)]
-    newer = []
-    for version in versions:
-        store = version_store(local_dirpath, version)
-        steps = [g.step for g in store.scan(include_uncommitted=True).generations if g.holds_step]
-        if steps and max(steps) > start_step:
-            newer.append(version)
-    free = [v for v in versions if v not in newer]
-    return (max(free) if free else max(versions) + 1), newer

@@ -23,6 +23,7 @@ from lightning_async_ckpt.storage.generation import version_folders
 from lightning_async_ckpt.storage.store import CheckpointStore
 from lightning_async_ckpt.tiers.promote import Promoter
 from lightning_async_ckpt.tiers.replicas import Replicator
+from lightning_async_ckpt.tiers.resume import version_store
 from lightning_async_ckpt.tiers.target import TieredEngine, TieredTarget, check_tier_options
 from lightning_async_ckpt.tiers.tiered_replicas import (
     WRITERS,
@@ -32,25 +33,29 @@ from lightning_async_ckpt.tiers.tiered_replicas import (
     restore_tiered,
 )
 
-__all__ = ["TieredCheckpointer", "local_location"]
+__all__ = ["TieredCheckpointer", "local_location", "local_versions"]
+
+
+def local_versions(local_dirpath: str, start_step: int) -> tuple[int, list[int]]:
+    """The version :func:`local_location` picks, and the version folders holding a generation newer than
+    ``start_step`` (committed or not)."""
+    root = CheckpointStore(local_dirpath, check_writable=False)
+    versions = [0, *version_folders(root.fs, root.root)]
+    newer = [
+        v
+        for v in versions
+        if any(g.holds_step and g.step > start_step for g in version_store(local_dirpath, v).scan().generations)
+    ]
+    free = [v for v in versions if v not in newer]
+    return (max(free) if free else max(versions) + 1), newer
 
 
 def local_location(local_dirpath: str, start_step: int) -> str:
     """Where a run that starts at ``start_step`` writes its local tier: the newest of ``local_dirpath`` and its
     version folders (``v1``, ...) holding no generation newer than ``start_step`` (committed or not), else a new
     version folder, so a damaged or branched-off newer local generation is never overwritten."""
-    root = CheckpointStore(local_dirpath, check_writable=False)
-    versions = [0, *version_folders(root.fs, root.root)]
-
-    def uri(version: int) -> str:
-        return f"{local_dirpath.rstrip('/')}/v{version}" if version else local_dirpath
-
-    for version in reversed(versions):
-        store = CheckpointStore(uri(version), check_writable=False) if version else root
-        steps = [g.step for g in store.scan(include_uncommitted=True).generations if g.holds_step]
-        if not steps or max(steps) <= start_step:
-            return uri(version)
-    return uri(max(versions) + 1)
+    version, _ = local_versions(local_dirpath, start_step)
+    return f"{local_dirpath.rstrip('/')}/v{version}" if version else local_dirpath
 
 
 class TieredCheckpointer(TieredEngine, AsyncCheckpointer):
