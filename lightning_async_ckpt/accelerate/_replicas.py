@@ -25,7 +25,6 @@ from typing import Any
 
 from lightning_async_ckpt.accelerate._collective import collective_for
 from lightning_async_ckpt.core.collective import agree
-from lightning_async_ckpt.errors import ConfigError
 from lightning_async_ckpt.tiers.replicas import Replicator, replica_targets
 from lightning_async_ckpt.tiers.resume import version_store
 from lightning_async_ckpt.tiers.tiered import local_versions
@@ -83,13 +82,8 @@ def replica_layout(accelerator: Any, replicas: int, ranks_per_node: int | None) 
         # accelerate's node layout: every process's index on its node (LOCAL_RANK), gathered (training thread).
         indices = agree(collective_for(accelerator), None, accelerator.local_process_index, doing="the node layout")
         ranks_per_node = 1 + max(indices)
-    try:
-        replica_targets(0, accelerator.num_processes, replicas=replicas, ranks_per_node=ranks_per_node)
-    except ValueError as exc:
-        raise ConfigError(
-            f"{exc}: pass replicas=N with N below that (or ranks_per_node=1 when each process has a "
-            "node-local folder of its own)"
-        ) from exc
+    fix = "ranks_per_node=1 when each process has a node-local folder of its own"
+    replica_targets(0, accelerator.num_processes, replicas=replicas, ranks_per_node=ranks_per_node, fix=fix)
     return ranks_per_node
 
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from lightning_async_ckpt.errors import ConfigError
 from lightning_async_ckpt.lightning.sliced import writes_sharded
 from lightning_async_ckpt.tiers.replicas import Replicator, replica_plan
 
@@ -62,12 +61,7 @@ def setup_replicas(tiers: Any, trainer: Any) -> None:
         tiers.sharded_replicas = (tiers.replicas, per_node)  # lightning/sharded_tiers.py, at the writer's setup
         tiers.replicator = None
         return
-    try:
-        mine, sources, every = replica_plan(
-            rank, world, replicas=tiers.replicas, ranks_per_node=per_node, writers=WRITERS
-        )
-    except ValueError as exc:
-        raise ConfigError(f"{exc}: pass replicas=N with N below that (or more nodes)") from exc
+    mine, sources, every = replica_plan(rank, world, replicas=tiers.replicas, ranks_per_node=per_node, writers=WRITERS)
     group = ensure_group(tiers, trainer)
     current = tiers.replicator
     # Idempotent within a fit (two receivers on one link would split its messages); a new fit gets a new sender

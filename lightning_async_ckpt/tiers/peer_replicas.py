@@ -36,6 +36,8 @@ from lightning_async_ckpt.tiers.replica_wire import Kind, Wire, receive_generati
 from lightning_async_ckpt.tiers.replicas import Replicator, replica_targets
 from lightning_async_ckpt.tiers.resume import durable_roots
 from lightning_async_ckpt.tiers.sharded_resume import TierChoice, local_roots, local_state, part_problem, version_root
+from lightning_async_ckpt.tiers.target import check_tier_options
+from lightning_async_ckpt.tiers.tiered_replicas import require_process_group
 
 __all__ = [
     "REPLICA_PREFIX",
@@ -104,24 +106,16 @@ def check_replicas(replicas: int | None, ranks_per_node: int | None, local_dirpa
     Raises:
         ConfigError: Naming the parameter and the fix.
     """
-    for name, value in (("replicas", replicas), ("ranks_per_node", ranks_per_node)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise ConfigError(f"{name} must be None or an int >= 1, got {value!r}")
+    check_tier_options(replicas=replicas, ranks_per_node=ranks_per_node)
     if replicas is None:
         return {}
     if "://" in local_dirpath and not local_dirpath.startswith("file://"):
         raise ConfigError(f"replicas needs a node-local folder as local_dirpath, got {local_dirpath!r}")
-    if not dist.is_available() or not dist.is_initialized():
-        raise ConfigError(
-            "replicas needs torch.distributed: call torch.distributed.init_process_group on every rank before "
-            "TieredShardedCheckpointer(..., replicas=F)"
-        )
+    require_process_group("TieredShardedCheckpointer")
     world = dist.get_world_size()
     per_node = ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    try:
-        return {r: replica_targets(r, world, replicas=replicas, ranks_per_node=per_node) for r in range(world)}
-    except ValueError as exc:
-        raise ConfigError(f"{exc}: pass replicas=N with N below that (or more nodes, ranks_per_node=...)") from exc
+    fix = "more nodes, ranks_per_node=..."
+    return {r: replica_targets(r, world, replicas=replicas, ranks_per_node=per_node, fix=fix) for r in range(world)}
 
 
 class DcpReplicas:

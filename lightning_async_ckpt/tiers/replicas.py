@@ -30,6 +30,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from lightning_async_ckpt.errors import ConfigError
 from lightning_async_ckpt.storage.store import CheckpointStore
 from lightning_async_ckpt.tiers.background import emit, retain_quietly
 from lightning_async_ckpt.tiers.replica_persist import wait_restored
@@ -57,22 +58,26 @@ __all__ = [
 _log = logging.getLogger("lightning_async_ckpt")
 
 
-def replica_targets(rank: int, world_size: int, *, replicas: int, ranks_per_node: int) -> list[int]:
+def replica_targets(
+    rank: int, world_size: int, *, replicas: int, ranks_per_node: int, fix: str = "more nodes"
+) -> list[int]:
     """The ranks replica ``1..replicas`` of ``rank`` go to: ``(rank + i * jump) % world_size``.
 
     ``jump`` is the number of ranks per node when there are several nodes (each replica on another node: the failure
     blast radius), else 1 (other ranks of the one node, useful when each rank has its own folder).
 
     Raises:
-        ValueError: ``replicas`` is not below ``world_size``, or more than the other nodes can hold.
+        ConfigError: ``replicas`` is not below ``world_size``, or more than the other nodes can hold (the message
+            ends with the fix: fewer replicas, or ``fix``).
     """
     nodes = max(1, world_size // max(1, ranks_per_node))
     jump = ranks_per_node if nodes > 1 else 1
     limit = nodes - 1 if nodes > 1 else world_size - 1
     if not 1 <= replicas <= limit:
-        raise ValueError(
+        raise ConfigError(
             f"replicas={replicas} needs {replicas} other {'nodes' if nodes > 1 else 'ranks'}: this run has {nodes} "
-            f"node(s) of {ranks_per_node} rank(s) ({world_size} ranks), so at most {limit}"
+            f"node(s) of {ranks_per_node} rank(s) ({world_size} ranks), so at most {limit}: pass replicas=N with N "
+            f"below that (or {fix})"
         )
     return [(rank + i * jump) % world_size for i in range(1, replicas + 1)]
 
@@ -84,7 +89,7 @@ def replica_plan(
     generations go to (it is a writer), the writers whose generations it receives, and all targets (for the log).
 
     Raises:
-        ValueError: As :func:`replica_targets`.
+        ConfigError: As :func:`replica_targets`.
     """
     plan = {w: replica_targets(w, world_size, replicas=replicas, ranks_per_node=ranks_per_node) for w in writers}
     sources = [w for w in writers if rank in plan[w]]

@@ -69,8 +69,8 @@ class Restored:
         return self.store.fs.open(f"{self.store.generation_path(self.step)}/{entry.key}", "rb")
 
 
-def require_process_group() -> None:
-    """Raise unless a ``torch.distributed`` process group exists (checked before anything is built).
+def require_process_group(who: str = "TieredCheckpointer") -> None:
+    """Raise unless a ``torch.distributed`` process group exists (checked before anything is built by ``who``).
 
     Raises:
         ConfigError: Naming ``replicas`` and the fix.
@@ -80,7 +80,7 @@ def require_process_group() -> None:
     if not dist.is_available() or not dist.is_initialized():
         raise ConfigError(
             "replicas needs torch.distributed: call torch.distributed.init_process_group on every rank before "
-            "TieredCheckpointer(..., replicas=F)"
+            f"{who}(..., replicas=F)"
         )
 
 
@@ -101,10 +101,7 @@ def open_replicas(
         raise ConfigError(f"replicas needs a node-local folder as the local tier, got {local_dirpath!r}")
     world, rank = dist.get_world_size(), dist.get_rank()
     per_node = ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    try:
-        targets, sources, every = replica_plan(rank, world, replicas=replicas, ranks_per_node=per_node, writers=WRITERS)
-    except ValueError as exc:
-        raise ConfigError(f"{exc}: pass replicas=N with N below that (or more nodes)") from exc
+    targets, sources, every = replica_plan(rank, world, replicas=replicas, ranks_per_node=per_node, writers=WRITERS)
     # Two gloo groups, separate from the training group (NCCL on GPUs), created on every rank: one streams the
     # replicas (its receiving threads run from here on), one for restore_tiered, whose messages must never
     # reach those threads.
