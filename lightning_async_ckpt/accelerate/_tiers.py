@@ -20,7 +20,6 @@ commit of the main process to the replicator, which copies it to F other process
 from __future__ import annotations
 
 import time
-from dataclasses import replace
 from typing import Any
 
 from typing_extensions import override
@@ -34,7 +33,7 @@ from lightning_async_ckpt.core.preemption import PreemptionHandler, check_preemp
 from lightning_async_ckpt.errors import ConfigError
 from lightning_async_ckpt.storage.store import CheckpointStore
 from lightning_async_ckpt.tiers.promote import Promoter
-from lightning_async_ckpt.tiers.target import TieredTarget, check_tier_options
+from lightning_async_ckpt.tiers.target import check_tier_options, promoting_engine
 from lightning_async_ckpt.tiers.tiered import local_location
 
 __all__ = ["TieredAccelerateCheckpointer", "check_tier_options"]
@@ -200,14 +199,16 @@ class TieredAccelerateCheckpointer(AccelerateCheckpointer):
             where = self.local_uri or local_location(self.local_dirpath, self.step)
             local = CheckpointStore(where, run_id=self.run_id)
             durable = CheckpointStore(self.uri, self.storage_options, run_id=self.run_id)
-            # Retention of the local tier is the promoter's: it keeps the generation due on uri until promoted.
-            self.promoter = Promoter(
-                local, durable, keep_last=self.options.keep_last, source_keep_last=self.local_keep_last
-            )
             replicator = None if self.replicas is None else self.replicas.replicator
-            target = TieredTarget(local, durable, self.promoter, replicator)  # save_state says which cut is durable
-            self._engine = self._new_engine(local, replace(self.options, keep_last=None), target=target)
-            target.bind(self._engine)  # failures raised on every process at the next collective; events logged
+            self._engine = promoting_engine(  # save_state says which cut is durable
+                self._new_engine,
+                local,
+                durable,
+                self.options,
+                local_keep_last=self.local_keep_last,
+                replicas=replicator,
+            )
+            self.promoter = self._engine.target.copier
             _log.info("local tier of this run: %s (promoted to %s)", local.uri, durable.uri)
         return self._engine
 

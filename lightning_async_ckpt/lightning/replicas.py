@@ -23,14 +23,11 @@ import logging
 from typing import Any
 
 from lightning_async_ckpt.lightning.sliced import writes_sharded
-from lightning_async_ckpt.tiers.replicas import Replicator, replica_plan
+from lightning_async_ckpt.tiers.replicas import WRITERS, Replicator, replica_plan
 
 __all__ = ["WRITERS", "ensure_group", "setup_replicas"]
 
 _log = logging.getLogger("lightning_async_ckpt")
-
-#: The ranks that write the local tier under the single-writer DDP layout.
-WRITERS = (0,)
 
 
 def ensure_group(tiers: Any, trainer: Any) -> Any:

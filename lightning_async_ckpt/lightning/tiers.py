@@ -21,7 +21,6 @@ every rank, restoring a lost local tier from a peer (:mod:`~lightning_async_ckpt
 from __future__ import annotations
 
 import logging
-from dataclasses import replace
 from typing import Any
 
 from lightning_async_ckpt.core.capture import Fence
@@ -30,8 +29,7 @@ from lightning_async_ckpt.lightning.arguments import check_apart
 from lightning_async_ckpt.lightning.replicas import setup_replicas
 from lightning_async_ckpt.lightning.sharded_tiers import place_sharded
 from lightning_async_ckpt.storage.store import CheckpointStore
-from lightning_async_ckpt.tiers.promote import Promoter
-from lightning_async_ckpt.tiers.target import TieredTarget
+from lightning_async_ckpt.tiers.target import TieredTarget, promoting_engine
 from lightning_async_ckpt.tiers.tiered import local_location
 
 __all__ = ["Tiers", "open_checkpointer"]
@@ -89,14 +87,16 @@ class Tiers:
         check_apart(store.uri, self.local_dirpath)  # dirpath=None and "" are known here, at setup
         self.local_store = CheckpointStore(local_uri or self.local_dirpath, run_id=store.run_id, check_writable=False)
         self.local_store.backend.check_writable(self.local_store.root, self.local_store.uri, name="local_dirpath")
-        # Retention of the local tier is the promoter's: it keeps the generation being promoted.
-        self.promoter = Promoter(
-            self.local_store, store, keep_last=options.keep_last, source_keep_last=self.local_keep_last
-        )
-        target = TieredTarget(self.local_store, store, self.promoter, self.replicator)  # the callback says durable
-        engine = AsyncCheckpointer(self.local_store, replace(options, keep_last=None), target=target)
+        engine = promoting_engine(
+            AsyncCheckpointer,
+            self.local_store,
+            store,
+            options,
+            local_keep_last=self.local_keep_last,
+            replicas=self.replicator,
+        )  # the callback says which saves are durable
         engine.declare_fences({Fence.BATCH_START, Fence.OPTIMIZER_STEP})
-        target.bind(engine)  # failures raised at the next hook; events in the event log; durable commit hooks
+        self.promoter = engine.target.copier
         return engine
 
     def place(self, engine: Any, store: CheckpointStore, options: Any, start_step: int) -> Any:

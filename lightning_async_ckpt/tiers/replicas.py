@@ -47,6 +47,7 @@ from lightning_async_ckpt.tiers.replica_wire import (
 
 __all__ = [
     "REPLICA_OF_KEY",
+    "WRITERS",
     "ReplicaError",
     "Replicator",
     "folder_id",
@@ -56,6 +57,9 @@ __all__ = [
 ]
 
 _log = logging.getLogger("lightning_async_ckpt")
+
+#: The ranks that write the local tier under the single-writer layout (plain loops, Lightning DDP, Accelerate).
+WRITERS = (0,)
 
 
 def replica_targets(
@@ -83,7 +87,7 @@ def replica_targets(
 
 
 def replica_plan(
-    rank: int, world_size: int, *, replicas: int, ranks_per_node: int, writers: tuple[int, ...] = (0,)
+    rank: int, world_size: int, *, replicas: int, ranks_per_node: int, writers: tuple[int, ...] = WRITERS
 ) -> tuple[list[int], list[int], list[int]]:
     """This rank's part in the single-writer layout: ``(targets, sources, every target)``: the ranks this rank's
     generations go to (it is a writer), the writers whose generations it receives, and all targets (for the log).

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
+from dataclasses import replace
 from typing import Any, Protocol
 
 from lightning_async_ckpt.core.commit_target import time_left
@@ -20,8 +22,9 @@ from lightning_async_ckpt.core.handle import SaveHandle
 from lightning_async_ckpt.core.preemption import PreemptionHandler
 from lightning_async_ckpt.errors import ConfigError
 from lightning_async_ckpt.storage.store import CheckpointStore
+from lightning_async_ckpt.tiers.promote import Promoter
 
-__all__ = ["Copier", "Replicas", "TieredEngine", "TieredTarget", "check_tier_options"]
+__all__ = ["Copier", "Replicas", "TieredEngine", "TieredTarget", "check_tier_options", "promoting_engine"]
 
 
 def check_tier_options(**values: Any) -> None:
@@ -212,3 +215,23 @@ class TieredEngine:
         """
         self.preemption.remove()
         super().close(timeout, abandon=abandon)  # type: ignore[misc]
+
+
+def promoting_engine(
+    make_engine: Callable[..., Any],
+    local: CheckpointStore,
+    durable: CheckpointStore,
+    options: Any,
+    *,
+    local_keep_last: int | None,
+    replicas: Replicas | None,
+) -> Any:
+    """``make_engine(local, options, target=...)``: an engine writing ``local`` whose :class:`TieredTarget` promotes
+    the saves that say ``durable`` with a :class:`~lightning_async_ckpt.tiers.promote.Promoter` (bound to the engine;
+    ``options.keep_last`` is the durable tier's retention, ``local_keep_last`` the promoter's of the local tier) and
+    hands each commit to ``replicas``."""
+    promoter = Promoter(local, durable, keep_last=options.keep_last, source_keep_last=local_keep_last)
+    target = TieredTarget(local, durable, promoter, replicas)
+    engine = make_engine(local, replace(options, keep_last=None), target=target)
+    target.bind(engine)  # failures raised at the next hook / collective; events logged; durable commit hooks
+    return engine

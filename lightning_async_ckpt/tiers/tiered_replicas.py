@@ -22,7 +22,7 @@ from lightning_async_ckpt.errors import ConfigError, ManifestError
 from lightning_async_ckpt.storage.manifest import Manifest
 from lightning_async_ckpt.storage.store import CheckpointStore
 from lightning_async_ckpt.tiers.replica_persist import manifest_of
-from lightning_async_ckpt.tiers.replicas import Replicator, replica_plan
+from lightning_async_ckpt.tiers.replicas import WRITERS, Replicator, replica_plan
 from lightning_async_ckpt.tiers.resume import OneStream, keeps_local, pick_local, pick_with_peers
 
 __all__ = [
@@ -34,9 +34,6 @@ __all__ = [
 ]
 
 _log = logging.getLogger("lightning_async_ckpt")
-
-#: The ranks that save under the single-writer layout of plain loops with replicas.
-WRITERS = (0,)
 
 
 @dataclass(frozen=True)
