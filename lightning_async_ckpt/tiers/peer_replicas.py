@@ -1,19 +1,11 @@
 """Peer replicas of sharded (DCP) local tiers: every rank's committed ``rank-<r>`` generation copied to F other ranks.
 
-:class:`DcpReplicas` (``TieredShardedCheckpointer(..., replicas=F)``) creates two gloo groups once, on every rank
-(collectives, never the training's or the checkpoint's group): one streams replicas, one serves :meth:`resume`.
-After each local commit, a :class:`~lightning_async_ckpt.tiers.replicas.Replicator` sends this rank's generation in
-the background (at most one in flight, the newest pending) to the ranks :func:`replica_targets` picks on other
-nodes; each target commits it, objects checked against the source manifest and the manifest last, into
-``<its local_dirpath>[/v<k>]/replica-of-rank-<r>``: a folder no rank ever reads as its own generation (its own are
-``rank-<own rank>``).
-
-:meth:`DcpReplicas.resume` (collective): every rank lists its own committed steps and the replicas it holds; the
-steps every rank can get (its own part, or a peer's replica of it) and not older than the durable tier's newest
-committed step (the one cross-tier rule, :mod:`~lightning_async_ckpt.tiers.resume`) are tried newest first: every rank verifies its own part; a rank whose part is missing or damaged gets
-it from a peer whose replica verifies intact (a damaged replica is never used), into its own ``rank-<r>`` store (a
-new version folder when a damaged committed copy holds the name). Only when no step works does every rank fall
-back to the durable tier together (rank 0 finds and verifies it).
+:class:`DcpReplicas` creates two gloo groups once, on every rank: one streams replicas (a
+:class:`~lightning_async_ckpt.tiers.replicas.Replicator` per rank, into the targets'
+``<local_dirpath>[/v<k>]/replica-of-rank-<r>``), one serves :meth:`DcpReplicas.resume`: the steps every rank can get
+(its own part, or a peer's intact replica of it, copied into its own store first) and not older than the durable
+tier's newest committed step are tried newest first; only when none works does every rank fall back to the durable
+tier together.
 """
 
 from __future__ import annotations

@@ -1,21 +1,10 @@
 """Promotion: copy a committed generation from one store to another, verified, with its own manifest last.
 
-A generation committed on a fast tier (node-local NVMe, ``/dev/shm``) is promoted to a durable tier (an object
-store, a shared filesystem) without staging the training state again: its objects are streamed from the source
-store, each one read once and checked against the source manifest's size and checksum as the bytes pass, written
-through the target store's :class:`~lightning_async_ckpt.storage.writer.GenerationWriter` (which checksums what it
-writes), and the target manifest is created exclusively, last, naming exactly the objects written. A failure at any
-point aborts the target writer (its objects are removed), so a half-promoted generation is never listed as
-committed; a generation already committed on the target is never overwritten
-(:class:`~lightning_async_ckpt.errors.GenerationExistsError`).
-
-:class:`Promoter` runs promotions on one background thread, bounded: at most one in flight plus the newest
-pending; a newer request replaces a pending one (the older is skipped), so a slow target never piles up work.
-
-Call sequence of :func:`promote_generation`::
-
-    source.manifest(step) -> target.begin(step) -> per object: place, open, read_verified(source) into the stream,
-    close, compare checksums -> commit(cut, plan, timings, extra + promoted_from) | abort
+:func:`promote_generation` streams each object of a committed source generation once, checked against the source
+manifest's size and checksum, through the target's writer, and creates the target manifest exclusively, last; a
+failure aborts the target writer (no manifest), and a generation committed on the target already is never
+overwritten (:class:`~lightning_async_ckpt.errors.GenerationExistsError`). :class:`Promoter` runs promotions on one
+background thread, bounded (``docs/tiers.md``, "What happens").
 """
 
 from __future__ import annotations

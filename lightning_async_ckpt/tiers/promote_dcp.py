@@ -1,22 +1,17 @@
 """Promotion of sharded (DCP) local generations to the durable store: every rank uploads its own files.
 
 Each rank's local generation (:mod:`.local_tier`) holds only that rank's files, so a promotion is collective: on
-the thread ``lightning_async_ckpt-promote-dcp`` of every rank, over a gloo group of its own (created once, at
-construction; never the training's group nor the checkpoint group that saves use on another thread), one round::
+the thread ``lightning_async_ckpt-promote-dcp`` of every rank, over a gloo group of its own, one round::
 
     rank 0 broadcasts the step -> all_gather(every rank holds it committed locally) -> rank 0 claims the durable
-    step, broadcasts token and prefix -> every rank streams its local objects into the durable generation, each read
-    once and checked against its local manifest, under the attempt's token (exclusive names, an attempt claim with a
-    lease) -> all_gather(entries, local path -> durable path) -> rank 0 rewrites the global metadata's file paths,
-    writes ``.metadata`` and the manifest last -> broadcast(outcome); a failed round removes every rank's uploads.
+    step, broadcasts token and prefix -> every rank streams its local objects into the durable generation (verified,
+    under the attempt's token and lease) -> all_gather(entries, local path -> durable path) -> rank 0 rewrites the
+    global metadata's file paths, writes ``.metadata`` and the manifest last -> broadcast(outcome); a failed round
+    removes every rank's uploads.
 
-The durable generation is an ordinary, reshardable DCP checkpoint. A rank killed mid-round leaves uploads without a manifest (never listed);
-the survivors' collectives fail on the broken connection and the promoter stops (its error raised once at the next
-hook). A stalled promoter that wakes later writes only its own token's names, and its commit loses to a committed
-manifest (``GenerationExistsError``), so it never touches a committed durable generation.
-
-Bounded like :class:`~lightning_async_ckpt.tiers.promote.Promoter`: one round in flight, the newest due step
-pending (a newer one replaces it). Retention per tier: :meth:`DcpPromoter.protected`.
+A rank killed mid-round leaves uploads without a manifest (never listed); the survivors' collectives fail and the
+promoter stops (its error raised once at the next hook). A stalled promoter writes only its own token's names, and
+its commit loses to a committed manifest. Bounded like :class:`~lightning_async_ckpt.tiers.promote.Promoter`.
 """
 
 from __future__ import annotations

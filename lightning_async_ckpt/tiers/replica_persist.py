@@ -1,18 +1,11 @@
 """A generation restored from a peer, made durable in the background while the restarted job loads and trains.
 
-Restoring a lost local folder from a peer (:func:`~lightning_async_ckpt.tiers.replica_restore.restore_from_peers`)
-used to write the received bytes straight to disk and commit them before any rank could load: on the 2-core
-machine the disk's write rate (230-760 MB/s) then set the restart's time, and the copy added ~2 s per 500 MB
-(docs/benchmarks.md). The bytes a restart needs are already verified as they arrive (each object's size and
-checksum against the source manifest), so with ``background=True`` the receiver writes them through the page cache
-without ``fsync``, answers, and a thread of this module makes every object durable and commits the manifest last.
-The restarted job loads the files meanwhile (from the page cache).
-
-What does not change: nothing is listed as committed before its objects are durable and its manifest is written
-last (a crash before that leaves an uncommitted attempt, never a listed generation: the next restart receives it
-again from the peer that still holds it); the attempt owns its claim until then (retention keeps away). In this
-process, :func:`manifest_of` answers the manifest the commit will write (its objects, sizes, checksums and keys)
-while the commit runs; :func:`wait_restored` joins the commits (at exit too).
+With ``background=True`` a receiver writes the verified bytes through the page cache without ``fsync``, answers, and
+a thread of this module makes every object durable and commits the manifest last (the restart's time was the disk's
+write rate otherwise; docs/benchmarks.md). Nothing is listed as committed before its objects are durable and its
+manifest written: a crash before that leaves an uncommitted attempt, received again at the next restart. In this
+process :func:`manifest_of` answers the manifest the commit will write; :func:`wait_restored` joins the commits (at
+exit too).
 """
 
 from __future__ import annotations

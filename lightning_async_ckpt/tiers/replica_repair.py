@@ -1,12 +1,9 @@
 """A receiver's held copy of an offered generation: re-verified before "have it", repaired write-once when damaged.
 
-:func:`held_copy` tells a receiver (:func:`~lightning_async_ckpt.tiers.replica_wire.receive_generation`) what its
-folder holds of the generation it is offered: nothing, an intact copy of it (every object re-read against the
-manifest's sizes and checksums, not only the manifests compared), a damaged copy of it, or another generation of
-that step. A damaged committed copy is never overwritten or truncated (its names are committed, and another attempt
-used them): :func:`repair_where` names where the fresh copy goes instead, a new version folder of the receiving local
-tier (``v<k>/`` in front of the layout's own relative folder), unless a newer version folder already holds an intact
-copy (an earlier repair). The fresh copy is committed as any replica is, its manifest last.
+:func:`held_copy` says what a folder holds of an offered generation (nothing, an intact copy: every byte re-read,
+a damaged copy, or another generation of that step). A damaged committed copy is never overwritten:
+:func:`repair_where` names a new version folder for the fresh copy (``v<k>/`` before the layout's folder), unless a
+newer one already holds an intact copy.
 """
 
 from __future__ import annotations

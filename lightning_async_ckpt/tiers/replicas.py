@@ -1,22 +1,11 @@
 """Peer replicas of the local tier: committed local generations copied to other ranks' local tiers over a gloo group.
 
-The writing rank hands each generation committed in its local tier to :meth:`Replicator.replicate`; the thread
-``lightning_async_ckpt-replicate`` sends it to the target ranks (:func:`replica_targets`: other nodes first) over a
-separate gloo process group, never on the training thread. Each target's thread
-``lightning_async_ckpt-replica-recv-<src>`` writes it into its own local tier through a
-:class:`~lightning_async_ckpt.storage.writer.GenerationWriter` (objects under write-once names, each checked against
-the source manifest's size and checksum, the manifest last, with ``extra["replica_of"]``): a half-copied replica has
-no manifest and is never listed as committed. Only the receiving rank writes its folder, so this works when each
-rank's folder is visible to that rank alone; a target whose folder already holds the generation intact (a folder
-shared by the ranks of a node; every byte re-read) answers "have it" and nothing is sent, and one holding a damaged
-copy receives it again into a new version folder (:mod:`~lightning_async_ckpt.tiers.replica_repair`).
-
-:func:`restore_from_peers` is the restart side, collective over the group: every rank reports the newest intact
-generation of its local tier, the ranks agree on the newest one any rank holds (unless the durable tier is newer),
-and each folder that lacks it receives it from a rank that holds it. Every rank then loads the same step.
-
-The messages and one generation's transfer are in :mod:`~lightning_async_ckpt.tiers.replica_wire`,
-:func:`restore_from_peers` in :mod:`~lightning_async_ckpt.tiers.replica_restore` (re-exported here).
+The writing rank hands each committed local generation to :meth:`Replicator.replicate`; the thread
+``lightning_async_ckpt-replicate`` sends it to the target ranks (:func:`replica_targets`: other nodes first); each
+target's thread ``lightning_async_ckpt-replica-recv-<src>`` commits it into its own local tier, objects checked
+against the source manifest, the manifest last with ``extra["replica_of"]`` (``docs/tiers.md``, "Peer replicas").
+The wire is :mod:`~lightning_async_ckpt.tiers.replica_wire`; the restart side, :func:`restore_from_peers`, is
+:mod:`~lightning_async_ckpt.tiers.replica_restore` (re-exported here).
 """
 
 from __future__ import annotations

@@ -1,20 +1,12 @@
-"""The one cross-tier resume: which step, which tier, for every entry point.
+"""The one cross-tier resume: which step, which tier, for every entry point (docs/tiers.md, "Resuming across tiers").
 
-``TieredCheckpointer.restore()``, ``TieredShardedCheckpointer.resume()``, ``latest_checkpoint(dirpath,
-local_dirpath=...)``, ``ckpt_path="last"`` with ``local_dirpath`` and Accelerate's ``load_state(...,
-local_dirpath=...)`` all decide here (``docs/tiers.md``, "Resuming across tiers"):
-
-1. each rank finds the newest intact generation of its own local tier that its layout accepts (:class:`LocalTier`:
-   one stream per generation, :class:`OneStream`, or every rank's own DCP part,
-   :class:`~lightning_async_ckpt.tiers.sharded_resume.RankParts`), counting only committed generations of this run
-   lineage (:func:`this_lineage`); a damaged one is skipped with a warning;
-2. the ranks agree on the oldest of those steps, and each rank above it looks again at or below it, until every
-   rank holds the same step intact (:func:`pick_local`); with peer replicas the newest step any rank holds wins and
-   a rank lacking it receives it from a peer (:func:`pick_with_peers`);
-3. the local step wins unless the durable tier holds a newer **committed** generation
-   (:func:`~lightning_async_ckpt.storage.finder.newest_committed_above`: a folder without a manifest never counts);
-   otherwise, or when a rank holds none, every rank resumes from the durable tier together (the caller's own
-   lookup there: its newest verified generation).
+1. each rank finds the newest intact generation of its own local tier that its layout accepts (:class:`LocalTier`),
+   of this run lineage (:func:`this_lineage`); a damaged one is skipped with a warning;
+2. the ranks agree on the oldest of those steps, each rank above it looking again at or below it
+   (:func:`pick_local`); with peer replicas the newest step any rank holds wins and a rank lacking it receives it
+   from a peer (:func:`pick_with_peers`);
+3. the local step wins unless the durable tier holds a newer **committed** generation; otherwise every rank resumes
+   from the durable tier together.
 """
 
 from __future__ import annotations

@@ -1,23 +1,10 @@
 """Resume of sharded (DCP) generations across two tiers: every rank agrees on one step and one tier.
 
-A local sharded generation is usable only when **every** rank holds its own part intact (:mod:`.local_tier`:
-each rank's part is in its own node-local store). :func:`latest_across_tiers` (a collective over the job's group,
-like :func:`~lightning_async_ckpt.sharded.once.latest_once`) is the one cross-tier resume
-(:func:`~lightning_async_ckpt.tiers.resume.pick_local`) over :class:`RankParts`:
-
-1. every rank finds its newest committed part (of this world size and rank, every version folder,
-   :func:`local_roots`) that re-reads intact against its checksums; the ranks agree on the oldest of these, each
-   rank above it looking again at or below it, until every rank holds one step intact;
-2. that step wins unless the durable store holds a newer committed one (rank 0 lists it; a step present on both
-   tiers is read locally);
-3. otherwise every rank falls back together to the durable store's newest verified generation (rank 0 verifies,
-   :func:`~lightning_async_ckpt.sharded.once.latest_once`), an ordinary reshardable DCP checkpoint.
-
-A rank whose local tier is missing, damaged or behind therefore makes every rank resume from the durable store.
-
-Layout of the local tier: ``<local_dirpath>/rank-<r>`` (version 0), ``<local_dirpath>/v<k>/rank-<r>``: a run that
-resumes from a step older than a local generation some rank holds writes a new version folder, since committed
-names are never rewritten.
+A local sharded generation is usable only when **every** rank holds its own part intact. :func:`latest_across_tiers`
+(collective) is the one cross-tier resume (:func:`~lightning_async_ckpt.tiers.resume.pick_local`) over
+:class:`RankParts`; otherwise every rank falls back together to the durable store's newest verified generation.
+Layout: ``<local_dirpath>[/v<k>]/rank-<r>``; a run that resumes from a step older than a local generation some rank
+holds writes a new version folder (committed names are never rewritten).
 """
 
 from __future__ import annotations

@@ -1,12 +1,8 @@
 """Two tiers as the engine's commit target: each local commit promoted where due and handed to the peer replicas.
 
-:class:`TieredTarget` is the :class:`~lightning_async_ckpt.core.interfaces.CommitTarget` of an engine writing a
-node-local tier. The engine hands it every local commit on its upload thread, before the save's ``committed``
+The engine hands :class:`TieredTarget` every local commit on its upload thread, before the save's ``committed``
 future resolves, so a drained engine has handed its newest commit over; :meth:`TieredTarget.drain` then waits for
-the promotion and the replicas. The copier and the replicas are roles (:class:`Copier`, :class:`Replicas`): the
-one-stream :class:`~lightning_async_ckpt.tiers.promote.Promoter` or the
-:class:`~lightning_async_ckpt.tiers.promote_dcp.DcpPromoter`, and a
-:class:`~lightning_async_ckpt.tiers.replicas.Replicator`.
+the promotion and the replicas (roles :class:`Copier` and :class:`Replicas`).
 """
 
 from __future__ import annotations

@@ -1,14 +1,8 @@
 """Peer replicas for plain loops: :class:`~lightning_async_ckpt.tiers.tiered.TieredCheckpointer` with ``replicas=F``.
 
-The same rules as the Lightning callback's (``docs/tiers.md``): the single-writer layout (rank 0 saves, alone), each
-committed local generation copied by a :class:`~lightning_async_ckpt.tiers.replicas.Replicator` to F other ranks'
-local tiers over a separate gloo group created here (on every rank, collectively), the targets on other nodes by
-the node layout (:func:`~lightning_async_ckpt.tiers.replicas.replica_plan`), committed by each receiver under the
-manifest rules, at most one generation in flight and the newest pending.
-
-:func:`restore_tiered` is the restart side for plain loops, the one cross-tier resume
-(:mod:`~lightning_async_ckpt.tiers.resume`): every rank agrees on one step, a rank whose local folder lacks it
-receives it from a peer, and the durable tier is only listed unless it holds a newer committed step.
+The Lightning callback's rules (``docs/tiers.md``): rank 0 saves alone, a
+:class:`~lightning_async_ckpt.tiers.replicas.Replicator` copies each committed local generation to F other ranks
+(other nodes first). :func:`restore_tiered` is the restart side (:mod:`~lightning_async_ckpt.tiers.resume`).
 """
 
 from __future__ import annotations

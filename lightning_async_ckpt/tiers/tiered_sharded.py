@@ -1,15 +1,10 @@
-"""Two tiers for sharded (DCP) plain loops: every cut committed to each rank's node-local store, the due ones
-promoted to a durable store in the background.
+"""Two tiers for sharded (DCP) plain loops: :class:`TieredShardedCheckpointer`.
 
-:class:`TieredShardedCheckpointer` is the :class:`~lightning_async_ckpt.sharded.checkpointer.ShardedCheckpointer`
-(one cut staged once: fences, guard, pooled buffers) writing the local tier (:mod:`.local_tier`: every rank a
-self-contained generation in ``<local_dirpath>/rank-<r>``), with a
-:class:`~lightning_async_ckpt.tiers.target.TieredTarget` as its commit target: a
-:class:`~lightning_async_ckpt.tiers.promote_dcp.DcpPromoter` copies the generations due on the durable
-cadence to ``durable`` (every rank its own files, verified, rank 0's manifest last), and :meth:`resume` (every rank
-agrees on one step of either tier: :mod:`.tier_resume`). Names follow
-:class:`~lightning_async_ckpt.tiers.tiered.TieredCheckpointer` (``every_n_train_steps``, ``keep_last``,
-``local_keep_last``).
+A :class:`~lightning_async_ckpt.sharded.checkpointer.ShardedCheckpointer` writing each rank's local tier
+(:mod:`.local_tier`) with a :class:`~lightning_async_ckpt.tiers.target.TieredTarget` as its commit target: a
+:class:`~lightning_async_ckpt.tiers.promote_dcp.DcpPromoter` promotes the due generations, and :meth:`resume`
+agrees on one step of either tier (:mod:`.sharded_resume`). Names follow
+:class:`~lightning_async_ckpt.tiers.tiered.TieredCheckpointer`.
 """
 
 from __future__ import annotations
