@@ -1,19 +1,11 @@
 """Peer replicas for Accelerate's two tiers: ``attach(..., local_dirpath=..., replicas=F)``.
 
-Only the main process writes the local tier (the single-writer layout of plain loops and Lightning DDP), so its
-committed local generations are what gets copied: a
-:class:`~lightning_async_ckpt.tiers.replicas.Replicator` sends each one, in the background (thread
-``lightning_async_ckpt-replicate``), to F other processes on other nodes. The node layout is accelerate's: the
-number of processes per node is one more than the highest ``accelerator.local_process_index`` (or
-``ranks_per_node``), and replica ``i`` goes to process ``i * ranks_per_node`` when there are several nodes
-(:func:`~lightning_async_ckpt.tiers.replicas.replica_plan`). The groups are
-:func:`~lightning_async_ckpt.tiers.tiered_replicas.open_replicas`'s: two gloo groups created once, at ``attach``, on
-every process, never the training's group; each receiver writes its own folder, objects checked against the source
-manifest, the manifest last (a half-copied replica is never listed as committed).
-
-With replicas attached, :func:`~lightning_async_ckpt.accelerate.load_state` takes the newest local generation any
-process holds intact unless ``uri`` holds a newer committed one, and a process whose folder lacks it receives it
-from one that holds it (:func:`~lightning_async_ckpt.tiers.resume.pick_with_peers`).
+The main process writes the local tier alone; a :class:`~lightning_async_ckpt.tiers.replicas.Replicator` copies each
+committed local generation to F other processes on other nodes (accelerate's node layout: one more than the highest
+``local_process_index``, or ``ranks_per_node``), over the two gloo groups of
+:func:`~lightning_async_ckpt.tiers.tiered_replicas.open_replicas`. With replicas attached,
+:func:`~lightning_async_ckpt.accelerate.load_state` restores a process's missing generation from a peer
+(:func:`~lightning_async_ckpt.tiers.resume.pick_with_peers`).
 """
 
 from __future__ import annotations

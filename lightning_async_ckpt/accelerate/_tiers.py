@@ -1,20 +1,13 @@
 """Two tiers for Accelerate: every ``save_state`` cut committed to a node-local tier, the due ones promoted to ``uri``.
 
 :class:`TieredAccelerateCheckpointer` is what :func:`~lightning_async_ckpt.accelerate.attach` returns with
-``local_dirpath``. The fully asynchronous path's engine writes ``local_dirpath`` (accelerate's file layout, manifest
-last, as with one tier); its commit target (:class:`~lightning_async_ckpt.tiers.target.TieredTarget`) has a
-:class:`~lightning_async_ckpt.tiers.promote.Promoter` copy each generation due on the durable cadence (``every_n_train_steps``, ``final=True``, the emergency save) from its committed local objects to
-``uri`` on the thread ``lightning_async_ckpt-promote``: nothing is staged twice and nothing of it runs on the training
-thread. Only the main process writes, so only it holds the engine and the promoter.
+``local_dirpath``: the main process's engine writes ``local_dirpath`` and its commit target promotes each generation
+due on the durable cadence (``every_n_train_steps``, ``final=True``, the emergency save) in the background, and hands
+it to the peer replicas (``replicas=F``, :mod:`~lightning_async_ckpt.accelerate._replicas`).
 
-The emergency save: ``preemption_signal`` installs a handler (main thread, in ``attach``) that only records the
-signal. Every process's flag travels with the next ``save_state`` (an exchange on the checkpointer's group each
-call while ``preemption_signal`` is set), so any process's signal counts: that call becomes the emergency save on
-every process (copied at the cut, committed locally, promoted, within ``preemption_grace_s``; logged) and
-:attr:`TieredAccelerateCheckpointer.preempted` turns true everywhere.
-
-Peer replicas (``replicas=F``, :mod:`~lightning_async_ckpt.accelerate._replicas`): the target also hands each local
-commit of the main process to the replicator, which copies it to F other processes' local tiers in the background.
+The emergency save: ``preemption_signal`` installs a handler that only records the signal; every process's flag
+travels with the next ``save_state`` (an exchange on the checkpointer's group), so any process's signal makes that
+call the emergency save on every process and :attr:`TieredAccelerateCheckpointer.preempted` true everywhere.
 """
 
 from __future__ import annotations

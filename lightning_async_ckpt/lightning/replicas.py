@@ -1,20 +1,11 @@
 """Peer replicas in Lightning (``replicas=F`` with ``local_dirpath``): the gloo group, the targets from the node
-layout, and the ranks' agreement on ``ckpt_path="last"`` (``docs/tiers.md``).
+layout, and the ranks' agreement on ``ckpt_path="last"`` (``docs/tiers.md``, "Peer replicas").
 
-Under the DCP layouts (sharded strategies, ``ddp_layout="sliced"``) every rank writes its own local generation and
-:class:`~lightning_async_ckpt.tiers.tiered_sharded.TieredShardedCheckpointer` replicates each one
-(:mod:`~lightning_async_ckpt.tiers.peer_replicas`); the rest of this module is the single-writer layout.
-
-Under the single-writer DDP layout rank 0 writes the local tier; every other rank's folder is empty unless it shares
-rank 0's node-local folder. Replica ``i`` of rank 0's generations goes to rank ``i * jump`` (``jump``: ranks per
-node, so each replica lands on another node), over a separate gloo group created once on every rank
-(:func:`setup_replicas`, at setup), by :class:`~lightning_async_ckpt.tiers.replicas.Replicator`.
-
-Resuming: Lightning resolves ``"last"`` on each rank before its process group exists. With replicas the callback
-sets up the strategy's distributed environment there (what Lightning does right after, and skips once it is done),
-then every rank agrees on one step and each folder that lacks it gets it from a peer
-(:func:`~lightning_async_ckpt.tiers.resume.pick_with_peers`); with no local generation as new as ``dirpath``'s newest
-committed one, every rank resumes from ``dirpath`` together.
+Under the single-writer DDP layout rank 0's local generations go to ``i * ranks_per_node`` over a gloo group created
+once on every rank (:func:`setup_replicas`); under the DCP layouts
+:class:`~lightning_async_ckpt.tiers.tiered_sharded.TieredShardedCheckpointer` replicates every rank's own. Lightning
+resolves ``"last"`` before its process group exists, so :func:`ensure_group` sets up the strategy's distributed
+environment first (what Lightning does next anyway).
 """
 
 from __future__ import annotations

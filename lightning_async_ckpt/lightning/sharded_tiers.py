@@ -1,19 +1,11 @@
-"""``AsyncCheckpointCallback(local_dirpath=...)`` under sharded strategies (``ModelParallelStrategy``/FSDP2,
-``FSDPStrategy`` sharded) and ``ddp_layout="sliced"``: the two tiers of DCP generations.
+"""``AsyncCheckpointCallback(local_dirpath=...)`` under sharded strategies and ``ddp_layout="sliced"``: the two tiers
+of DCP generations (``docs/tiers.md``, "Sharded and sliced layouts").
 
-Every rank writes a self-contained local generation of its own (its shards, the replicated items, a per-rank
-``.metadata`` and its own copy of Lightning's ``meta.pt``) into ``<local_dirpath>/rank-<r>``
-(:class:`~lightning_async_ckpt.tiers.tiered_sharded.TieredShardedCheckpointer`); the generations due on the durable cadence
-are promoted by every rank together to ``dirpath``, an ordinary Lightning DCP folder with rank 0's ``meta.pt``
-(:mod:`~lightning_async_ckpt.tiers.promote_dcp`). The callback's :class:`~lightning_async_ckpt.lightning.tiers.Tiers`
-says which saves are durable; the checkpointer's commit target promotes them, as for single-file generations.
-
-``ckpt_path="last"``: every rank agrees on one step (:func:`find_last_sharded`, a collective: the strategy's
-distributed environment is set up first, as Lightning does next anyway); a rank then loads its own local folder, or
-every rank the durable generation when any rank's local part is missing, damaged or behind. With ``replicas=F``
-each rank's committed local generations are also copied to F peers' folders, and a rank whose part is missing or
-damaged gets it from a peer's intact replica first (:mod:`~lightning_async_ckpt.tiers.peer_replicas`); the
-emergency save waits for the replicas of its step within ``preemption_grace_s`` (the engine's ``emergency_save``).
+Every rank writes a self-contained local generation into ``<local_dirpath>/rank-<r>``
+(:class:`~lightning_async_ckpt.tiers.tiered_sharded.TieredShardedCheckpointer`); the due ones are promoted by every
+rank together. ``ckpt_path="last"``: every rank agrees on one step (:func:`find_last_sharded`, a collective); a rank
+then loads its own local folder, or every rank the durable generation when any rank's part is missing, damaged or
+behind (with ``replicas=F``, a missing or damaged part is first restored from a peer's intact replica).
 """
 
 from __future__ import annotations

@@ -1,21 +1,11 @@
-"""Two tiers, one cut: every cut is committed to a node-local tier, and the generations due on the durable cadence
-are promoted from there to ``dirpath`` in the background (:class:`~lightning_async_ckpt.tiers.promote.Promoter`).
+"""Two tiers, one cut: every cut committed to a node-local tier, the generations due on the durable cadence promoted
+from there to ``dirpath`` in the background (``docs/tiers.md``).
 
-The engine (:class:`~lightning_async_ckpt.core.engine.AsyncCheckpointer`) writes the local tier
-(``local_dirpath``): staged once, committed with its manifest last, then handed to its commit target
-(:class:`~lightning_async_ckpt.tiers.target.TieredTarget`), which promotes it when due and hands it to the peer
-replicas. This module builds that target and says which cut is durable. A generation due on the durable cadence
-(``every_n_train_steps``, the epoch and validation triggers, the final and the emergency checkpoint) is copied
-from its committed local objects to ``dirpath``, verified against the local manifest's checksums, and committed
-there with its own manifest last. Nothing of a promotion runs on the training thread; its errors are queued in the
-engine (``report_error``) and raised once at the next hook like a failed save's.
-
-Resuming across tiers (``latest_checkpoint`` with ``local_dirpath``, ``ckpt_path="last"``) lives in
-:mod:`~lightning_async_ckpt.lightning.tier_resume`; DCP generations' tiers in
+:class:`Tiers` builds the engine writing the local tier, whose commit target
+(:class:`~lightning_async_ckpt.tiers.target.TieredTarget`) promotes a cut when the callback says it is durable and
+hands it to the peer replicas (:mod:`~lightning_async_ckpt.lightning.replicas`); a promotion's error is raised once
+at the next hook. Resuming across tiers: :mod:`~lightning_async_ckpt.lightning.tier_resume`; DCP generations:
 :mod:`~lightning_async_ckpt.lightning.sharded_tiers`.
-
-With ``replicas`` every local commit is also copied to peers' local tiers on other nodes, and ``"last"`` is agreed by
-every rank, restoring a lost local tier from a peer (:mod:`~lightning_async_ckpt.lightning.replicas`).
 """
 
 from __future__ import annotations
