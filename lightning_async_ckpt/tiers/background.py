@@ -1,4 +1,4 @@
-"""What the background copiers of the tiers share: events, quiet retention, and the promoters' bounded queue.
+"""What the background copiers of the tiers share: events, quiet retention, object collectives, the promoters' queue.
 
 :class:`PromotionQueue` is the part :class:`~lightning_async_ckpt.tiers.promote.Promoter` (one stream) and
 :class:`~lightning_async_ckpt.tiers.promote_dcp.DcpPromoter` (every rank together) have in common: at most one
@@ -17,7 +17,7 @@ from typing import Any
 from lightning_async_ckpt.storage.manifest import Manifest
 from lightning_async_ckpt.storage.store import CheckpointStore
 
-__all__ = ["PromotionQueue", "emit", "retain_quietly"]
+__all__ = ["PromotionQueue", "emit", "from_first", "gather", "retain_quietly"]
 
 _log = logging.getLogger("lightning_async_ckpt")
 
@@ -29,6 +29,28 @@ def emit(on_event: Callable[..., None] | None, what: str, name: str, /, **fields
             on_event(name, **fields)
         except Exception:  # noqa: BLE001 - telemetry never fails a promotion or a replica
             _log.debug("%s event %s not recorded", what, name, exc_info=True)
+
+
+def gather(group: Any, obj: Any) -> list[Any]:
+    """Every rank's ``obj`` over ``group``, by rank (collective; ``[obj]`` without a group)."""
+    if group is None:
+        return [obj]
+    import torch.distributed as dist
+
+    out: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def from_first(group: Any, obj: Any) -> Any:
+    """Rank 0 of ``group``'s ``obj``, on every rank (collective; ``obj`` itself without a group)."""
+    if group is None:
+        return obj
+    import torch.distributed as dist
+
+    box = [obj]
+    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
+    return box[0]
 
 
 def retain_quietly(store: CheckpointStore, keep_last: int | None, **options: Any) -> None:

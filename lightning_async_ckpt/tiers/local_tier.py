@@ -55,6 +55,7 @@ from lightning_async_ckpt.sharded.handle import ShardedSaveError
 from lightning_async_ckpt.sharded.persister import DcpPersister
 from lightning_async_ckpt.storage.manifest import Manifest
 from lightning_async_ckpt.storage.store import CheckpointStore
+from lightning_async_ckpt.tiers.background import from_first
 
 __all__ = [
     "GLOBAL_METADATA_NAME",
@@ -224,17 +225,17 @@ class LocalTierPersister(DcpPersister):
         except (Exception, CheckpointException) as exc:  # noqa: BLE001 - DCP failed it on every rank
             writer.abort()
             raise self.save_error(work, exc, "local") from exc
-        box = [writer.global_metadata]
         try:
-            if pg is not None:
-                dist.broadcast_object_list(box, src=dist.get_global_rank(pg, 0), group=pg)
+            global_metadata = from_first(pg, writer.global_metadata)
         except Exception as exc:  # a dead peer: nothing committed here
             writer.abort()
             raise ShardedSaveError(f"local save of step {work.step} failed, not committed: {exc}") from exc
         manifest: Manifest | None = None
         failure: BaseException | None = None
         try:
-            manifest = writer.commit_local(box[0], rank=self.rank, world_size=self.world_size, cut=dict(work.cut))
+            manifest = writer.commit_local(
+                global_metadata, rank=self.rank, world_size=self.world_size, cut=dict(work.cut)
+            )
         except Exception as exc:  # noqa: BLE001 - agreed on below, raised on every rank
             failure = exc
             writer.abort()

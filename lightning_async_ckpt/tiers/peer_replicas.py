@@ -23,6 +23,7 @@ from lightning_async_ckpt.errors import ConfigError, StoreUnavailableError
 from lightning_async_ckpt.sharded.once import latest_once
 from lightning_async_ckpt.storage.finder import newest_committed_above
 from lightning_async_ckpt.storage.store import CheckpointStore
+from lightning_async_ckpt.tiers.background import gather
 from lightning_async_ckpt.tiers.local_tier import LOCAL_TIER_KEY, rank_store
 from lightning_async_ckpt.tiers.replica_wire import Kind, Wire, receive_generation, send_generation
 from lightning_async_ckpt.tiers.replicas import Replicator, replica_targets
@@ -201,11 +202,6 @@ class _PeerResume:
         self.group, self.local_dirpath = group, local_dirpath
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
 
-    def _gather(self, obj: Any) -> list[Any]:
-        out: list[Any] = [None] * self.world_size
-        dist.all_gather_object(out, obj, group=self.group)
-        return out
-
     def choose(self, durable: CheckpointStore, verify: bool) -> TierChoice | None:
         """:func:`local_from_peers`: gather every rank's own steps and held replicas, try the candidates newest first."""
         local, rank = self.local_dirpath, self.rank
@@ -216,7 +212,7 @@ class _PeerResume:
                 listed = newest_committed_above(durable_roots(durable), max(own, default=None))
             except Exception as exc:  # noqa: BLE001 - raised on every rank below
                 listed = f"{type(exc).__name__}: {exc}"
-        everyone = self._gather({"own": own, "held": held_replicas(local, self.world_size), "durable": listed})
+        everyone = gather(self.group, {"own": own, "held": held_replicas(local, self.world_size), "durable": listed})
         durable_step = everyone[0]["durable"]
         if isinstance(durable_step, str):
             raise StoreUnavailableError(f"rank 0 could not list the durable tier {durable.uri}: {durable_step}")
@@ -248,7 +244,7 @@ class _PeerResume:
             if step not in own
             else part_problem(rank_store(version_root(local, own[step]), rank), step, verify)
         )
-        verdicts = self._gather(problem)
+        verdicts = gather(self.group, problem)
         needers = [r for r, p in enumerate(verdicts) if p is not None]
         if not needers:
             _log.info("resuming step %d from the local tier %s (every rank holds it intact)", step, local)
@@ -259,7 +255,7 @@ class _PeerResume:
             for r in needers
             if r != rank and step in held.get(r, {})
         }
-        found = self._gather(checks)
+        found = gather(self.group, checks)
         pairs: list[tuple[int, int, int]] = []  # (needer, source, version of the source's replica)
         for r in needers:
             intact = [t for t in sources(r, step) if r in found[t] and found[t][r] is None]
@@ -292,7 +288,7 @@ class _PeerResume:
                     )
             except Exception as exc:  # noqa: BLE001 - agreed on below
                 failure = f"{type(exc).__name__}: {exc}"
-        outcome = self._gather(failure)
+        outcome = gather(self.group, failure)
         if any(outcome):
             _log.warning("restoring local step %d from peers failed: %s", step, [o for o in outcome if o])
             return None

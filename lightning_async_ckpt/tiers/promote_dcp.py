@@ -39,7 +39,7 @@ from lightning_async_ckpt.storage.io import read_verified
 from lightning_async_ckpt.storage.manifest import Manifest, ObjectEntry
 from lightning_async_ckpt.storage.store import CheckpointStore
 from lightning_async_ckpt.storage.verification import object_path
-from lightning_async_ckpt.tiers.background import PromotionQueue, retain_quietly
+from lightning_async_ckpt.tiers.background import PromotionQueue, from_first, gather, retain_quietly
 from lightning_async_ckpt.tiers.local_tier import GLOBAL_METADATA_NAME
 from lightning_async_ckpt.tiers.promote import PROMOTED_FROM_KEY, PromotionError
 
@@ -137,20 +137,6 @@ class DcpPromoter(PromotionQueue):
         return finished
 
     # -- the promotion thread ---------------------------------------------------------------------------------
-    def _send(self, obj: Any) -> Any:
-        if self.group is None:
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0), group=self.group)
-        return box[0]
-
-    def _gather(self, obj: Any) -> list[Any]:
-        if self.group is None:
-            return [obj]
-        out: list[Any] = [None] * self.world_size
-        dist.all_gather_object(out, obj, group=self.group)
-        return out
-
     def _run(self) -> None:
         step = None
         try:
@@ -162,7 +148,7 @@ class DcpPromoter(PromotionQueue):
                             self._cond.wait()
                         step, self._pending = self._pending, None
                         self._in_flight = step
-                step = self._send(step)
+                step = from_first(self.group, step)
                 if step is None:
                     return
                 with self._cond:
@@ -190,7 +176,7 @@ class DcpPromoter(PromotionQueue):
             problem = None
         except Exception as exc:  # noqa: BLE001 - gathered: every rank learns which rank lacks it
             manifest, problem = None, f"rank {self.rank}: {type(exc).__name__}: {exc}"
-        problems = [p for p in self._gather(problem) if p is not None]
+        problems = [p for p in gather(self.group, problem) if p is not None]
         if problems:
             self._fail_round(
                 step, PromotionError(f"step {step} not promoted: not committed locally on " + "; ".join(problems))
@@ -207,7 +193,7 @@ class DcpPromoter(PromotionQueue):
                 start = ("exists",)
             except Exception as exc:  # noqa: BLE001 - broadcast: every rank skips this round
                 start = ("error", f"{type(exc).__name__}: {exc}")
-        start = self._send(start if self.rank == 0 else None)
+        start = from_first(self.group, start if self.rank == 0 else None)
         if start[0] != "go":
             if start[0] == "exists":
                 _log.info("step %d is committed on %s already: not promoted again", step, self.target.uri)
@@ -223,7 +209,7 @@ class DcpPromoter(PromotionQueue):
             report: Any = self._upload(step, manifest, fs, prefix, claim)
         except Exception as exc:  # noqa: BLE001 - gathered, then every rank removes its uploads
             report = f"rank {self.rank}: {type(exc).__name__}: {exc}"
-        reports = self._gather(report)
+        reports = gather(self.group, report)
         outcome: Any = None
         if self.rank == 0:
             assert claim is not None
@@ -236,7 +222,7 @@ class DcpPromoter(PromotionQueue):
             except Exception as exc:  # noqa: BLE001 - broadcast below
                 claim.abort()
                 outcome = ("failed", f"{type(exc).__name__}: {exc}", isinstance(exc, GenerationExistsError))
-        outcome = self._send(outcome)
+        outcome = from_first(self.group, outcome)
         if outcome[0] != "ok":
             fs.undo(frozenset())
             if len(outcome) > 2 and outcome[2]:

@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from lightning_async_ckpt.storage.generation import version_folders
 from lightning_async_ckpt.storage.store import CheckpointStore
+from lightning_async_ckpt.tiers.background import gather
 from lightning_async_ckpt.tiers.replica_wire import Kind, ReplicaError, Wire, receive_generation, send_generation
 
 __all__ = ["folder_id", "restore_from_peers"]
@@ -79,11 +80,9 @@ def restore_from_peers(
     Raises:
         ReplicaError: A copy failed (on the ranks that sent or received it; the others see the barrier fail).
     """
-    world = dist.get_world_size(group)
     rank = dist.get_rank(group)
     mine = {"local": newest_local, "durable": durable_step, "folder": folder_id(local_dirpath)}
-    everyone: list[Any] = [None] * world
-    dist.all_gather_object(everyone, mine, group=group)
+    everyone = gather(group, mine)
     held = [e["local"][1] for e in everyone if e["local"] is not None]
     durable = max((e["durable"] for e in everyone if e["durable"] is not None), default=None)
     if not held:
@@ -124,9 +123,8 @@ def restore_from_peers(
                 _log.warning("local tier lost step %d: restored from rank %d's replica", step, source)
         except Exception as exc:  # noqa: BLE001 - agreed below
             failure = exc
-    outcome: list[Any] = [None] * world
     problem = None if failure is None else f"{type(failure).__name__}: {failure}"
-    dist.all_gather_object(outcome, (problem, here), group=group)
+    outcome = gather(group, (problem, here))
     problems = [f"rank {r}: {p}" for r, (p, _) in enumerate(outcome) if p]
     if problems:
         raise ReplicaError("restoring the local tier from peers failed: " + "; ".join(problems))

@@ -15,6 +15,7 @@ from typing import Any
 from lightning_async_ckpt.errors import ConfigError, ManifestError
 from lightning_async_ckpt.storage.manifest import Manifest
 from lightning_async_ckpt.storage.store import CheckpointStore
+from lightning_async_ckpt.tiers.background import from_first
 from lightning_async_ckpt.tiers.replica_persist import manifest_of
 from lightning_async_ckpt.tiers.replicas import WRITERS, Replicator, replica_plan
 from lightning_async_ckpt.tiers.resume import OneStream, keeps_local, pick_local, pick_with_peers
@@ -132,14 +133,7 @@ def restore_tiered(group: Any, local_dirpath: str, durable: CheckpointStore) -> 
 
 def _durable_latest(group: Any, durable: CheckpointStore) -> int | None:
     """``durable``'s newest verified step, chosen by rank 0 of ``group`` for every rank (alone without one)."""
-    if group is None:
-        info = durable.latest()
-        return None if info is None else info.step
     import torch.distributed as dist
 
-    choice: list[Any] = [None]
-    if dist.get_rank(group) == 0:
-        info = durable.latest()
-        choice = [None if info is None else info.step]
-    dist.broadcast_object_list(choice, src=dist.get_global_rank(group, 0), group=group)
-    return choice[0]
+    info = durable.latest() if group is None or dist.get_rank(group) == 0 else None
+    return from_first(group, None if info is None else info.step)

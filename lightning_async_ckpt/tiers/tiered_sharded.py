@@ -21,6 +21,7 @@ from lightning_async_ckpt.errors import ConfigError, renamed
 from lightning_async_ckpt.sharded.checkpointer import ShardedCheckpointer
 from lightning_async_ckpt.sharded.once import gloo_group
 from lightning_async_ckpt.storage.store import CheckpointStore
+from lightning_async_ckpt.tiers.background import gather
 from lightning_async_ckpt.tiers.local_tier import LocalTierPersister, rank_store
 from lightning_async_ckpt.tiers.peer_replicas import DcpReplicas, check_replicas
 from lightning_async_ckpt.tiers.promote_dcp import DcpPromoter
@@ -174,10 +175,7 @@ class TieredShardedCheckpointer(TieredEngine, ShardedCheckpointer):
         group): the newest local version folder when no rank holds a generation (or leftover) there newer than
         ``start_step``, else a new version folder (committed names are never rewritten)."""
         _, version, newest = local_state(self.local_dirpath, self.rank, self.world_size)
-        everyone = [(version, newest)]
-        if self.process_group is not None:
-            everyone = [None] * self.world_size
-            dist.all_gather_object(everyone, (version, newest), group=self.process_group)
+        everyone = gather(self.process_group, (version, newest))
         top = max(v for v, _ in everyone)
         newest_top = max((n for v, n in everyone if v == top and n is not None), default=None)
         self._use_version(top + 1 if newest_top is not None and newest_top > start_step else top)
