@@ -24,11 +24,18 @@ from lightning_async_ckpt.sharded.once import latest_once
 from lightning_async_ckpt.storage.finder import newest_committed_above
 from lightning_async_ckpt.storage.store import CheckpointStore
 from lightning_async_ckpt.tiers.background import gather
-from lightning_async_ckpt.tiers.local_tier import LOCAL_TIER_KEY, rank_store
+from lightning_async_ckpt.tiers.local_tier import rank_store
 from lightning_async_ckpt.tiers.replica_wire import Kind, Wire, receive_generation, send_generation
 from lightning_async_ckpt.tiers.replicas import Replicator, replica_targets
 from lightning_async_ckpt.tiers.resume import durable_roots
-from lightning_async_ckpt.tiers.sharded_resume import TierChoice, local_roots, local_state, part_problem, version_root
+from lightning_async_ckpt.tiers.sharded_resume import (
+    TierChoice,
+    local_roots,
+    local_state,
+    part_problem,
+    parts_of,
+    version_root,
+)
 from lightning_async_ckpt.tiers.target import check_tier_options
 from lightning_async_ckpt.tiers.tiered_replicas import require_process_group
 
@@ -85,10 +92,8 @@ def held_replicas(local_dirpath: str, world_size: int) -> dict[int, dict[int, in
             except Exception as exc:  # noqa: BLE001 - an unreadable replica folder is a missing one
                 _log.warning("replicas of rank %d in %s cannot be listed (%s): not used", source, root, exc)
                 continue
-            for info in listed:
-                mark = info.manifest.extra.get(LOCAL_TIER_KEY) if info.manifest is not None else None
-                if info.committed and mark == {"rank": source, "world_size": world_size}:
-                    out.setdefault(source, {})[info.step] = version
+            for step in parts_of(listed, source, world_size):
+                out.setdefault(source, {})[step] = version
     return out
 
 

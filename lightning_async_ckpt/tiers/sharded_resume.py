@@ -30,6 +30,7 @@ __all__ = [
     "local_roots",
     "local_state",
     "part_problem",
+    "parts_of",
     "version_root",
 ]
 
@@ -87,13 +88,20 @@ def local_state(local_dirpath: str, rank: int, world_size: int) -> tuple[dict[in
             _log.warning("rank %d: local version %d cannot be listed (%s): it is not used", rank, version, exc)
             continue
         per_version[version] = [info.step for info in listed]
-        for info in listed:
-            mark = info.manifest.extra.get(LOCAL_TIER_KEY) if info.manifest is not None else None
-            if info.committed and mark == {"rank": rank, "world_size": world_size}:
-                steps[info.step] = version
+        steps.update(dict.fromkeys(parts_of(listed, rank, world_size), version))
     used = [v for v, listed in per_version.items() if listed]
     top = max(used, default=0)
     return steps, top, max(per_version.get(top, []), default=None)
+
+
+def parts_of(listed: list[Any], rank: int, world_size: int) -> list[int]:
+    """The steps of the generations ``listed`` that are committed parts of ``rank`` at ``world_size``."""
+    mark = {"rank": rank, "world_size": world_size}
+    return [
+        i.step
+        for i in listed
+        if i.committed and i.manifest is not None and i.manifest.extra.get(LOCAL_TIER_KEY) == mark
+    ]
 
 
 def latest_across_tiers(local_dirpath: str, durable: CheckpointStore, *, verify: bool = True) -> TierChoice | None:

@@ -154,9 +154,8 @@ def _holder(st: LocalStore, replica_of: dict[str, Any] | None) -> str:
     """The ``HOLDER`` label: ``rank-<r>`` / ``replica-of-rank-<r>`` (DCP), ``writer`` / ``replica-of-rank-<r>``
     (single-writer, from the manifest's ``replica_of``), under ``v<k>/`` in a version folder."""
     if st.rank is not None:
-        leaf = f"replica-of-rank-{st.rank}" if st.replica else f"rank-{st.rank}"
-    else:
-        leaf = f"replica-of-rank-{replica_of.get('rank')}" if replica_of else "writer"
+        return st.name
+    leaf = f"replica-of-rank-{replica_of.get('rank')}" if replica_of else "writer"
     return f"v{st.version}/{leaf}" if st.version else leaf
 
 
