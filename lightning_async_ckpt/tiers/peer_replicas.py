@@ -26,7 +26,7 @@ from lightning_async_ckpt.storage.store import CheckpointStore
 from lightning_async_ckpt.tiers.background import gather
 from lightning_async_ckpt.tiers.local_tier import rank_store
 from lightning_async_ckpt.tiers.replica_wire import Kind, Wire, receive_generation, send_generation
-from lightning_async_ckpt.tiers.replicas import Replicator, replica_targets
+from lightning_async_ckpt.tiers.replicas import open_replicator, replica_targets
 from lightning_async_ckpt.tiers.resume import durable_roots
 from lightning_async_ckpt.tiers.sharded_resume import (
     TierChoice,
@@ -141,25 +141,18 @@ class DcpReplicas:
         timeout_s: float,
         on_event: Any = None,
     ) -> None:
-        from datetime import timedelta
-
         plan = check_replicas(replicas, ranks_per_node, local_dirpath)
         self.local_dirpath = local_dirpath.rstrip("/")
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        sources = [r for r, targets in plan.items() if self.rank in targets]
-        timeout = timedelta(seconds=timeout_s)
-        self.group = dist.new_group(backend="gloo", timeout=timeout)
-        stream = dist.new_group(backend="gloo", timeout=timeout)
-        self.replicator = Replicator(
-            stream,
+        self.group, self.replicator = open_replicator(
             self.local_dirpath,
+            timeout_s=timeout_s,
             targets=plan[self.rank],
-            sources=sources,
+            sources=[r for r, targets in plan.items() if self.rank in targets],
             keep_last=keep_last,
             on_event=on_event,
             where=lambda uri: replica_where(self.local_dirpath, uri),
         )
-        self.replicator.start_receiving()
         _log.info("replicas of rank %d's local generations go to ranks %s", self.rank, plan[self.rank])
 
     def replicate(self, store: CheckpointStore, step: int) -> None:

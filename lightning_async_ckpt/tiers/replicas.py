@@ -40,6 +40,7 @@ __all__ = [
     "ReplicaError",
     "Replicator",
     "folder_id",
+    "open_replicator",
     "replica_plan",
     "replica_targets",
     "restore_from_peers",
@@ -87,6 +88,21 @@ def replica_plan(
     plan = {w: replica_targets(w, world_size, replicas=replicas, ranks_per_node=ranks_per_node) for w in writers}
     sources = [w for w in writers if rank in plan[w]]
     return plan.get(rank, []), sources, sorted({t for targets in plan.values() for t in targets})
+
+
+def open_replicator(local_dirpath: str, *, timeout_s: float | None = None, **replicator: Any) -> tuple[Any, Replicator]:
+    """On every rank (collective): two gloo groups apart from the training's (NCCL on GPUs), one for the restart side
+    (whose messages must never reach the receiving threads) and one streaming the replicas, and this rank's
+    :class:`Replicator` (``replicator``: its arguments) on the second, receiving already; (restart group,
+    replicator)."""
+    from datetime import timedelta
+
+    timeout = {} if timeout_s is None else {"timeout": timedelta(seconds=timeout_s)}
+    group = dist.new_group(backend="gloo", **timeout)
+    stream = dist.new_group(backend="gloo", **timeout)
+    opened = Replicator(stream, local_dirpath, **replicator)
+    opened.start_receiving()
+    return group, opened
 
 
 class Replicator:

@@ -17,7 +17,7 @@ from lightning_async_ckpt.storage.manifest import Manifest
 from lightning_async_ckpt.storage.store import CheckpointStore
 from lightning_async_ckpt.tiers.background import from_first
 from lightning_async_ckpt.tiers.replica_persist import manifest_of
-from lightning_async_ckpt.tiers.replicas import WRITERS, Replicator, replica_plan
+from lightning_async_ckpt.tiers.replicas import WRITERS, Replicator, open_replicator, replica_plan
 from lightning_async_ckpt.tiers.resume import OneStream, keeps_local, pick_local, pick_with_peers
 
 __all__ = [
@@ -94,13 +94,7 @@ def open_replicas(
     world, rank = dist.get_world_size(), dist.get_rank()
     per_node = ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world))
     targets, sources, every = replica_plan(rank, world, replicas=replicas, ranks_per_node=per_node, writers=WRITERS)
-    # Two gloo groups, separate from the training group (NCCL on GPUs), created on every rank: one streams the
-    # replicas (its receiving threads run from here on), one for restore_tiered, whose messages must never
-    # reach those threads.
-    group = dist.new_group(backend="gloo")
-    stream = dist.new_group(backend="gloo")
-    replicator = Replicator(stream, local_dirpath, targets=targets, sources=sources, keep_last=keep_last)
-    replicator.start_receiving()
+    group, replicator = open_replicator(local_dirpath, targets=targets, sources=sources, keep_last=keep_last)
     _log.info("replicas of rank %s's local tier go to ranks %s", WRITERS, every)
     return group, replicator
 
