@@ -83,19 +83,7 @@ class TieredCheckpointer(TieredEngine, AsyncCheckpointer):
         promote_every_n_steps: Former name of ``every_n_train_steps`` (a ``FutureWarning``).
         **overrides: Any :class:`CheckpointOptions` field.
 
-    Example::
-
-        ckpt = TieredCheckpointer("/local_nvme/run", "s3://bucket/run", every_n_train_steps=500,
-                                  local_keep_last=2, keep_last=3, preemption_signal=signal.SIGUSR1)
-        ckpt.attach(model, optimizer)
-        for step in range(1, steps + 1):
-            train_step()
-            if ckpt.preempted:
-                ckpt.emergency_save(step, state(), grace_s=60)
-                break
-            if step % 50 == 0:
-                ckpt.save(step, state(), modules=[model], optimizers=[optimizer])
-        ckpt.close()
+    Example: ``docs/tiers.md``, "Plain loops" (``preempted`` checked each step, ``emergency_save`` when set).
     """
 
     def __init__(
