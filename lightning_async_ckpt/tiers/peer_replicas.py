@@ -10,7 +10,6 @@ tier together.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import re
@@ -25,7 +24,7 @@ from lightning_async_ckpt.storage.finder import newest_committed_above
 from lightning_async_ckpt.storage.store import CheckpointStore
 from lightning_async_ckpt.tiers.background import gather
 from lightning_async_ckpt.tiers.local_tier import rank_store
-from lightning_async_ckpt.tiers.replica_wire import Kind, Wire, receive_generation, send_generation
+from lightning_async_ckpt.tiers.replica_wire import Wire, receive_from, send_generation
 from lightning_async_ckpt.tiers.replicas import open_replicator, replica_targets
 from lightning_async_ckpt.tiers.resume import durable_roots
 from lightning_async_ckpt.tiers.sharded_resume import (
@@ -271,12 +270,7 @@ class _PeerResume:
                     send_generation(wire, replica_store(local, version, needer), step, "", needer)
                 elif rank == needer:
                     here = version if step not in own else max(local_roots(local)) + 1
-                    kind, payload = wire.recv(source)
-                    header = json.loads(payload) if kind == Kind.GEN else None
-                    where = f"v{here}/rank-{rank}" if here else f"rank-{rank}"
-                    committed = None if header is None else receive_generation(wire, source, header, local, where=where)
-                    if committed is None:
-                        raise RuntimeError(f"step {step} could not be received from rank {source}")
+                    receive_from(wire, source, local, f"v{here}/rank-{rank}" if here else f"rank-{rank}", step)
                     _log.warning(
                         "rank %d's local part of step %d was %s: restored from rank %d's replica",
                         rank,

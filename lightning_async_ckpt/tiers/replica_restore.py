@@ -9,7 +9,6 @@ folder.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import uuid
@@ -21,7 +20,7 @@ import torch.distributed as dist
 from lightning_async_ckpt.storage.generation import version_folders
 from lightning_async_ckpt.storage.store import CheckpointStore
 from lightning_async_ckpt.tiers.background import gather
-from lightning_async_ckpt.tiers.replica_wire import Kind, ReplicaError, Wire, receive_generation, send_generation
+from lightning_async_ckpt.tiers.replica_wire import ReplicaError, Wire, receive_from, send_generation
 
 __all__ = ["folder_id", "restore_from_peers"]
 
@@ -110,16 +109,7 @@ def restore_from_peers(
                 _log.info("restored step %d to rank %d's local tier from this rank", step, needer)
             elif rank == needer:
                 here = _free_version(local_dirpath, newest_store(version), (version, step))
-                kind, payload = wire.recv(source)
-                header = json.loads(payload) if kind == Kind.GEN else None
-                where = _version_name(here)
-                committed = (
-                    None
-                    if header is None
-                    else receive_generation(wire, source, header, local_dirpath, where=where, background=background)
-                )
-                if committed is None:
-                    raise ReplicaError(f"step {step} could not be restored from rank {source}")
+                receive_from(wire, source, local_dirpath, _version_name(here), step, background=background)
                 _log.warning("local tier lost step %d: restored from rank %d's replica", step, source)
         except Exception as exc:  # noqa: BLE001 - agreed below
             failure = exc

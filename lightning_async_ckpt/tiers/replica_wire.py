@@ -36,6 +36,7 @@ __all__ = [
     "Kind",
     "ReplicaError",
     "Wire",
+    "receive_from",
     "receive_generation",
     "send_generation",
     "tier_folder",
@@ -330,6 +331,23 @@ def receive_generation(
         _log.warning("replica of step %d from rank %d not committed in %s: %s", step, src, store.uri, exc)
         return None
     wire.send(src, Kind.OK)
+    return committed
+
+
+def receive_from(wire: Wire, src: int, root: str, where: str, step: int, *, background: bool = False) -> Manifest:
+    """Receive generation ``step``, which ``src`` sends next, into folder ``where`` of local tier ``root``
+    (:func:`receive_generation`; a restart's copy from a peer).
+
+    Raises:
+        ReplicaError: It was not received (``src`` was told).
+    """
+    kind, payload = wire.recv(src)
+    header = json.loads(payload) if kind == Kind.GEN else None
+    committed = (
+        None if header is None else receive_generation(wire, src, header, root, where=where, background=background)
+    )
+    if committed is None:
+        raise ReplicaError(f"step {step} could not be restored from rank {src}")
     return committed
 
 
