@@ -158,10 +158,6 @@ class DcpReplicas:
         """Send committed generation ``step`` of this rank's local ``store`` to the targets, in the background."""
         self.replicator.replicate(store, step)
 
-    def close(self, timeout: float | None = None) -> bool:
-        """Finish the replications asked for and stop every replica thread (every rank)."""
-        return self.replicator.close(timeout)
-
     def resume(self, durable: CheckpointStore, *, verify: bool = True) -> TierChoice | None:
         """The generation every rank resumes from: :func:`local_from_peers`, else the durable tier's newest verified
         one on every rank (rank 0 finds it); ``None`` when neither holds one. Collective.
