@@ -17,7 +17,7 @@ from typing import Any
 from lightning_async_ckpt.storage.manifest import Manifest
 from lightning_async_ckpt.storage.store import CheckpointStore
 
-__all__ = ["PromotionQueue", "emit", "from_first", "gather", "retain_quietly"]
+__all__ = ["NewestWins", "PromotionQueue", "emit", "from_first", "gather", "retain_quietly"]
 
 _log = logging.getLogger("lightning_async_ckpt")
 
@@ -64,7 +64,42 @@ def retain_quietly(store: CheckpointStore, keep_last: int | None, **options: Any
         _log.warning("retention of %s failed", store.uri, exc_info=True)
 
 
-class PromotionQueue:
+class NewestWins:
+    """One item in flight at most and the newest pending (guarded by ``_cond``): the queue of a promoter's or a
+    replicator's worker thread, which runs :meth:`_serve`."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._pending: Any = None
+        self._in_flight: Any = None
+        self._closing = False
+
+    def drain(self, timeout: float | None = None) -> bool:
+        """Wait until nothing is pending or in flight; return whether that happened within ``timeout``."""
+        with self._cond:
+            return self._cond.wait_for(lambda: not self._working(), timeout)
+
+    def _working(self) -> bool:
+        return self._pending is not None or self._in_flight is not None
+
+    def _serve(self, work: Callable[[Any], None]) -> None:
+        # The worker thread: ``work`` on each item taken from pending, until the queue closes with nothing pending.
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._pending is not None or self._closing)
+                if self._pending is None:
+                    return
+                item, self._pending = self._pending, None
+                self._in_flight = item
+            try:
+                work(item)
+            finally:
+                with self._cond:
+                    self._in_flight = None
+                    self._cond.notify_all()
+
+
+class PromotionQueue(NewestWins):
     """The bounded queue of promotions from ``source`` to ``target``, their reporting, and ``source``'s retention
     (module docstring; the arguments are :class:`~lightning_async_ckpt.tiers.promote.Promoter`'s).
 
@@ -82,6 +117,7 @@ class PromotionQueue:
         on_event: Callable[..., None] | None = None,
         on_commit: Callable[[Manifest], None] | None = None,
     ) -> None:
+        super().__init__()
         self.source, self.target = source, target
         self.keep_last, self.source_keep_last = keep_last, source_keep_last
         self.on_error = on_error
@@ -90,26 +126,14 @@ class PromotionQueue:
         self.promoted_step: int | None = None
         self.skipped = 0
         self.failed: list[int] = []
-        self._cond = threading.Condition()
-        self._pending: int | None = None
-        self._in_flight: int | None = None
         self._due: set[int] = set()  # asked to be promoted, not yet covered by a promotion (or a round)
         self._newest_due: int | None = None
-        self._closing = False
         self._retaining = False  # a pass over source runs (one at a time: two would remove the same generation)
         self._retain_again = False
 
     def protected(self) -> frozenset[int]:
         """Steps ``source``'s retention must keep."""
         raise NotImplementedError
-
-    def drain(self, timeout: float | None = None) -> bool:
-        """Wait until no promotion is pending or in flight; return whether that happened within ``timeout``."""
-        with self._cond:
-            return self._cond.wait_for(lambda: not self._working(), timeout)
-
-    def _working(self) -> bool:
-        return self._pending is not None or self._in_flight is not None
 
     def _mark_due(self, step: int) -> None:
         self._due.add(step)

@@ -219,19 +219,7 @@ class Promoter(PromotionQueue):
         return finished
 
     def _run(self) -> None:
-        while True:
-            with self._cond:
-                self._cond.wait_for(lambda: self._pending is not None or self._closing)
-                if self._pending is None:
-                    return
-                step, self._pending = self._pending, None
-                self._in_flight = step
-            try:
-                self._promote(step)
-            finally:
-                with self._cond:
-                    self._in_flight = None
-                    self._cond.notify_all()
+        self._serve(self._promote)
 
     def _promote(self, step: int) -> None:
         started = time.monotonic()

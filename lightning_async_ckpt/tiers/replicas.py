@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from lightning_async_ckpt.errors import ConfigError
 from lightning_async_ckpt.storage.store import CheckpointStore
-from lightning_async_ckpt.tiers.background import emit, retain_quietly
+from lightning_async_ckpt.tiers.background import NewestWins, emit, retain_quietly
 from lightning_async_ckpt.tiers.replica_persist import wait_restored
 from lightning_async_ckpt.tiers.replica_restore import folder_id, restore_from_peers
 from lightning_async_ckpt.tiers.replica_wire import (
@@ -105,7 +105,7 @@ def open_replicator(local_dirpath: str, *, timeout_s: float | None = None, **rep
     return group, opened
 
 
-class Replicator:
+class Replicator(NewestWins):
     """Replicates committed generations of this rank's local tier to ``targets`` and receives from ``sources``.
 
     Thread-safety: :meth:`replicate` may be called from any thread (the engine's upload thread calls it after a
@@ -147,10 +147,7 @@ class Replicator:
         self.replicated: dict[int, list[int]] = {}  # step -> ranks that committed it (or held it already)
         self.copied: dict[int, list[int]] = {}  # step -> ranks its bytes were sent to
         self.received: list[int] = []
-        self._cond = threading.Condition()
-        self._pending: tuple[CheckpointStore, int] | None = None
-        self._busy = False
-        self._closing = False
+        super().__init__()  # pending / in flight: (store, step)
         self._sender: threading.Thread | None = None
         self._receivers: dict[int, threading.Thread] = {}
         self._stopped: set[int] = set()  # sources whose stop message was taken (their thread is ending)
@@ -206,9 +203,7 @@ class Replicator:
         ``timeout``."""
         deadline = None if timeout is None else time.monotonic() + timeout
         restored = wait_restored(timeout)
-        with self._cond:
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            return self._cond.wait_for(lambda: self._pending is None and not self._busy, left) and restored
+        return super().drain(None if deadline is None else max(0.0, deadline - time.monotonic())) and restored
 
     def close(self, timeout: float | None = None) -> bool:
         """Finish the replications asked for, tell every target to stop receiving, join the threads."""
@@ -229,19 +224,7 @@ class Replicator:
         return finished
 
     def _send_loop(self) -> None:
-        while True:
-            with self._cond:
-                self._cond.wait_for(lambda: self._pending is not None or self._closing)
-                if self._pending is None:
-                    break
-                (store, step), self._pending = self._pending, None
-                self._busy = True
-            try:
-                self._send(store, step)
-            finally:
-                with self._cond:
-                    self._busy = False
-                    self._cond.notify_all()
+        self._serve(lambda item: self._send(*item))
         for dst in self.targets:
             try:
                 self.wire.send(dst, Kind.STOP)
