@@ -131,8 +131,16 @@ class PromotionQueue(NewestWins):
         self._retaining = False  # a pass over source runs (one at a time: two would remove the same generation)
         self._retain_again = False
 
+    def committed(self, step: int, *, promote: bool) -> None:
+        """Generation ``step`` was committed on ``source``; ``promote`` asks for its promotion."""
+        raise NotImplementedError
+
     def protected(self) -> frozenset[int]:
         """Steps ``source``'s retention must keep."""
+        raise NotImplementedError
+
+    def close(self, timeout: float | None = None) -> bool:
+        """Finish the promotions asked for (within ``timeout``) and stop; whether they ended in time."""
         raise NotImplementedError
 
     def _mark_due(self, step: int) -> None:

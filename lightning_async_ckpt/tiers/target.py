@@ -2,7 +2,8 @@
 
 The engine hands :class:`TieredTarget` every local commit on its upload thread, before the save's ``committed``
 future resolves, so a drained engine has handed its newest commit over; :meth:`TieredTarget.drain` then waits for
-the promotion and the replicas (roles :class:`Copier` and :class:`Replicas`).
+the promotion and the replicas (the copier, a :class:`~lightning_async_ckpt.tiers.background.PromotionQueue`, and the
+role :class:`Replicas`).
 """
 
 from __future__ import annotations
@@ -18,9 +19,10 @@ from lightning_async_ckpt.core.handle import SaveHandle
 from lightning_async_ckpt.core.preemption import PreemptionHandler
 from lightning_async_ckpt.errors import ConfigError
 from lightning_async_ckpt.storage.store import CheckpointStore
+from lightning_async_ckpt.tiers.background import PromotionQueue
 from lightning_async_ckpt.tiers.promote import Promoter
 
-__all__ = ["Copier", "Replicas", "TieredEngine", "TieredTarget", "check_tier_options", "promoting_engine"]
+__all__ = ["Replicas", "TieredEngine", "TieredTarget", "check_tier_options", "promoting_engine"]
 
 
 def check_tier_options(**values: Any) -> None:
@@ -32,25 +34,6 @@ def check_tier_options(**values: Any) -> None:
     for name, value in values.items():
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ConfigError(f"{name} must be None or an int >= 1, got {value!r}")
-
-
-class Copier(Protocol):
-    """Takes a tier's commits onward: told of every local commit, it applies local retention and copies the due ones
-    to the durable tier (:class:`~lightning_async_ckpt.tiers.promote.Promoter`, the DCP promoter)."""
-
-    promoted_step: int | None
-    on_error: Any
-    on_event: Any
-    on_commit: Any
-
-    def committed(self, step: int, *, promote: bool) -> None:
-        """Generation ``step`` committed locally; ``promote`` asks for its copy to the durable tier."""
-
-    def drain(self, timeout: float | None = None) -> bool:
-        """Wait for the promotions asked for; whether they ended within ``timeout``."""
-
-    def close(self, timeout: float | None = None) -> bool:
-        """Finish the promotions asked for (within ``timeout``) and stop."""
 
 
 class Replicas(Protocol):
@@ -90,7 +73,7 @@ class TieredTarget:
         self,
         local: CheckpointStore,
         durable: CheckpointStore,
-        copier: Copier,
+        copier: PromotionQueue,
         replicas: Replicas | None = None,
         every_n_steps: int | None = None,
         *,
@@ -175,7 +158,7 @@ class TieredEngine:
     installed by :meth:`_install_preemption` and removed at ``close``."""
 
     preemption: PreemptionHandler
-    promoter: Copier
+    promoter: PromotionQueue
 
     def _install_preemption(self, signum: int | None) -> None:
         self.preemption = PreemptionHandler(signum)
