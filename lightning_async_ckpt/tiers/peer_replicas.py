@@ -19,7 +19,6 @@ import fsspec
 import torch.distributed as dist
 
 from lightning_async_ckpt.errors import ConfigError, StoreUnavailableError
-from lightning_async_ckpt.sharded.once import latest_once
 from lightning_async_ckpt.storage.finder import newest_committed_above
 from lightning_async_ckpt.storage.store import CheckpointStore
 from lightning_async_ckpt.tiers.background import gather
@@ -29,6 +28,7 @@ from lightning_async_ckpt.tiers.replicas import open_replicator, replica_targets
 from lightning_async_ckpt.tiers.resume import durable_roots
 from lightning_async_ckpt.tiers.sharded_resume import (
     TierChoice,
+    from_durable,
     local_roots,
     local_state,
     part_problem,
@@ -166,13 +166,7 @@ class DcpReplicas:
             StoreUnavailableError: The durable tier cannot be listed (on every rank).
         """
         choice = local_from_peers(self.group, self.local_dirpath, durable, verify=verify)
-        if choice is not None:
-            return choice
-        info = latest_once(durable, verify=verify)
-        if info is None:
-            return None
-        _log.info("every rank resumes from the durable tier %s, step %d", durable.uri, info.step)
-        return TierChoice(info.step, "durable", durable)
+        return choice if choice is not None else from_durable(durable, verify=verify)
 
 
 def local_from_peers(

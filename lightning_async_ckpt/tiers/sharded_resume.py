@@ -26,6 +26,7 @@ from lightning_async_ckpt.tiers.resume import pick_local
 __all__ = [
     "RankParts",
     "TierChoice",
+    "from_durable",
     "latest_across_tiers",
     "local_roots",
     "local_state",
@@ -125,6 +126,11 @@ def latest_across_tiers(local_dirpath: str, durable: CheckpointStore, *, verify:
     if local is not None and local.beaten_by is None:
         _log.info("resuming step %d from the local tier %s (every rank holds it intact)", local.step, local_dirpath)
         return TierChoice(local.step, "local", local.store)
+    return from_durable(durable, verify=verify)
+
+
+def from_durable(durable: CheckpointStore, *, verify: bool = True) -> TierChoice | None:
+    """The durable tier's newest verified generation on every rank (rank 0 finds it; collective), or ``None``."""
     info = latest_once(durable, verify=verify)
     if info is None:
         return None
