@@ -270,10 +270,13 @@ def run_preset(bench: Any, args: argparse.Namespace, defaults: dict[str, Any]) -
         if getattr(args, key) == defaults.get(key):
             setattr(args, key, preset[key])
     args.durable_wall = True  # every mode's wall time ends when its checkpoints are durable
+    chosen = preset["modes"]
+    if args.modes != defaults.get("modes"):  # an explicit --modes: a subset of the preset's, `none` always first
+        chosen = ["none", *[m for m in preset["modes"] if m != "none" and m in args.modes.split(",")]]
     modes = bench._modes
     folder = args.dir or tempfile.mkdtemp(prefix="lac-bench-preset-")
     os.makedirs(folder, exist_ok=True)
-    figures: dict[str, dict[str, list[float]]] = {m: {} for m in preset["modes"]}
+    figures: dict[str, dict[str, list[float]]] = {m: {} for m in chosen}
     floors: dict[str, list[float]] = {}
     saved = dict(modes.MODE_SETUPS)
     cuts = len(range(args.every, args.steps + 1, args.every))
@@ -291,7 +294,7 @@ def run_preset(bench: Any, args: argparse.Namespace, defaults: dict[str, Any]) -
             for name, value in _cpu_floor(nbytes, folder).items():
                 floors.setdefault(name, []).append(value)
             results = {}
-            for mode in preset["modes"]:
+            for mode in chosen:
                 spent: list[float] = []
                 if mode == "ours_huge_pages":
                     base = _ours_defaults(modes, huge_pages=True)
@@ -361,7 +364,7 @@ def _report(
             ratio = _ratio(ours.get(column, []), floors.get("floor", []))
             if ratio is not None:
                 print(f"- {column} of {name} to the CPU floor: {ratio}{target}")
-    ours = figures["ours"]
+    ours = figures.get("ours", {})
     print(f"\nFor docs/benchmarks.md (medians of {args.repeats} repeats; spread in the table):")
     print(f"- {_med(ours, 'hooks s')} s in the per-step hooks against {_REFERENCE}'s {_med(ref, 'hooks s')} s")
     others = ", ".join(f"{m} {_med(f, 'wall overhead %', '{:.1f}')}%" for m, f in figures.items() if m != "none")
