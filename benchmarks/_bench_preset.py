@@ -234,6 +234,8 @@ def _direct_write_cpu(source: memoryview, path: str) -> float | None:
     the filesystem refuses ``O_DIRECT``."""
     import mmap
 
+    if len(source) < mmap.PAGESIZE:
+        return None
     aligned = mmap.mmap(-1, len(source) - len(source) % mmap.PAGESIZE)
     view = memoryview(aligned)
     view[:] = source[: len(aligned)]  # not timed: only the write is
