@@ -23,6 +23,7 @@ names are never rewritten.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,9 +33,10 @@ from lightning_async_ckpt.core.collective import TorchCollective
 from lightning_async_ckpt.sharded.once import gloo_group, latest_once
 from lightning_async_ckpt.sharded.spread import load_generation
 from lightning_async_ckpt.storage.generation import version_folders
+from lightning_async_ckpt.storage.manifest import Manifest
 from lightning_async_ckpt.storage.store import CheckpointStore
 from lightning_async_ckpt.tiers.local_tier import LOCAL_TIER_KEY, rank_store
-from lightning_async_ckpt.tiers.resume import pick_local
+from lightning_async_ckpt.tiers.resume import lineage_filter, pick_local
 
 __all__ = [
     "RankParts",
@@ -84,8 +86,31 @@ def local_roots(local_dirpath: str) -> list[int]:
     return [0, *version_folders(fs, path)]
 
 
-def local_state(local_dirpath: str, rank: int, world_size: int) -> tuple[dict[int, int], int, int | None]:
-    """This rank's committed local steps (step -> version), its newest version, that version's newest step."""
+def tier_lineage(local_dirpath: str, durable: CheckpointStore) -> Callable[[Manifest], bool]:
+    """Which committed generations of this sharded local tier (own parts and peer replicas, every version folder)
+    belong to the resuming run: :func:`~lightning_async_ckpt.tiers.resume.lineage_filter` over their run ids.
+
+    Raises:
+        ConfigError: Several runs' generations and ``durable`` names none of them.
+    """
+    runs: set[str] = set()
+    for version in local_roots(local_dirpath):
+        fs, root = fsspec.core.url_to_fs(version_root(local_dirpath, version))
+        try:
+            folders = [str(p).rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(root, detail=False) if fs.isdir(p)]
+        except FileNotFoundError:
+            continue
+        for name in folders:
+            scan = CheckpointStore(f"{version_root(local_dirpath, version)}/{name}", check_writable=False).scan()
+            runs |= {g.manifest.run_id for g in scan.generations if g.committed and g.manifest is not None}
+    return lineage_filter(runs, local_dirpath, durable)
+
+
+def local_state(
+    local_dirpath: str, rank: int, world_size: int, keep: Callable[[Manifest], bool] | None = None
+) -> tuple[dict[int, int], int, int | None]:
+    """This rank's committed local steps (step -> version; with ``keep``, only those whose manifest it keeps: the
+    resuming run's lineage, :func:`tier_lineage`), its newest version, that version's newest step."""
     steps: dict[int, int] = {}
     per_version: dict[int, list[int]] = {}
     try:
@@ -102,7 +127,11 @@ def local_state(local_dirpath: str, rank: int, world_size: int) -> tuple[dict[in
         per_version[version] = [info.step for info in listed]
         for info in listed:
             mark = info.manifest.extra.get(LOCAL_TIER_KEY) if info.manifest is not None else None
-            if info.committed and mark == {"rank": rank, "world_size": world_size}:
+            if (
+                info.committed
+                and mark == {"rank": rank, "world_size": world_size}
+                and (keep is None or keep(info.manifest))
+            ):
                 steps[info.step] = version
     used = [v for v, listed in per_version.items() if listed]
     top = max(used, default=0)
@@ -125,7 +154,7 @@ def latest_across_tiers(local_dirpath: str, durable: CheckpointStore, *, verify:
     collective = None
     if distributed:
         collective = TorchCollective(None if str(dist.get_backend()) == "gloo" else gloo_group())
-    parts = RankParts(local_dirpath, rank, world, verify)
+    parts = RankParts(local_dirpath, rank, world, verify, durable)
     local = pick_local(parts, durable, collective=collective, doing="resuming sharded")
     if local is not None and local.beaten_by is None:
         _log.info("resuming step %d from the local tier %s (every rank holds it intact)", local.step, local_dirpath)
@@ -146,11 +175,13 @@ class RankParts:
     rank: int
     world_size: int
     verify: bool = True
+    durable: CheckpointStore | None = None  # given: only the resuming run's lineage counts
 
     def newest(self, ceiling: int | None) -> tuple[int, int] | None:
         """``(version, step)`` of this rank's newest committed part at or below ``ceiling`` that re-reads intact
         against its checksums (a damaged one is skipped with a warning), or ``None``."""
-        steps, _, _ = local_state(self.local_dirpath, self.rank, self.world_size)
+        keep = None if self.durable is None else tier_lineage(self.local_dirpath, self.durable)
+        steps, _, _ = local_state(self.local_dirpath, self.rank, self.world_size, keep)
         for step in sorted((s for s in steps if ceiling is None or s <= ceiling), reverse=True):
             problem = part_problem(self.store(steps[step]), step, self.verify)
             if problem is None:
