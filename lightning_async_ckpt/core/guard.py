@@ -105,19 +105,26 @@ def _pinned(storage: torch.UntypedStorage) -> bool:
 
 
 # Ranges the tracker accepted (private anonymous memory), with a weak reference to the storage that held them: while
-# that storage lives, no other mapping can sit at those addresses, so the next cut skips reading /proc/self/maps.
+# that same storage (not freed, its memory not moved) holds them at the next cut, no other mapping can sit there, so
+# that cut skips reading /proc/self/maps.
 _ACCEPTED: dict[tuple[int, int], StorageWeakRef] = {}
 _ACCEPTED_LOCK = threading.Lock()
 _ACCEPTED_MAX = 4096
 
 
-def _still_allocated(ranges: Sequence[tuple[int, int]]) -> set[tuple[int, int]]:
-    """The ``ranges`` accepted by the tracker before whose storage is still alive (forgets the freed ones)."""
+def _still_allocated(ranges: Sequence[tuple[int, int]], storages: Sequence[Any]) -> set[tuple[int, int]]:
+    """The ``ranges`` (each where its storage in ``storages`` holds its bytes now) the tracker accepted before for
+    that same storage, still alive (forgets the freed ones)."""
     with _ACCEPTED_LOCK:
         if len(_ACCEPTED) > _ACCEPTED_MAX:
             for key in [k for k, ref in _ACCEPTED.items() if ref.expired()]:
                 del _ACCEPTED[key]
-        return {r for r in ranges if (ref := _ACCEPTED.get(r)) is not None and not ref.expired()}
+        cached = [_ACCEPTED.get(r) for r in ranges]
+    return {
+        r
+        for r, ref, storage in zip(ranges, cached, storages, strict=True)
+        if ref is not None and not ref.expired() and ref == StorageWeakRef(storage)
+    }
 
 
 def _versions(slot: StorageSlot) -> list[int | None]:
@@ -230,7 +237,7 @@ class CutGuard:
         spans = {s.index: (s.storage.data_ptr(), *page_interior(s.storage.data_ptr(), s.nbytes)) for s in candidates}
         candidates = [s for s in candidates if spans[s.index][2] - spans[s.index][1] >= _TRACK_MIN_BYTES]
         ranges = [spans[s.index][1:] for s in candidates]
-        armed = self._tracker.protect_all(ranges, _still_allocated(ranges))
+        armed = self._tracker.protect_all(ranges, _still_allocated(ranges, [s.storage for s in candidates]))
         for slot, ok in zip(candidates, armed, strict=True):
             if ok:
                 with _ACCEPTED_LOCK:
