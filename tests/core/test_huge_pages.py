@@ -9,26 +9,21 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_async_ckpt.core.capture import CapturePlan, Category, DeferralProof, Fence
 from lightning_async_ckpt.core.engine import AsyncCheckpointer
-from lightning_async_ckpt.core.staging import BufferPool, StagingJob
+from lightning_async_ckpt.core.staging import StagingJob
 from lightning_async_ckpt.core.write_tracker import tracker
 from lightning_async_ckpt.errors import ConfigError, TornSnapshotError
+from tests.helpers.staging_jobs import deferred_job
 
 _THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 pytestmark = pytest.mark.skipif(
     not sys.platform.startswith("linux") or not _THP.exists() or "[never]" in _THP.read_text(),
     reason="transparent huge pages are off or absent",
 )
-DEFER = DeferralProof(fences={Category.PARAMETER: Fence.OPTIMIZER_STEP}, rules=("test",))
 
 
 def _job(weight: torch.nn.Parameter) -> StagingJob:
-    module = torch.nn.Module()
-    module.weight = weight
-    opt = torch.optim.SGD([module.weight], lr=0.1)
-    plan = CapturePlan.build({"weight": module.weight}, modules=[module], optimizers=[opt], proof=DEFER)
-    job = StagingJob(plan.slots, BufferPool(None).acquire(plan.slots), guard=True)
+    job = deferred_job(weight)
     job.huge_pages = True
     return job
 

@@ -10,19 +10,14 @@ import pytest
 import torch
 
 from lightning_async_ckpt.core import write_tracker
-from lightning_async_ckpt.core.capture import CapturePlan, Category, DeferralProof, Fence
-from lightning_async_ckpt.core.staging import BufferPool, StagingJob
+from lightning_async_ckpt.core.staging import StagingJob
+from tests.helpers.staging_jobs import deferred_job
 
-DEFER = DeferralProof(fences={Category.PARAMETER: Fence.OPTIMIZER_STEP}, rules=("test",))
 pytestmark = pytest.mark.skipif(write_tracker.tracker() is None, reason="this kernel cannot track writes")
 
 
 def _save(weight: torch.nn.Parameter) -> StagingJob:
-    module = torch.nn.Module()
-    module.weight = weight
-    opt = torch.optim.SGD([module.weight], lr=0.1)
-    plan = CapturePlan.build({"weight": module.weight}, modules=[module], optimizers=[opt], proof=DEFER)
-    job = StagingJob(plan.slots, BufferPool(None).acquire(plan.slots), guard=True)
+    job = deferred_job(weight)
     job.copy_at_cut()
     job.run()
     assert job.error is None
@@ -56,11 +51,7 @@ def test_maps_are_read_once_per_allocation(monkeypatch: pytest.MonkeyPatch) -> N
 def test_a_write_is_still_refused_at_a_cut_that_skipped_the_read() -> None:
     weight = torch.nn.Parameter(torch.randn(136 << 20 >> 2))
     _save(weight)
-    module = torch.nn.Module()
-    module.weight = weight
-    opt = torch.optim.SGD([module.weight], lr=0.1)
-    plan = CapturePlan.build({"weight": module.weight}, modules=[module], optimizers=[opt], proof=DEFER)
-    job = StagingJob(plan.slots, BufferPool(None).acquire(plan.slots), guard=True)
+    job = deferred_job(weight)
     job.copy_at_cut()
     weight.data[weight.numel() // 2] += 1.0  # through .data: only the page tables see it
     job.run()
