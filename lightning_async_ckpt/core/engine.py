@@ -239,7 +239,7 @@ class AsyncCheckpointer(ProgressView, CommitCallbacks, Lifecycle, DrainOnExit):
                 pool=self.pool,
                 guard=self.options.guard,
             )
-            capture.job.abandon = self.abandoning
+            capture.job.abandon, capture.job.huge_pages = self.abandoning, self.options.huge_pages
         except BaseException as exc:
             # Admitted but never started: the request still ends with a record.
             record.outcome, record.error = Outcome.FAILED, f"{type(exc).__name__}: {exc}"

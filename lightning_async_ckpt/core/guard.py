@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from lightning_async_ckpt.core.capture import Fence, StorageSlot
 from lightning_async_ckpt.core.fingerprint import (
@@ -101,6 +102,29 @@ def _edge_sums(data: torch.Tensor, head: int, tail: int) -> tuple[int, int]:
 
 def _pinned(storage: torch.UntypedStorage) -> bool:
     return torch.cuda.is_initialized() and storage.is_pinned()  # pinned memory exists only once CUDA is initialized
+
+
+# Ranges the tracker accepted (private anonymous memory), with a weak reference to the storage that held them: while
+# that same storage (not freed, its memory not moved) holds them at the next cut, no other mapping can sit there, so
+# that cut skips reading /proc/self/maps.
+_ACCEPTED: dict[tuple[int, int], StorageWeakRef] = {}
+_ACCEPTED_LOCK = threading.Lock()
+_ACCEPTED_MAX = 4096
+
+
+def _still_allocated(ranges: Sequence[tuple[int, int]], storages: Sequence[Any]) -> set[tuple[int, int]]:
+    """The ``ranges`` (each where its storage in ``storages`` holds its bytes now) the tracker accepted before for
+    that same storage, still alive (forgets the freed ones)."""
+    with _ACCEPTED_LOCK:
+        if len(_ACCEPTED) > _ACCEPTED_MAX:
+            for key in [k for k, ref in _ACCEPTED.items() if ref.expired()]:
+                del _ACCEPTED[key]
+        cached = [_ACCEPTED.get(r) for r in ranges]
+    return {
+        r
+        for r, ref, storage in zip(ranges, cached, storages, strict=True)
+        if ref is not None and not ref.expired() and ref == StorageWeakRef(storage)
+    }
 
 
 def _versions(slot: StorageSlot) -> list[int | None]:
@@ -212,9 +236,12 @@ class CutGuard:
         self._tracker = self._tracker or tracker_
         spans = {s.index: (s.storage.data_ptr(), *page_interior(s.storage.data_ptr(), s.nbytes)) for s in candidates}
         candidates = [s for s in candidates if spans[s.index][2] - spans[s.index][1] >= _TRACK_MIN_BYTES]
-        armed = self._tracker.protect_all([spans[s.index][1:] for s in candidates])
+        ranges = [spans[s.index][1:] for s in candidates]
+        armed = self._tracker.protect_all(ranges, _still_allocated(ranges, [s.storage for s in candidates]))
         for slot, ok in zip(candidates, armed, strict=True):
             if ok:
+                with _ACCEPTED_LOCK:
+                    _ACCEPTED[spans[slot.index][1:]] = StorageWeakRef(slot.storage)
                 address, start, end = spans[slot.index]
                 head, tail = start - address, end - address
                 self._protected.add(slot.index)

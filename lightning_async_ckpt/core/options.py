@@ -126,6 +126,9 @@ class CheckpointOptions:
         event_log: Path or URL of a JSONL event log; ``None`` keeps events in memory.
         serializer: How the staged state is written; default :class:`TorchSaveSerializer`.
         upload_nice: Nice value of the upload thread (0-19, Linux): higher lets training threads go first.
+        huge_pages: Opt-in (Linux): back each deferred host storage with transparent huge pages after its first
+            save, so the exact guard's write protection at each cut walks 512 times fewer page-table entries
+            (:mod:`lightning_async_ckpt.core.huge_pages`; about 2 CPU seconds per GB once, in the background).
     """
 
     max_outstanding: int = 1
@@ -141,6 +144,7 @@ class CheckpointOptions:
     event_log: str | None = None
     serializer: Serializer | None = None
     upload_nice: int = 0
+    huge_pages: bool = False
 
     def __post_init__(self) -> None:
         validate_admission(self.admission, self.max_outstanding)
@@ -167,5 +171,7 @@ class CheckpointOptions:
             raise ConfigError(
                 f"upload_nice must be an int from 0 (normal) to 19 (lowest priority), got {self.upload_nice!r}"
             )
+        if not isinstance(self.huge_pages, bool):
+            raise ConfigError(f"huge_pages must be True or False, got {self.huge_pages!r}")
         if self.serializer is not None and not callable(getattr(self.serializer, "write", None)):
             raise ConfigError("serializer must have a write(state, writer) method")

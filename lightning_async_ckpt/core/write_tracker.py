@@ -32,7 +32,7 @@ import re
 import struct
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 from lightning_async_ckpt.core import uffd_calls
 
@@ -85,7 +85,7 @@ class WriteTracker:
         self._region = (_Region * 1)()
         self._warned = False
 
-    def protect_all(self, ranges: Sequence[tuple[int, int]]) -> list[bool]:
+    def protect_all(self, ranges: Sequence[tuple[int, int]], anonymous: Collection[tuple[int, int]] = ()) -> list[bool]:
         """Register and write-protect each page-aligned ``(start, end)``; per range, whether it is tracked.
 
         A range is refused (the caller fingerprints it) when: it overlaps a range tracked now (that session's scan
@@ -93,7 +93,8 @@ class WriteTracker:
         this process's page tables); another ``userfaultfd`` registered it (``EBUSY``: never protect another's
         memory); or the process holds descriptors through which devices or the kernel write memory without a fault
         (an ``io_uring``, RDMA verbs, VFIO: then every range is refused). One read of ``/proc/self/maps`` serves every
-        range.
+        range; none where every range is in ``anonymous`` (ranges this tracker accepted before whose memory the
+        caller knows is the same allocation since: a storage kept alive cannot have been mapped again).
         """
         if os.getpid() != self.pid or not ranges:
             return [False] * len(ranges)
@@ -103,13 +104,13 @@ class WriteTracker:
                     self._warned = True
                     _log.info("exact guard: fingerprinting (an io_uring, RDMA or VFIO user can write memory unseen)")
                 return [False] * len(ranges)
-            spans = _anonymous_private_spans()
+            spans = [] if all(r in anonymous for r in ranges) else _anonymous_private_spans()
             registered = [
                 start < end
                 and start % PAGE == 0
                 and end % PAGE == 0
                 and not any(s < end and start < e for s, e in self._active.items())
-                and _covered(spans, start, end)
+                and ((start, end) in anonymous or _covered(spans, start, end))
                 and self._register(start, end)
                 for start, end in ranges
             ]

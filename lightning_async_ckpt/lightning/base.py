@@ -74,6 +74,8 @@ class CallbackArguments(ModelCheckpoint):
         retries: Extra upload attempts on transient storage errors.
         drain_timeout_s: Bound on draining at exceptions and interpreter exit.
         upload_nice: Nice value (0-19, Linux) of the upload thread; higher lets the training threads go first.
+        huge_pages: Opt-in (Linux): back deferred CPU tensors with transparent huge pages after their first save,
+            which makes the exact guard's work at each later cut several times shorter (docs/benchmarks.md).
         event_log: Path or URL of a JSONL event log (for ``lightning-async-ckpt timeline`` / ``plan``).
         restore_rng: Restore the RNG states captured at the cut when resuming (Lightning itself does not).
         verbose: Log every committed generation at INFO level, and ``ModelCheckpoint``'s top-k lines.
@@ -142,6 +144,7 @@ class CallbackArguments(ModelCheckpoint):
         retries: int = 2,
         drain_timeout_s: float = 120.0,
         upload_nice: int = 0,
+        huge_pages: bool = False,
         event_log: str | None = None,
         restore_rng: bool = False,
         ddp_layout: Literal["single", "sliced"] = "single",
@@ -201,6 +204,7 @@ class CallbackArguments(ModelCheckpoint):
             retries=retries,
             drain_timeout_s=drain_timeout_s,
             upload_nice=upload_nice,
+            huge_pages=huge_pages,
             event_log=event_log,
         )
         self.dirpath = normalize_dirpath(dirpath)  # ModelCheckpoint's: `~` expanded, absolute, URLs untouched

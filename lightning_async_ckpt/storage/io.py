@@ -15,6 +15,7 @@ import zlib
 from typing import IO, Any
 
 from lightning_async_ckpt.errors import ConfigError, ManifestError
+from lightning_async_ckpt.storage.crc import DEFAULT_CHECKSUM, crc32c_combine, crc32c_in_place, crc32c_module
 from lightning_async_ckpt.storage.direct import DirectFile
 
 __all__ = [
@@ -38,81 +39,6 @@ __all__ = [
 ]
 
 READ_CHUNK = 8 << 20
-
-
-class _GoogleCrc32c:
-    """``google_crc32c`` behind the ``crc32c`` package's ``crc32c(data, value)`` call."""
-
-    def __init__(self, module: Any) -> None:
-        self._extend = module.extend
-
-    def crc32c(self, data: bytes | memoryview, value: int = 0) -> int:
-        # Its C extension takes only bytes: a view of a staging buffer is copied first.
-        return self._extend(value, data if isinstance(data, bytes) else bytes(data))
-
-
-def crc32c_module() -> Any:
-    """Something with ``crc32c(data, value)``: the ``crc32c`` package where it is installed (hardware-accelerated,
-    reads memoryviews without a copy; LGPL-2.1-or-later, so not a dependency), else ``google-crc32c`` (Apache-2.0,
-    the declared dependency; hardware-accelerated, copies a memoryview first), else ``None``.
-
-    ``benchmarks/bench_crc32c.py`` measures both.
-    """
-    try:
-        import crc32c
-    except ImportError:
-        pass
-    else:
-        return crc32c
-    try:
-        import google_crc32c
-    except ImportError:
-        return None
-    return _GoogleCrc32c(google_crc32c)
-
-
-DEFAULT_CHECKSUM = "crc32c" if crc32c_module() is not None else "crc32"
-
-
-def crc32c_in_place() -> Any:
-    """The ``crc32c`` package where it is installed (it reads a buffer where it lies), else ``None``: callers that
-    checksum memory they just wrote, to spare a later pass over it, gain nothing from a module that copies first."""
-    try:
-        import crc32c
-    except ImportError:
-        return None
-    return crc32c
-
-
-_CRC32C_POLY = 0x82F63B78  # reflected Castagnoli polynomial
-
-
-def _multiply(a: int, b: int) -> int:
-    """``a * b`` modulo the CRC-32C polynomial (reflected bit order, as zlib's ``multmodp``)."""
-    product, bit = 0, 1 << 31
-    while a:
-        if a & bit:
-            product ^= b
-            a ^= bit
-        bit >>= 1
-        b = (b >> 1) ^ _CRC32C_POLY if b & 1 else b >> 1
-    return product
-
-
-_X_POWERS = [1 << 30]  # x^(2^k) modulo the polynomial for k = 0..63 (x^1 is 1 << 30 in reflected order)
-for _ in range(63):
-    _X_POWERS.append(_multiply(_X_POWERS[-1], _X_POWERS[-1]))
-
-
-def crc32c_combine(first: int, second: int, second_length: int) -> int:
-    """CRC-32C of ``A + B`` from the CRC-32C of ``A``, of ``B`` and the length of ``B`` in bytes (no data read)."""
-    shift, k, n = 1 << 31, 3, second_length  # x^(8n): n bytes of zeros appended to A
-    while n:
-        if n & 1:
-            shift = _multiply(_X_POWERS[k], shift)
-        n >>= 1
-        k += 1
-    return _multiply(shift, first) ^ second
 
 
 def checksum_algorithm(checksum: str) -> str:

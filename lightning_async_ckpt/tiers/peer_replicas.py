@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+from collections.abc import Callable
 from typing import Any
 
 import fsspec
@@ -20,6 +21,7 @@ import torch.distributed as dist
 
 from lightning_async_ckpt.errors import ConfigError, StoreUnavailableError
 from lightning_async_ckpt.storage.finder import newest_committed_above
+from lightning_async_ckpt.storage.manifest import Manifest
 from lightning_async_ckpt.storage.store import CheckpointStore
 from lightning_async_ckpt.tiers.background import gather
 from lightning_async_ckpt.tiers.local_tier import rank_store
@@ -33,6 +35,7 @@ from lightning_async_ckpt.tiers.sharded_resume import (
     local_state,
     part_problem,
     parts_of,
+    tier_lineage,
     version_root,
 )
 from lightning_async_ckpt.tiers.target import check_tier_options
@@ -71,8 +74,11 @@ def replica_where(local_dirpath: str, uri: str) -> str:
     return f"{head}/{REPLICA_PREFIX}{name}" if head else f"{REPLICA_PREFIX}{name}"
 
 
-def held_replicas(local_dirpath: str, world_size: int) -> dict[int, dict[int, int]]:
-    """The committed replicas this folder holds: source rank -> {step: version} (generations of this world size)."""
+def held_replicas(
+    local_dirpath: str, world_size: int, keep: Callable[[Manifest], bool] | None = None
+) -> dict[int, dict[int, int]]:
+    """The committed replicas this folder holds: source rank -> {step: version} (generations of this world size;
+    with ``keep``, only those whose manifest it keeps)."""
     out: dict[int, dict[int, int]] = {}
     fs, _ = fsspec.core.url_to_fs(local_dirpath)
     for version in local_roots(local_dirpath):
@@ -91,7 +97,7 @@ def held_replicas(local_dirpath: str, world_size: int) -> dict[int, dict[int, in
             except Exception as exc:  # noqa: BLE001 - an unreadable replica folder is a missing one
                 _log.warning("replicas of rank %d in %s cannot be listed (%s): not used", source, root, exc)
                 continue
-            for step in parts_of(listed, source, world_size):
+            for step in parts_of(listed, source, world_size, keep):
                 out.setdefault(source, {})[step] = version
     return out
 
@@ -192,14 +198,24 @@ class _PeerResume:
     def choose(self, durable: CheckpointStore, verify: bool) -> TierChoice | None:
         """:func:`local_from_peers`: gather every rank's own steps and held replicas, try the candidates newest first."""
         local, rank = self.local_dirpath, self.rank
-        own, _, _ = local_state(local, rank, self.world_size)
+        own: dict[int, int] = {}
+        keep, failure = None, None
+        try:  # only this run's lineage; a refusal is raised on every rank below (the others would wait)
+            keep = tier_lineage(local, durable)
+            own, _, _ = local_state(local, rank, self.world_size, keep)
+        except ConfigError as exc:
+            failure = str(exc)
         listed: Any = None
         if rank == 0:
             try:
                 listed = newest_committed_above(durable_roots(durable), max(own, default=None))
             except Exception as exc:  # noqa: BLE001 - raised on every rank below
                 listed = f"{type(exc).__name__}: {exc}"
-        everyone = gather(self.group, {"own": own, "held": held_replicas(local, self.world_size), "durable": listed})
+        held = held_replicas(local, self.world_size, keep)
+        everyone = gather(self.group, {"own": own, "held": held, "durable": listed, "failure": failure})
+        refused = [e["failure"] for e in everyone if e["failure"]]
+        if refused:
+            raise ConfigError(refused[0])
         durable_step = everyone[0]["durable"]
         if isinstance(durable_step, str):
             raise StoreUnavailableError(f"rank 0 could not list the durable tier {durable.uri}: {durable_step}")

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -35,6 +35,7 @@ __all__ = [
     "keeps_local",
     "pick_local",
     "pick_with_peers",
+    "lineage_filter",
     "this_lineage",
     "version_store",
 ]
@@ -211,12 +212,11 @@ def pick_with_peers(
 
 
 def this_lineage(local_dirpath: str, durable: CheckpointStore) -> Callable[[Manifest], bool]:
-    """Which committed local generations belong to the run that resumes: all of them while the local tier holds one
-    run's generations; when it holds several runs' (a shared ``local_dirpath``), the run of ``durable``'s newest
-    generation (the run it was promoted from), so one run never resumes another's generation.
+    """Which committed local generations belong to the run that resumes (:func:`lineage_filter` over the run ids of
+    the one-stream local tier's committed generations).
 
     Raises:
-        ConfigError: Several runs' generations and ``durable`` names none of them: this run cannot tell its own.
+        ConfigError: :func:`lineage_filter`'s.
     """
     root = CheckpointStore(local_dirpath, check_writable=False)
     stores = [root, *(version_store(local_dirpath, v) for v in list_steps(root.location).versions)]
@@ -226,6 +226,18 @@ def this_lineage(local_dirpath: str, durable: CheckpointStore) -> Callable[[Mani
         for g in store.scan(include_uncommitted=False).generations
         if g.committed and g.manifest is not None
     }
+    return lineage_filter(runs, local_dirpath, durable)
+
+
+def lineage_filter(runs: Collection[str], local_dirpath: str, durable: CheckpointStore) -> Callable[[Manifest], bool]:
+    """Which committed local generations belong to the run that resumes, given the ``runs`` the local tier holds
+    generations of: all of them while it holds one run's; when it holds several runs' (a shared ``local_dirpath``),
+    the run of ``durable``'s newest generation (the run it was promoted from), so one run never resumes another's.
+
+    Raises:
+        ConfigError: Several runs' generations and ``durable`` names none of them: this run cannot tell its own.
+    """
+    runs = set(runs)
     if len(runs) <= 1:
         return lambda _: True
     info = durable.latest(verify=False)

@@ -10,6 +10,7 @@ holds writes a new version folder (committed names are never rewritten).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,9 +20,10 @@ from lightning_async_ckpt.core.collective import TorchCollective
 from lightning_async_ckpt.sharded.once import gloo_group, latest_once
 from lightning_async_ckpt.sharded.spread import load_generation
 from lightning_async_ckpt.storage.generation import version_folders
+from lightning_async_ckpt.storage.manifest import Manifest
 from lightning_async_ckpt.storage.store import CheckpointStore
 from lightning_async_ckpt.tiers.local_tier import LOCAL_TIER_KEY, rank_store
-from lightning_async_ckpt.tiers.resume import pick_local
+from lightning_async_ckpt.tiers.resume import lineage_filter, pick_local
 
 __all__ = [
     "RankParts",
@@ -73,8 +75,31 @@ def local_roots(local_dirpath: str) -> list[int]:
     return [0, *version_folders(fs, path)]
 
 
-def local_state(local_dirpath: str, rank: int, world_size: int) -> tuple[dict[int, int], int, int | None]:
-    """This rank's committed local steps (step -> version), its newest version, that version's newest step."""
+def tier_lineage(local_dirpath: str, durable: CheckpointStore) -> Callable[[Manifest], bool]:
+    """Which committed generations of this sharded local tier (own parts and peer replicas, every version folder)
+    belong to the resuming run: :func:`~lightning_async_ckpt.tiers.resume.lineage_filter` over their run ids.
+
+    Raises:
+        ConfigError: Several runs' generations and ``durable`` names none of them.
+    """
+    runs: set[str] = set()
+    for version in local_roots(local_dirpath):
+        fs, root = fsspec.core.url_to_fs(version_root(local_dirpath, version))
+        try:
+            folders = [str(p).rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(root, detail=False) if fs.isdir(p)]
+        except FileNotFoundError:
+            continue
+        for name in folders:
+            scan = CheckpointStore(f"{version_root(local_dirpath, version)}/{name}", check_writable=False).scan()
+            runs |= {g.manifest.run_id for g in scan.generations if g.committed and g.manifest is not None}
+    return lineage_filter(runs, local_dirpath, durable)
+
+
+def local_state(
+    local_dirpath: str, rank: int, world_size: int, keep: Callable[[Manifest], bool] | None = None
+) -> tuple[dict[int, int], int, int | None]:
+    """This rank's committed local steps (step -> version; with ``keep``, only those whose manifest it keeps: the
+    resuming run's lineage, :func:`tier_lineage`), its newest version, that version's newest step."""
     steps: dict[int, int] = {}
     per_version: dict[int, list[int]] = {}
     try:
@@ -89,19 +114,25 @@ def local_state(local_dirpath: str, rank: int, world_size: int) -> tuple[dict[in
             _log.warning("rank %d: local version %d cannot be listed (%s): it is not used", rank, version, exc)
             continue
         per_version[version] = [info.step for info in listed]
-        steps.update(dict.fromkeys(parts_of(listed, rank, world_size), version))
+        steps.update(dict.fromkeys(parts_of(listed, rank, world_size, keep), version))
     used = [v for v, listed in per_version.items() if listed]
     top = max(used, default=0)
     return steps, top, max(per_version.get(top, []), default=None)
 
 
-def parts_of(listed: list[Any], rank: int, world_size: int) -> list[int]:
-    """The steps of the generations ``listed`` that are committed parts of ``rank`` at ``world_size``."""
+def parts_of(
+    listed: list[Any], rank: int, world_size: int, keep: Callable[[Manifest], bool] | None = None
+) -> list[int]:
+    """The steps of the generations ``listed`` that are committed parts of ``rank`` at ``world_size`` (with ``keep``,
+    only those whose manifest it keeps: the resuming run's lineage, :func:`tier_lineage`)."""
     mark = {"rank": rank, "world_size": world_size}
     return [
         i.step
         for i in listed
-        if i.committed and i.manifest is not None and i.manifest.extra.get(LOCAL_TIER_KEY) == mark
+        if i.committed
+        and i.manifest is not None
+        and i.manifest.extra.get(LOCAL_TIER_KEY) == mark
+        and (keep is None or keep(i.manifest))
     ]
 
 
@@ -121,7 +152,7 @@ def latest_across_tiers(local_dirpath: str, durable: CheckpointStore, *, verify:
     collective = None
     if distributed:
         collective = TorchCollective(None if str(dist.get_backend()) == "gloo" else gloo_group())
-    parts = RankParts(local_dirpath, rank, world, verify)
+    parts = RankParts(local_dirpath, rank, world, verify, durable)
     local = pick_local(parts, durable, collective=collective, doing="resuming sharded")
     if local is not None and local.beaten_by is None:
         _log.info("resuming step %d from the local tier %s (every rank holds it intact)", local.step, local_dirpath)
@@ -147,11 +178,13 @@ class RankParts:
     rank: int
     world_size: int
     verify: bool = True
+    durable: CheckpointStore | None = None  # given: only the resuming run's lineage counts
 
     def newest(self, ceiling: int | None) -> tuple[int, int] | None:
         """``(version, step)`` of this rank's newest committed part at or below ``ceiling`` that re-reads intact
         against its checksums (a damaged one is skipped with a warning), or ``None``."""
-        steps, _, _ = local_state(self.local_dirpath, self.rank, self.world_size)
+        keep = None if self.durable is None else tier_lineage(self.local_dirpath, self.durable)
+        steps, _, _ = local_state(self.local_dirpath, self.rank, self.world_size, keep)
         for step in sorted((s for s in steps if ceiling is None or s <= ceiling), reverse=True):
             problem = part_problem(self.store(steps[step]), step, self.verify)
             if problem is None:

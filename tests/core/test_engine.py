@@ -611,6 +611,7 @@ BAD_OPTIONS = [
     ("upload_nice", -1),
     ("upload_nice", 20),
     ("upload_nice", True),
+    ("huge_pages", "yes"),
     ("max_outstanding", 0),
     ("max_outstanding", -1),
     ("max_outstanding", True),

@@ -13,6 +13,8 @@ Scenarios:
     lost_both: both folders deleted.
     damaged_replica: rank 1's folder deleted and a byte of rank 0's replica of rank 1's step 5 flipped.
     damaged_own: a byte of rank 1's own step-5 data file flipped (rank 0's replica of it intact).
+    other_run: another run (its own durable tier) saves steps 7-8 into the same node folders first, replicated; the
+        base run then resumes its own newest step, never the other run's newer one.
 """
 
 from __future__ import annotations
@@ -42,8 +44,8 @@ register_faulty()  # this process names faulty:// URLs
 GROUP_TIMEOUT_S = 60.0
 
 
-def _ckpt(out: str, **kwargs: Any) -> TieredShardedCheckpointer:
-    durable = CheckpointStore(f"faulty://{out}/durable", {"target_protocol": "file"}, check_writable=False)
+def _ckpt(out: str, durable_name: str = "durable", **kwargs: Any) -> TieredShardedCheckpointer:
+    durable = CheckpointStore(f"faulty://{out}/{durable_name}", {"target_protocol": "file"}, check_writable=False)
     return TieredShardedCheckpointer(
         f"{out}/node{dist.get_rank()}",
         durable,
@@ -105,6 +107,15 @@ def _scenario(base: str, out: str, name: str, weights: dict[int, Any], result: d
         if name == "damaged_own":
             _flip(f"{out}/node1/rank-1/step-00000005", "__1_0.distcp")
     dist.barrier()
+    if name == "other_run":  # another run in the same node folders: steps 7-8 saved and replicated, never resumed
+        other_model, other_opt = _model()
+        other = _ckpt(out, durable_name="durable-other")
+        for step in (7, 8):
+            _train(other_model, other_opt, step)
+            other.save(step, _state(other_model, other_opt, step))
+            other.drain()
+        other.close()
+        dist.barrier()
     model, opt = _model()
     ckpt = _ckpt(out)
     fs = ckpt.durable.fs

@@ -59,9 +59,41 @@ def test_unknown_checksum_names_the_parameter(tmp_path):
 def test_google_crc32c_takes_views_of_staging_buffers():
     # The declared dependency's C extension takes only bytes; the store hands it memoryviews.
     google_crc32c = pytest.importorskip("google_crc32c")
-    from lightning_async_ckpt.storage.io import _GoogleCrc32c
+    from lightning_async_ckpt.storage.crc import _GoogleCrc32c
 
     data = bytearray(range(256)) * 8
     adapter = _GoogleCrc32c(google_crc32c)
     value = adapter.crc32c(memoryview(data)[:1000])
     assert adapter.crc32c(memoryview(data)[1000:], value) == _crc32c_reference(bytes(data))
+
+
+def test_google_crc32c_library_reads_buffers_in_place():
+    # google-crc32c's own C library, called without a copy: views, offsets, read-only and non-contiguous inputs.
+    google_crc32c = pytest.importorskip("google_crc32c")
+    import numpy as np
+
+    from lightning_async_ckpt.storage.crc import _bundled_crc32c
+
+    lib = _bundled_crc32c(google_crc32c)
+    if lib is None:
+        pytest.skip("this google-crc32c install ships no C library (pure-Python build)")
+    data = bytearray(range(256)) * 8
+    value = lib.crc32c(memoryview(data)[:1000])
+    assert lib.crc32c(memoryview(data)[1000:], value) == _crc32c_reference(bytes(data))
+    assert lib.crc32c(bytes(data)) == _crc32c_reference(bytes(data))
+    assert lib.crc32c(b"", 7) == 7
+    strided = np.arange(64, dtype=np.uint8)[::2]
+    assert lib.crc32c(memoryview(strided)) == _crc32c_reference(strided.tobytes())
+    assert lib.crc32c(np.arange(8, dtype=np.float32)) == _crc32c_reference(np.arange(8, dtype=np.float32).tobytes())
+
+
+def test_in_place_crc32c_is_offered_by_the_declared_dependency():
+    # The staging copy checksums what it just copied only with an implementation that needs no copy of its own.
+    pytest.importorskip("google_crc32c")
+    from lightning_async_ckpt.storage.crc import _GoogleCrc32c, crc32c_in_place, crc32c_module
+
+    assert crc32c_module() is crc32c_module()  # looked up once
+    in_place = crc32c_in_place()
+    assert (in_place is None) == isinstance(crc32c_module(), _GoogleCrc32c)
+    if in_place is not None:
+        assert in_place.crc32c(memoryview(bytearray(b"123456789"))) == 0xE3069283

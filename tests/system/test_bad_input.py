@@ -96,6 +96,7 @@ OPTION_CASES = [
     ("upload_nice", -1),
     ("upload_nice", 20),
     ("upload_nice", "low"),
+    ("huge_pages", 1),
 ]
 
 
@@ -184,6 +185,7 @@ CALLBACK_CASES = [
     ("restore_rng", None),
     ("verbose", "loud"),
     ("upload_nice", 25),
+    ("huge_pages", "on"),
     # ModelCheckpoint's arguments (issue 15; more cases in tests/lightning/test_modelcheckpoint_args.py)
     ("filename", 5),
     ("monitor", ""),

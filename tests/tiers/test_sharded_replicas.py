@@ -21,7 +21,7 @@ from lightning_async_ckpt.tiers.tiered_sharded import TieredShardedCheckpointer
 from tests.helpers.dist import launch_ranks
 
 WORKER = Path(__file__).resolve().parents[1] / "helpers" / "sharded_replicas_worker.py"
-SCENARIOS = ["lost_one", "lost_both", "damaged_replica", "damaged_own"]
+SCENARIOS = ["lost_one", "lost_both", "damaged_replica", "damaged_own", "other_run"]
 
 
 @pytest.fixture(scope="module")
@@ -97,6 +97,14 @@ def test_a_damaged_own_part_is_replaced_from_the_peer_into_a_new_version_folder(
     assert rank1["where"].endswith("damaged_own/node1/v1/rank-1")  # the damaged committed copy is never rewritten
     assert rank1["replica_of"] == {"rank": 0, "step": 5}
     assert rank0["version"] == rank1["version"] == 1  # every rank writes on in the same version folder
+
+
+def test_another_run_in_the_same_folders_is_never_resumed_its_own_newest_step_is(runs):
+    # Issue 37, hole 3, with peer replicas: the other run's steps 7-8 (own parts and replicas) are newer, but not
+    # this run's lineage (the durable tier names this run).
+    for result in _ranks(runs, "other_run"):
+        assert (result["step"], result["tier"]) == (5, "local"), result
+        _continues_identically(result)
 
 
 @pytest.mark.parametrize(

@@ -101,12 +101,13 @@ def test_the_lightning_cpu_preset_interleaves_the_modes_and_prints_ratios_last(
     assert load_bench().main(argv) == 0
     out = capsys.readouterr().out
     runs = [line.split()[3].rstrip(":") for line in out.splitlines() if line.startswith("# repeat ")]
-    assert runs == ["none", "model_checkpoint", "async_checkpoint_io", "ours"] * 2  # interleaved, in one process
+    modes = ["none", "model_checkpoint", "async_checkpoint_io", "ours", "ours_huge_pages"]
+    assert runs == modes * 2  # interleaved, in one process
     repeats = [line for line in out.splitlines() if line.startswith("# repeat ")]
     assert all("(os.sync " in line for line in repeats)  # every mode's wall time ends when it is durable
     # Every checkpointing mode writes the same checkpoints (ours: its final one is the last cut's, not an extra one).
     files = {line.split()[3].rstrip(":"): line.split(", ")[2] for line in repeats}
-    assert files == {"none": "0 checkpoint files", **dict.fromkeys(runs[1:4], "3 checkpoint files")}, files
+    assert files == {"none": "0 checkpoint files", **dict.fromkeys(runs[1:5], "3 checkpoint files")}, files
     header = next(line for line in out.splitlines() if line.startswith("| mode (2 repeats"))
     for column in ("hooks s/ckpt", "step slowdown s/ckpt", "wall overhead s", "reported slowdown s/ckpt"):
         assert column in header
@@ -116,6 +117,7 @@ def test_the_lightning_cpu_preset_interleaves_the_modes_and_prints_ratios_last(
     assert "- hooks s/ckpt:" in ratios and "- step slowdown s/ckpt:" in ratios
     assert "(target <= 0.05x)" in ratios and "(target <= 0.10x)" in ratios and "(target <= 1.30x)" in ratios
     assert "For docs/benchmarks.md" in ratios
+    assert "Ratios of ours_huge_pages to async_checkpoint_io" in ratios  # the opt-in, measured beside the defaults
     assert not any(line.startswith("|") for line in ratios.splitlines())  # the ratios come last
 
 
