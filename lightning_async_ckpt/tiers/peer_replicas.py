@@ -19,6 +19,7 @@ from typing import Any
 import fsspec
 import torch.distributed as dist
 
+from lightning_async_ckpt.core.collective import TorchCollective, agree
 from lightning_async_ckpt.errors import ConfigError, StoreUnavailableError
 from lightning_async_ckpt.storage.finder import newest_committed_above
 from lightning_async_ckpt.storage.manifest import Manifest
@@ -30,12 +31,12 @@ from lightning_async_ckpt.tiers.replicas import open_replicator, replica_targets
 from lightning_async_ckpt.tiers.resume import durable_roots
 from lightning_async_ckpt.tiers.sharded_resume import (
     TierChoice,
+    agreed_lineage,
     from_durable,
     local_roots,
     local_state,
     part_problem,
     parts_of,
-    tier_lineage,
     version_root,
 )
 from lightning_async_ckpt.tiers.target import check_tier_options
@@ -198,24 +199,25 @@ class _PeerResume:
     def choose(self, durable: CheckpointStore, verify: bool) -> TierChoice | None:
         """:func:`local_from_peers`: gather every rank's own steps and held replicas, try the candidates newest first."""
         local, rank = self.local_dirpath, self.rank
+        # Only this run's lineage, the same on every rank (a refusal or a failed listing raised on every rank).
+        collective = TorchCollective(self.group)
+        keep = agreed_lineage(local, durable, collective, "resuming from peers")
         own: dict[int, int] = {}
-        keep, failure = None, None
-        try:  # only this run's lineage; a refusal is raised on every rank below (the others would wait)
-            keep = tier_lineage(local, durable)
+        held: dict[int, dict[int, int]] = {}
+        error: Exception | None = None
+        try:
             own, _, _ = local_state(local, rank, self.world_size, keep)
-        except ConfigError as exc:
-            failure = str(exc)
+            held = held_replicas(local, self.world_size, keep)
+        except Exception as exc:  # noqa: BLE001 - raised on every rank by agree (the others would wait)
+            error = exc
         listed: Any = None
-        if rank == 0:
+        if rank == 0 and error is None:
             try:
                 listed = newest_committed_above(durable_roots(durable), max(own, default=None))
             except Exception as exc:  # noqa: BLE001 - raised on every rank below
                 listed = f"{type(exc).__name__}: {exc}"
-        held = held_replicas(local, self.world_size, keep)
-        everyone = gather(self.group, {"own": own, "held": held, "durable": listed, "failure": failure})
-        refused = [e["failure"] for e in everyone if e["failure"]]
-        if refused:
-            raise ConfigError(refused[0])
+        payload = {"own": own, "held": held, "durable": listed}
+        everyone = agree(collective, error, payload, doing="resuming from peers: the local tiers")
         durable_step = everyone[0]["durable"]
         if isinstance(durable_step, str):
             raise StoreUnavailableError(f"rank 0 could not list the durable tier {durable.uri}: {durable_step}")

@@ -231,8 +231,9 @@ def this_lineage(local_dirpath: str, durable: CheckpointStore) -> Callable[[Mani
 
 def lineage_filter(runs: Collection[str], local_dirpath: str, durable: CheckpointStore) -> Callable[[Manifest], bool]:
     """Which committed local generations belong to the run that resumes, given the ``runs`` the local tier holds
-    generations of: all of them while it holds one run's; when it holds several runs' (a shared ``local_dirpath``),
-    the run of ``durable``'s newest generation (the run it was promoted from), so one run never resumes another's.
+    generations of: all of them while it holds one run's (nothing read from ``durable``); when it holds several runs'
+    (a shared ``local_dirpath``), the run of ``durable``'s newest generation (the run it was promoted from), so one
+    run never resumes another's generation.
 
     Raises:
         ConfigError: Several runs' generations and ``durable`` names none of them: this run cannot tell its own.

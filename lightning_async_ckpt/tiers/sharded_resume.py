@@ -16,7 +16,7 @@ from typing import Any
 
 import fsspec
 
-from lightning_async_ckpt.core.collective import TorchCollective
+from lightning_async_ckpt.core.collective import TorchCollective, agree
 from lightning_async_ckpt.sharded.once import gloo_group, latest_once
 from lightning_async_ckpt.sharded.spread import load_generation
 from lightning_async_ckpt.storage.generation import version_folders
@@ -75,13 +75,10 @@ def local_roots(local_dirpath: str) -> list[int]:
     return [0, *version_folders(fs, path)]
 
 
-def tier_lineage(local_dirpath: str, durable: CheckpointStore) -> Callable[[Manifest], bool]:
-    """Which committed generations of this sharded local tier (own parts and peer replicas, every version folder)
-    belong to the resuming run: :func:`~lightning_async_ckpt.tiers.resume.lineage_filter` over their run ids.
-
-    Raises:
-        ConfigError: Several runs' generations and ``durable`` names none of them.
-    """
+def tier_runs(local_dirpath: str) -> set[str]:
+    """The run ids of every committed generation this sharded local tier holds (own parts and peer replicas, every
+    version folder): what :func:`~lightning_async_ckpt.tiers.resume.lineage_filter` decides on, once every rank's
+    set is joined (all ranks keep the same lineage)."""
     runs: set[str] = set()
     for version in local_roots(local_dirpath):
         fs, root = fsspec.core.url_to_fs(version_root(local_dirpath, version))
@@ -92,14 +89,40 @@ def tier_lineage(local_dirpath: str, durable: CheckpointStore) -> Callable[[Mani
         for name in folders:
             scan = CheckpointStore(f"{version_root(local_dirpath, version)}/{name}", check_writable=False).scan()
             runs |= {g.manifest.run_id for g in scan.generations if g.committed and g.manifest is not None}
-    return lineage_filter(runs, local_dirpath, durable)
+    return runs
+
+
+def agreed_lineage(
+    local_dirpath: str, durable: CheckpointStore, collective: Any, doing: str
+) -> Callable[[Manifest], bool]:
+    """The resuming run's lineage, the same on every rank: :func:`lineage_filter` over every rank's
+    :func:`tier_runs` joined (collective over ``collective``; ``None``: this process alone).
+
+    Raises:
+        ConfigError: ``lineage_filter``'s, on every rank.
+        RankFailedError: Another rank could not list its local tier or the durable tier (its error raised there).
+    """
+    runs, error = set(), None
+    try:
+        runs = tier_runs(local_dirpath)
+    except Exception as exc:  # noqa: BLE001 - raised on every rank by agree
+        error = exc
+    joined = set().union(*agree(collective, error, runs, doing=f"{doing}: the local tiers' runs"))
+    keep, error = None, None
+    try:
+        keep = lineage_filter(joined, local_dirpath, durable)
+    except Exception as exc:  # noqa: BLE001 - raised on every rank by agree
+        error = exc
+    agree(collective, error, doing=f"{doing}: this run's lineage")
+    assert keep is not None
+    return keep
 
 
 def local_state(
     local_dirpath: str, rank: int, world_size: int, keep: Callable[[Manifest], bool] | None = None
 ) -> tuple[dict[int, int], int, int | None]:
     """This rank's committed local steps (step -> version; with ``keep``, only those whose manifest it keeps: the
-    resuming run's lineage, :func:`tier_lineage`), its newest version, that version's newest step."""
+    resuming run's lineage, :func:`agreed_lineage`), its newest version, that version's newest step."""
     steps: dict[int, int] = {}
     per_version: dict[int, list[int]] = {}
     try:
@@ -124,7 +147,7 @@ def parts_of(
     listed: list[Any], rank: int, world_size: int, keep: Callable[[Manifest], bool] | None = None
 ) -> list[int]:
     """The steps of the generations ``listed`` that are committed parts of ``rank`` at ``world_size`` (with ``keep``,
-    only those whose manifest it keeps: the resuming run's lineage, :func:`tier_lineage`)."""
+    only those whose manifest it keeps: the resuming run's lineage, :func:`agreed_lineage`)."""
     mark = {"rank": rank, "world_size": world_size}
     return [
         i.step
@@ -152,7 +175,8 @@ def latest_across_tiers(local_dirpath: str, durable: CheckpointStore, *, verify:
     collective = None
     if distributed:
         collective = TorchCollective(None if str(dist.get_backend()) == "gloo" else gloo_group())
-    parts = RankParts(local_dirpath, rank, world, verify, durable)
+    keep = agreed_lineage(local_dirpath, durable, collective, "resuming sharded")
+    parts = RankParts(local_dirpath, rank, world, verify, keep)
     local = pick_local(parts, durable, collective=collective, doing="resuming sharded")
     if local is not None and local.beaten_by is None:
         _log.info("resuming step %d from the local tier %s (every rank holds it intact)", local.step, local_dirpath)
@@ -178,13 +202,12 @@ class RankParts:
     rank: int
     world_size: int
     verify: bool = True
-    durable: CheckpointStore | None = None  # given: only the resuming run's lineage counts
+    keep: Callable[[Manifest], bool] | None = None  # given: only the resuming run's lineage (agreed_lineage)
 
     def newest(self, ceiling: int | None) -> tuple[int, int] | None:
         """``(version, step)`` of this rank's newest committed part at or below ``ceiling`` that re-reads intact
         against its checksums (a damaged one is skipped with a warning), or ``None``."""
-        keep = None if self.durable is None else tier_lineage(self.local_dirpath, self.durable)
-        steps, _, _ = local_state(self.local_dirpath, self.rank, self.world_size, keep)
+        steps, _, _ = local_state(self.local_dirpath, self.rank, self.world_size, self.keep)
         for step in sorted((s for s in steps if ceiling is None or s <= ceiling), reverse=True):
             problem = part_problem(self.store(steps[step]), step, self.verify)
             if problem is None:

@@ -138,3 +138,21 @@ def test_replicas_without_a_process_group_is_refused_with_the_fix(tmp_path):
 def test_a_replica_goes_to_the_same_version_folder_under_a_name_no_rank_reads_as_its_own(uri, where):
     root = "file:///n/local" if uri.startswith("file://") else "/n/local/"
     assert replica_where(root, uri) == where
+
+
+@pytest.mark.parametrize("where", ["runs", "state"])
+def test_a_rank_that_cannot_look_at_its_local_tier_fails_every_rank_instead_of_hanging(tmp_path, where):
+    worker = Path(__file__).resolve().parents[1] / "helpers" / "peer_resume_failure_worker.py"
+    procs = launch_ranks([sys.executable, str(worker), str(tmp_path), where], timeout=120)
+    results = sorted(
+        (
+            json.loads(line.split(" ", 1)[1])
+            for p in procs
+            for line in p.stdout.splitlines()
+            if line.startswith("RESULT ")
+        ),
+        key=lambda r: r["rank"],
+    )
+    assert [r["rank"] for r in results] == [0, 1], "\n".join(p.stderr[-3000:] for p in procs)
+    assert results[1]["error"] == "StoreUnavailableError"  # its own error
+    assert results[0]["error"] == "RankFailedError"  # told, not left waiting for a collective
