@@ -46,6 +46,7 @@ __all__ = [
     "device_partials",
     "fingerprint",
     "miss_probability",
+    "pinned",
     "resolve_guard_mode",
 ]
 
@@ -100,7 +101,8 @@ def _edge_sums(data: torch.Tensor, head: int, tail: int) -> tuple[int, int]:
     return fingerprint(data[:head])[0], fingerprint(data[tail:])[0]
 
 
-def _pinned(storage: torch.UntypedStorage) -> bool:
+def pinned(storage: torch.UntypedStorage) -> bool:
+    """Whether ``storage`` is pinned host memory (asked only once CUDA is initialized: never initializes it)."""
     return torch.cuda.is_initialized() and storage.is_pinned()  # pinned memory exists only once CUDA is initialized
 
 
@@ -228,7 +230,7 @@ class CutGuard:
         the slots to fingerprint whole."""
         # Shared memory has writers in other processes; pinned memory may be written by DMA.
         candidates = [s for s in host if s.nbytes >= _TRACK_MIN_BYTES and not s.storage.is_shared()]
-        candidates = [s for s in candidates if not _pinned(s.storage)]
+        candidates = [s for s in candidates if not pinned(s.storage)]
         if sum(s.nbytes for s in candidates) < _TRACK_MIN_TOTAL or (
             self._tracker is None and (tracker_ := tracker()) is None
         ):

@@ -3,27 +3,30 @@
 The exact guard write-protects every deferred host storage at each cut and lifts the protection once it is copied:
 two page-table walks over every 4 KiB page (about 10 ms per 800 MB at the cut on the 2-core VM, the largest part of a
 deferred cut). Over 2 MiB pages the walks are 512 times shorter. With ``huge_pages=True``, after a save's copies
-landed (its protection lifted), the staging thread asks the kernel once per storage to back it with huge pages:
-``madvise(MADV_HUGEPAGE)`` then ``MADV_COLLAPSE`` (Linux 6.1+; about 2 s of CPU per GB, once). The kernel never
-collapses pages a write protection is armed on, and a collapse keeps the bytes, so the training loop may run and
-write meanwhile. Where the kernel lacks either call, the pages stay as they are (nothing is refused or lost).
+landed (its protection lifted), a short-lived thread asks the kernel once per storage to back it with huge pages:
+``madvise(MADV_HUGEPAGE)`` then ``MADV_COLLAPSE`` (Linux 6.1+; about 2 s of CPU per GB, once), while the staging
+thread goes on with the next save. The kernel never collapses pages a write protection is armed on (a later cut's:
+that span is tried again after a later save), and a collapse keeps the bytes, so the training loop may run and write
+meanwhile. Where the kernel lacks either call, the pages stay as they are (nothing is refused or lost).
 """
 
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 import sys
 import threading
 from collections.abc import Iterable
 
-__all__ = ["HUGE_PAGE", "advise_huge_pages"]
+__all__ = ["HUGE_PAGE", "advise_huge_pages", "advise_in_background"]
 
 HUGE_PAGE = 2 << 20
 _MADV_HUGEPAGE = 14
 _MADV_COLLAPSE = 25
+_log = logging.getLogger("lightning_async_ckpt")
 _lock = threading.Lock()
-_advised: set[tuple[int, int]] = set()
+_advised: set[tuple[int, int]] = set()  # collapsed, or being collapsed now
 _pid = os.getpid()
 _madvise: ctypes._CFuncPtr | None = None  # type: ignore[name-defined]
 
@@ -63,4 +66,29 @@ def advise_huge_pages(spans: Iterable[tuple[int, int]]) -> int:
             _advised.add((start, end))
         if madvise(start, end - start, _MADV_HUGEPAGE) == 0 and madvise(start, end - start, _MADV_COLLAPSE) == 0:
             collapsed += end - start
+        else:  # e.g. a later cut armed it meanwhile (EINVAL), or no huge page was free (EAGAIN): tried again later
+            with _lock:
+                _advised.discard((start, end))
     return collapsed
+
+
+class _Collapse(threading.Thread):
+    def __init__(self, spans: list[tuple[int, int]], keep_alive: list[object]) -> None:
+        super().__init__(name="lightning_async_ckpt-hugepages", daemon=True)
+        self.spans, self.keep_alive, self.collapsed = spans, keep_alive, 0
+
+    def run(self) -> None:
+        try:
+            self.collapsed = advise_huge_pages(self.spans)
+        except Exception as exc:  # noqa: BLE001 - an optimization: the pages stay as they are
+            _log.warning("huge_pages: could not collapse the deferred storages (%s: %s)", type(exc).__name__, exc)
+        finally:
+            self.keep_alive = []
+
+
+def advise_in_background(spans: list[tuple[int, int]], keep_alive: list[object]) -> threading.Thread:
+    """:func:`advise_huge_pages` of ``spans`` on a new daemon thread (started; its ``collapsed`` is the result once
+    joined), holding ``keep_alive`` (the storages) until it ends."""
+    thread = _Collapse(spans, keep_alive)
+    thread.start()
+    return thread

@@ -24,8 +24,8 @@ import torch
 from lightning_async_ckpt.core.buffer_pool import AUTO_BUDGET_FRACTION, BufferPool, resolve_budget
 from lightning_async_ckpt.core.capture import Category, Fence, StorageSlot
 from lightning_async_ckpt.core.cuda_copy import CudaCopies, as_bytes
-from lightning_async_ckpt.core.guard import FINGERPRINT_CHUNK, CutGuard, GuardMode, resolve_guard_mode
-from lightning_async_ckpt.core.huge_pages import advise_huge_pages
+from lightning_async_ckpt.core.guard import FINGERPRINT_CHUNK, CutGuard, GuardMode, pinned, resolve_guard_mode
+from lightning_async_ckpt.core.huge_pages import advise_in_background
 from lightning_async_ckpt.errors import CheckpointError, TornSnapshotError
 from lightning_async_ckpt.storage.io import crc32c_combine, crc32c_in_place
 
@@ -117,7 +117,7 @@ class StagingJob:
         #: Set by the owner (``CheckpointOptions.huge_pages``): once copied, the deferred host storages are backed
         #: with huge pages (:mod:`~lightning_async_ckpt.core.huge_pages`), so the next cuts protect them faster.
         self.huge_pages = False
-        self.huge_page_bytes = 0  # bytes the kernel collapsed into huge pages after this job (huge_pages)
+        self.huge_page_thread: threading.Thread | None = None  # the collapse after this job (huge_pages)
         self._deferred = [s for s in self.slots if s.fence != Fence.CUT]
         self._guard = CutGuard(self._deferred, self.guard)
         # Earlier fences first, so the first wait is released as soon as possible.
@@ -193,11 +193,10 @@ class StagingJob:
             self.staging_s = self.stage_ended - self.stage_started
             self.done.set()
         if self.huge_pages and self.error is None:  # after the protection was lifted: collapse skips armed pages
-            self.huge_page_bytes = advise_huge_pages(
-                (s.storage.data_ptr(), s.nbytes)
-                for s in self._deferred
-                if s.device.type == "cpu" and not s.storage.is_shared() and not s.storage.is_pinned()
-            )
+            host = [s for s in self._deferred if s.device.type == "cpu" and not s.storage.is_shared()]
+            host = [s for s in host if not pinned(s.storage)]
+            spans = [(s.storage.data_ptr(), s.nbytes) for s in host]
+            self.huge_page_thread = advise_in_background(spans, [s.storage for s in host])
 
     def _release(self, fence: Fence) -> None:
         self.fences[fence].event.set()

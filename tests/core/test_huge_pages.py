@@ -47,7 +47,9 @@ def test_deferred_storages_are_backed_by_huge_pages_and_the_guard_still_sees_a_w
     first.copy_at_cut()
     first.run()
     assert first.error is None
-    if first.huge_page_bytes == 0:
+    assert first.huge_page_thread is not None  # collapsed beside the staging thread, which goes on
+    first.huge_page_thread.join()
+    if first.huge_page_thread.collapsed == 0:
         pytest.skip("this kernel cannot collapse pages into huge pages (MADV_COLLAPSE, Linux 6.1+)")
     middle = weight.data_ptr() + weight.nbytes // 2
     assert _anon_huge_kb(middle) >= 2048
@@ -70,3 +72,27 @@ def test_deferred_storages_are_backed_by_huge_pages_and_the_guard_still_sees_a_w
 def test_huge_pages_is_a_bool_option(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="huge_pages"):
         AsyncCheckpointer(str(tmp_path), huge_pages="yes")
+
+
+def test_a_span_the_kernel_would_not_collapse_is_tried_again_later() -> None:
+    from lightning_async_ckpt.core.huge_pages import advise_huge_pages
+    from lightning_async_ckpt.core.write_tracker import page_interior
+
+    track = tracker()
+    if track is None:
+        pytest.skip("this kernel cannot track writes")
+    probe = torch.randn(16 << 20 >> 2)
+    if advise_huge_pages([(probe.data_ptr(), probe.nbytes)]) == 0:
+        pytest.skip("this kernel cannot collapse pages into huge pages (MADV_COLLAPSE, Linux 6.1+)")
+    weight = torch.randn(16 << 20 >> 2)
+    span = (weight.data_ptr(), weight.nbytes)
+    start, end = page_interior(*span)
+    assert track.protect(start, end)  # armed, as a later cut's protection would be: the kernel refuses a collapse
+    try:
+        refused = advise_huge_pages([span])
+    finally:
+        track.release(start, end)
+    if refused:
+        pytest.skip("this kernel collapsed write-protected pages")
+    assert advise_huge_pages([span]) > 0  # not marked done by the refusal: collapsed now
+    assert _anon_huge_kb(weight.data_ptr() + weight.nbytes // 2) >= 2048
