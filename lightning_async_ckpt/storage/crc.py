@@ -25,21 +25,30 @@ class _GoogleCrc32c:
         return self._extend(value, data if isinstance(data, bytes) else bytes(data))
 
 
+# Below this many bytes the GIL is kept through the call (as google-crc32c's own extension does): a release and
+# re-acquire per small buffer hands the GIL to the training thread and back, one switch interval each time.
+_RELEASE_GIL = 1 << 20
+
+
 class _LibCrc32c:
     """The C library that ``google-crc32c`` ships (``crc32c_extend``), called through :mod:`ctypes`: it reads any
-    contiguous buffer where it lies (no copy) and without the GIL, like the ``crc32c`` package."""
+    contiguous buffer where it lies (no copy), without the GIL from :data:`_RELEASE_GIL` bytes on, like the ``crc32c``
+    package; small ``bytes`` go to the package's own extension (no copy either)."""
 
-    def __init__(self, extend: Any) -> None:
-        self._extend = extend
+    def __init__(self, without_gil: Any, with_gil: Any, small: Any) -> None:
+        self._without_gil, self._with_gil, self._small = without_gil, with_gil, small
 
     def crc32c(self, data: bytes | memoryview, value: int = 0) -> int:
+        if isinstance(data, bytes) and len(data) < _RELEASE_GIL:
+            return self._small(value, data)
         view = memoryview(data)
         if not view.c_contiguous:
             view = memoryview(view.tobytes())
         if not view.nbytes:
             return value
         address = np.frombuffer(view.cast("B"), dtype=np.uint8).ctypes.data  # ``view`` keeps the memory alive
-        return self._extend(value, address, view.nbytes)
+        extend = self._without_gil if view.nbytes >= _RELEASE_GIL else self._with_gil
+        return extend(value, address, view.nbytes)
 
 
 def _bundled_crc32c(module: Any) -> _LibCrc32c | None:
@@ -50,13 +59,14 @@ def _bundled_crc32c(module: Any) -> _LibCrc32c | None:
     system = ctypes.util.find_library("crc32c")
     for path in [*candidates, *([system] if system else [])]:
         try:
-            extend = ctypes.CDLL(path).crc32c_extend
+            calls = [ctypes.CDLL(path).crc32c_extend, ctypes.PyDLL(path).crc32c_extend]
         except (OSError, AttributeError):
             continue
-        extend.argtypes = [ctypes.c_uint32, ctypes.c_void_p, ctypes.c_size_t]
-        extend.restype = ctypes.c_uint32
-        if extend(0, b"123456789", 9) == 0xE3069283:  # CRC-32C's check value
-            return _LibCrc32c(extend)
+        for extend in calls:
+            extend.argtypes = [ctypes.c_uint32, ctypes.c_void_p, ctypes.c_size_t]
+            extend.restype = ctypes.c_uint32
+        if all(extend(0, b"123456789", 9) == 0xE3069283 for extend in calls):  # CRC-32C's check value
+            return _LibCrc32c(*calls, module.extend)
     return None
 
 
