@@ -37,6 +37,9 @@ class StoreTarget:
         self.keep_last = keep_last
         self.emit = emit
 
+    def check_save(self) -> None:
+        """Every process saves to its own store."""
+
     def committed(self, step: int, durable: bool | None) -> None:
         """Run retention (a failure is logged: retention never fails a committed save)."""
         if self.keep_last is None:

@@ -94,10 +94,8 @@ class AsyncCheckpointer(ProgressView, CommitCallbacks, Lifecycle, DrainOnExit):
             raise ConfigError(f"store must be a CheckpointStore or a URL string, got {type(store).__name__}")
         if options is not None and not isinstance(options, CheckpointOptions):
             raise ConfigError(f"options must be a CheckpointOptions or None, got {type(options).__name__}")
-        if options is None:
-            options = CheckpointOptions(**overrides)
-        elif overrides:
-            options = CheckpointOptions(**{**options.__dict__, **overrides})
+        if options is None or overrides:
+            options = CheckpointOptions(**{**(options.__dict__ if options else {}), **overrides})
         self.store = store
         self.options = options
         self.serializer: Serializer = options.serializer or TorchSaveSerializer()
@@ -151,6 +149,7 @@ class AsyncCheckpointer(ProgressView, CommitCallbacks, Lifecycle, DrainOnExit):
         objects: dict[str, bytes] | None = None,
         final: bool = False,
         durable: bool | None = None,
+        promote: bool | None = None,
     ) -> SaveHandle:
         """Request a checkpoint of ``state`` at the cut ``step``.
 
@@ -179,6 +178,7 @@ class AsyncCheckpointer(ProgressView, CommitCallbacks, Lifecycle, DrainOnExit):
                 ``"wait"`` unless ``admission`` says otherwise.
             durable: With tiers: whether the generation goes to the durable tier too (``None``: the target's
                 cadence); a plain store ignores it.
+            promote: The tiers' name for ``durable`` (give one of them).
 
         Returns:
             The save's handle; for a skipped or coalesced request its futures are cancelled.
@@ -186,9 +186,14 @@ class AsyncCheckpointer(ProgressView, CommitCallbacks, Lifecycle, DrainOnExit):
         Raises:
             AdmissionError: ``admission="abort"`` and the outstanding limit is reached (recorded as ``aborted``).
             CheckpointError: A previous save failed in the background (raised once).
+            ConfigError: A bad argument, or a rank that must not save (it only receives peer replicas).
         """
         if self.closed:
             raise CheckpointError("this AsyncCheckpointer is closed; create a new one to keep saving")
+        self.target.check_save()
+        if promote is not None and durable not in (None, promote):
+            raise ConfigError(f"durable={durable!r} and promote={promote!r} disagree: give only one of them")
+        durable = promote if promote is not None else durable
         self.in_flight.observe_staged()
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ConfigError(f"step must be a non-negative int, got {step!r}")
@@ -210,11 +215,8 @@ class AsyncCheckpointer(ProgressView, CommitCallbacks, Lifecycle, DrainOnExit):
             raise self.admission.refusal(decision)
         if decision.decision is AdmissionDecision.WAIT:
             self.raise_pending()
-        record.decision, record.backlog, record.admission_wait_s = (
-            decision.decision,
-            decision.backlog,
-            decision.waited_s,
-        )
+        record.decision, record.backlog = decision.decision, decision.backlog
+        record.admission_wait_s = decision.waited_s
         self.requested_step = step
         self.completion.requested(record, decision)
         handle = SaveHandle(step=step, record=record, decision=decision)
@@ -229,16 +231,10 @@ class AsyncCheckpointer(ProgressView, CommitCallbacks, Lifecycle, DrainOnExit):
         self.progress.torn_step = None
         try:
             capture = self.capturer.capture(
-                state,
-                modules=modules,
-                optimizers=optimizers,
-                proof=proof,
-                defer=defer,
-                fences=self._fence_hooks.fences,
-                demoted=self.progress.demoted,
-                pool=self.pool,
+                state, modules=modules, optimizers=optimizers, proof=proof, defer=defer,
+                fences=self._fence_hooks.fences, demoted=self.progress.demoted, pool=self.pool,
                 guard=self.options.guard,
-            )
+            )  # fmt: skip
             capture.job.abandon, capture.job.huge_pages = self.abandoning, self.options.huge_pages
         except BaseException as exc:
             # Admitted but never started: the request still ends with a record.

@@ -169,13 +169,17 @@ class Persister(Protocol):
 class CommitTarget(Protocol):
     """Where a committed generation goes next: the engine's only view of what follows a commit.
 
-    Call sequence: :meth:`committed` on the engine's upload thread after each manifest this process committed and
+    Call sequence: :meth:`check_save` on the training thread at each ``save``; :meth:`committed` on the engine's upload thread after each manifest this process committed and
     before that save's ``committed`` future resolves (so the engine's own drain covers the hand-over);
     :meth:`make_durable` on the training thread (the emergency save right after a local cut of the same step);
     :meth:`drain` and :meth:`close` after the engine's saves ended; :meth:`report` for the emergency save's line.
     Implemented by :class:`~lightning_async_ckpt.core.commit_target.StoreTarget` (a plain store: retention) and
     :class:`~lightning_async_ckpt.tiers.target.TieredTarget` (a local and a durable tier, peer replicas).
     """
+
+    def check_save(self) -> None:
+        """Raise :class:`~lightning_async_ckpt.errors.ConfigError` when this process must not save (a rank that only
+        receives peer replicas); called first by every ``save``."""
 
     def committed(self, step: int, durable: bool | None) -> None:
         """Generation ``step`` committed; ``durable`` asks for it on the durable tier (``None``: the cadence)."""

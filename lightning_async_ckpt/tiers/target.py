@@ -15,7 +15,6 @@ from dataclasses import replace
 from typing import Any, Protocol
 
 from lightning_async_ckpt.core.commit_target import time_left
-from lightning_async_ckpt.core.handle import SaveHandle
 from lightning_async_ckpt.core.preemption import PreemptionHandler
 from lightning_async_ckpt.errors import ConfigError
 from lightning_async_ckpt.storage.store import CheckpointStore
@@ -67,6 +66,7 @@ class TieredTarget:
         replicas: Peer replicas of each local commit (``None``: none).
         every_n_steps: The durable cadence of saves that do not say (``None``: only the durable ones).
         rank: This rank, for the emergency line.
+        writers: The ranks that save (``None``: every rank); the others only receive replicas and restore.
     """
 
     def __init__(
@@ -78,8 +78,10 @@ class TieredTarget:
         every_n_steps: int | None = None,
         *,
         rank: int = 0,
+        writers: tuple[int, ...] | None = None,
     ) -> None:
         self.local, self.durable = local, durable
+        self.writers = writers
         self.copier, self.replicas = copier, replicas
         self.every_n_steps = every_n_steps
         self.rank = rank
@@ -97,6 +99,14 @@ class TieredTarget:
             self.replicas.on_event = engine.events.emit
             if replica_errors:
                 self.replicas.on_error = engine.report_error
+
+    def check_save(self) -> None:
+        """Refuse a save on a rank that only receives replicas (the single-writer layout)."""
+        if self.writers is not None and self.rank not in self.writers:
+            raise ConfigError(
+                f"with replicas only rank {self.writers[0]} saves (the single-writer layout: its generation holds the "
+                f"whole state); rank {self.rank} receives replicas and calls restore() and close() only"
+            )
 
     def due(self, step: int) -> bool:
         """Whether ``step`` is on the durable cadence."""
@@ -153,9 +163,9 @@ class TieredTarget:
 
 
 class TieredEngine:
-    """What the tiered checkpointers of plain loops add to their engine (mixed in before it): ``save(...,
-    promote=)``, :attr:`preempted` (cleared by the emergency save), :attr:`promoted_step`, and the signal handler
-    installed by :meth:`_install_preemption` and removed at ``close``."""
+    """What the tiered checkpointers of plain loops add to their engine (mixed in before it): :attr:`preempted`
+    (cleared by the emergency save), :attr:`promoted_step`, and the signal handler installed by
+    :meth:`_install_preemption` and removed at ``close``."""
 
     preemption: PreemptionHandler
     promoter: PromotionQueue
@@ -173,13 +183,6 @@ class TieredEngine:
     def promoted_step(self) -> int | None:
         """The newest step committed on the durable tier by a promotion."""
         return self.promoter.promoted_step
-
-    def save(self, step: int, state: Any, *, promote: bool | None = None, **kwargs: Any) -> SaveHandle:
-        """The engine's ``save`` to the local tier; durable when ``promote`` (or ``durable``; default: on the
-        cadence)."""
-        if promote is not None:
-            kwargs["durable"] = promote
-        return super().save(step, state, **kwargs)  # type: ignore[misc]
 
     def emergency_save(self, step: int, state: Any, *, grace_s: float | None = None, **kwargs: Any) -> str:
         """The engine's ``emergency_save`` (collective for sharded engines); :attr:`preempted` is cleared."""

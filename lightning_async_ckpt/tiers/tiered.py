@@ -12,13 +12,13 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
+import torch.distributed as dist
 from typing_extensions import override
 
 from lightning_async_ckpt.core.engine import AsyncCheckpointer
-from lightning_async_ckpt.core.handle import SaveHandle
 from lightning_async_ckpt.core.options import CheckpointOptions
 from lightning_async_ckpt.core.preemption import check_preemption
-from lightning_async_ckpt.errors import ConfigError, renamed
+from lightning_async_ckpt.errors import renamed
 from lightning_async_ckpt.storage.generation import version_folders
 from lightning_async_ckpt.storage.store import CheckpointStore
 from lightning_async_ckpt.tiers.promote import Promoter
@@ -126,7 +126,10 @@ class TieredCheckpointer(TieredEngine, AsyncCheckpointer):
             self.group, self.replicator = open_replicas(
                 self.local_dirpath, replicas, ranks_per_node=ranks_per_node, keep_last=local_keep_last
             )
-        target = TieredTarget(self.local, self.durable, self.promoter, self.replicator, every)
+        rank, writers = (dist.get_rank(), WRITERS) if self.replicator is not None else (0, None)
+        target = TieredTarget(
+            self.local, self.durable, self.promoter, self.replicator, every, rank=rank, writers=writers
+        )
         # Retention of the local tier is the promoter's: it keeps the generation due on the durable tier.
         super().__init__(self.local, replace(options, keep_last=None), target=target)
         target.bind(self)
@@ -139,19 +142,6 @@ class TieredCheckpointer(TieredEngine, AsyncCheckpointer):
         return self
 
     @override
-    def save(self, step: int, state: Any, *, promote: bool | None = None, **kwargs: Any) -> SaveHandle:
-        """:meth:`AsyncCheckpointer.save` to the local tier; durable when ``promote`` (or ``durable``; default: on the
-        cadence)."""
-        if self.replicator is not None and self.group is not None:
-            import torch.distributed as dist
-
-            if dist.get_rank() not in WRITERS:
-                raise ConfigError(
-                    f"with replicas only rank {WRITERS[0]} saves (the single-writer layout: its generation holds the "
-                    f"whole state); rank {dist.get_rank()} receives replicas and calls restore() and close() only"
-                )
-        return super().save(step, state, promote=promote, **kwargs)
-
     def restore(self) -> Restored | None:
         """The generation to resume from: the newest intact local one unless ``durable`` holds a newer committed step,
         then ``durable``'s newest verified one; ``None`` on a first run. Its run continues (the stores' run id).

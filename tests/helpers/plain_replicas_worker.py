@@ -27,6 +27,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from lightning_async_ckpt import CheckpointStore  # noqa: E402
+from lightning_async_ckpt.errors import ConfigError  # noqa: E402
 from lightning_async_ckpt.testing import register_faulty  # noqa: E402
 from lightning_async_ckpt.tiers.tiered import TieredCheckpointer  # noqa: E402
 
@@ -85,6 +86,11 @@ def _phase(run_dir: str, phase: str) -> dict:
         if phase == "train" and rank == 0 and step in (2, 4, 6):
             state = {"model": model.module.state_dict(), "optim": opt.state_dict(), "step": step}
             ckpt.save(step, state, modules=[model], optimizers=[opt])
+        if phase == "train" and rank == 1 and step == 2:
+            try:  # a rank that only receives replicas must not save (the single-writer layout)
+                ckpt.save(step, {"step": step})
+            except ConfigError as exc:
+                report["refused"] = str(exc)
     ckpt.close()
     report["weights"] = {k: v.tolist() for k, v in model.module.state_dict().items()}
     return report

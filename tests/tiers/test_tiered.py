@@ -6,10 +6,12 @@ import os
 import shutil
 import signal
 
+import pytest
 import torch
 from torch import nn
 
 from lightning_async_ckpt import CheckpointStore, latest_checkpoint
+from lightning_async_ckpt.errors import ConfigError
 from lightning_async_ckpt.tiers.tiered import TieredCheckpointer
 
 
@@ -116,9 +118,6 @@ def test_restore_takes_the_newest_intact_local_generation_else_the_durable_one(t
 
 
 def test_replicas_need_a_process_group(tmp_path):
-    import pytest
-
-    from lightning_async_ckpt.errors import ConfigError
 
     with pytest.raises(ConfigError, match="replicas needs torch.distributed"):
         TieredCheckpointer(str(tmp_path / "local"), str(tmp_path / "durable"), replicas=1)
@@ -189,9 +188,6 @@ def test_restore_and_latest_checkpoint_agree_when_the_durable_tier_holds_a_torn_
 
 
 def test_two_runs_sharing_a_local_tier_never_resume_each_other(tmp_path):
-    import pytest
-
-    from lightning_async_ckpt.errors import ConfigError
 
     shared = str(tmp_path / "local")
     a = TieredCheckpointer(shared, str(tmp_path / "durable-a"), every_n_train_steps=4)
@@ -214,3 +210,17 @@ def test_two_runs_sharing_a_local_tier_never_resume_each_other(tmp_path):
         fresh.restore()
     fresh.close()
     assert _steps(tmp_path / "local") == [2, 4, 6, 8]  # nothing lost
+
+
+def test_promote_and_durable_name_the_same_choice_and_may_not_disagree(tmp_path):
+    ckpt = TieredCheckpointer(str(tmp_path / "local"), str(tmp_path / "durable"), every_n_train_steps=None)
+    model = nn.Linear(4, 4)
+    try:
+        ckpt.save(1, {"model": model.state_dict()}, promote=True)
+        ckpt.save(2, {"model": model.state_dict()}, durable=True, promote=True)
+        with pytest.raises(ConfigError, match="durable=False and promote=True disagree"):
+            ckpt.save(3, {"model": model.state_dict()}, durable=False, promote=True)
+        assert ckpt.drain()
+    finally:
+        ckpt.close()
+    assert [g.step for g in CheckpointStore(str(tmp_path / "durable")).generations()] == [1, 2]

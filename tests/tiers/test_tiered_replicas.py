@@ -60,3 +60,10 @@ def test_a_lost_local_folder_is_restored_from_the_peer_and_training_continues_id
     fallen_back = results["fallen_back"]
     assert [(r["tier"], r["step"]) for r in fallen_back] == [("durable", 4)] * 2
     assert [r["weights"] for r in fallen_back] == [trained[0]["weights"]] * 2
+
+
+@pytest.mark.slow
+def test_a_rank_that_only_receives_replicas_is_refused_a_save_with_the_reason(phases) -> None:
+    trained = phases[1]["train"]
+    assert "only rank 0 saves" in trained[1]["refused"], trained[1]
+    assert "refused" not in trained[0]
