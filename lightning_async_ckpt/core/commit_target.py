@@ -73,6 +73,7 @@ def emergency_save(engine: Any, step: int, state: Any, grace_s: float | None, kw
     taken), else save ``state`` copied at the cut and durable (``None``: the caller cut already, nothing more);
     drain within ``grace_s``; log and return what is where."""
     deadline = None if grace_s is None else time.monotonic() + grace_s
+    engine.preemption.requested.clear()
     newest = engine.newest_save
     cut = newest is not None and newest.step == step and not newest.committed.cancelled()
     if not (cut and newest.decision.admitted and engine.target.make_durable(step)) and state is not None:

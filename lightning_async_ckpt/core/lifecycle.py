@@ -13,6 +13,7 @@ from concurrent.futures import Future
 from typing import Any
 
 from lightning_async_ckpt.core.capture import CapturePlan
+from lightning_async_ckpt.core.preemption import PreemptionHandler
 from lightning_async_ckpt.core.workers import THREAD_PREFIX, Worker, register_at_exit
 from lightning_async_ckpt.storage.direct import release_buffers
 
@@ -43,6 +44,9 @@ class Lifecycle:
         self.io_worker = Worker(f"{THREAD_PREFIX}-io", nice=upload_nice)
         #: Set when outstanding saves are abandoned (``close`` timed out, ``abandon=True``, exit drain timed out).
         self.abandoning = threading.Event()
+        #: The emergency save's signal handler (none by default; the tiered checkpointers install one): cleared by
+        #: the emergency save, removed by :meth:`close`.
+        self.preemption = PreemptionHandler(None)
         self._closed = False
         self._exit_hook = register_at_exit(self._at_exit)
 
@@ -85,6 +89,7 @@ class Lifecycle:
         if self._closed:
             return
         self._closed = True
+        self.preemption.remove()
         self._remove_hooks()  # type: ignore[attr-defined]
         if abandon:
             self.abandoning.set()

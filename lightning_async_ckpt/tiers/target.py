@@ -164,8 +164,8 @@ class TieredTarget:
 
 class TieredEngine:
     """What the tiered checkpointers of plain loops add to their engine (mixed in before it): :attr:`preempted`
-    (cleared by the emergency save), :attr:`promoted_step`, and the signal handler installed by
-    :meth:`_install_preemption` and removed at ``close``."""
+    and :attr:`promoted_step`, and the engine's signal handler installed by :meth:`_install_preemption` (the
+    engine's emergency save clears it, its ``close`` removes it)."""
 
     preemption: PreemptionHandler
     promoter: PromotionQueue
@@ -183,20 +183,6 @@ class TieredEngine:
     def promoted_step(self) -> int | None:
         """The newest step committed on the durable tier by a promotion."""
         return self.promoter.promoted_step
-
-    def emergency_save(self, step: int, state: Any, *, grace_s: float | None = None, **kwargs: Any) -> str:
-        """The engine's ``emergency_save`` (collective for sharded engines); :attr:`preempted` is cleared."""
-        self.preemption.requested.clear()
-        return super().emergency_save(step, state, grace_s=grace_s, **kwargs)  # type: ignore[misc]
-
-    def close(self, timeout: float | None = None, *, abandon: bool = False) -> None:
-        """The engine's ``close`` (the saves, then the promotions and replicas), and the signal handler restored.
-
-        Raises:
-            CheckpointError: A save's or a promotion's error not raised yet (the engine's).
-        """
-        self.preemption.remove()
-        super().close(timeout, abandon=abandon)  # type: ignore[misc]
 
 
 def promoting_engine(

@@ -70,6 +70,7 @@ def test_plain_loop_emergency_save_under_a_real_signal(tmp_path):
     assert _steps(tmp_path / "local") == [2, 4, 5]
     assert _steps(tmp_path / "durable") == [5]
     assert ckpt.promoted_step == 5
+    assert not ckpt.preempted  # the emergency save cleared it
     assert signal.getsignal(signal.SIGUSR1) == before
 
 
