@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from fsspec.core import split_protocol
 
 from lightning_async_ckpt.errors import CheckpointError
 from lightning_async_ckpt.storage.io import READ_CHUNK, read_verified
@@ -203,9 +204,10 @@ def tier_folder(root: str, where: Any) -> str:
         or (where != "" and any(part in ("", ".", "..") for part in parts))
     )
     uri = version_uri(root, where) if not outside else ""
-    if not outside and "://" not in root:
-        base = os.path.realpath(root)
-        outside = os.path.commonpath([base, os.path.realpath(uri)]) != base
+    protocol, path = split_protocol(root)
+    if not outside and protocol in (None, "file", "local"):  # a local folder, also named as a URL: links resolved
+        base = os.path.realpath(path)
+        outside = os.path.commonpath([base, os.path.realpath(version_uri(path, where))]) != base
     if outside:
         raise ReplicaError(
             f"replica target folder {where!r} is not inside this rank's local tier {root!r}: a peer may only name a "
