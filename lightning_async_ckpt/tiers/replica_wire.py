@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import queue
+import re
 import threading
 from dataclasses import replace
 from typing import Any
@@ -48,6 +49,9 @@ _log = logging.getLogger("lightning_async_ckpt")
 
 #: The manifest ``extra`` key a replica records its source in (``{"rank": ..., "step": ...}``).
 REPLICA_OF_KEY = "replica_of"
+#: The folders of a local tier a replica goes to: ``""``, a version folder ``v<k>``, a layout's folder of ranks
+#: (``rank-<r>``, ``replica-of-rank-<r>``) or one of those in a version folder.
+_TIER_FOLDER_RE = re.compile(r"^(?:v[1-9][0-9]{0,5}(?:/(?:replica-of-)?rank-[0-9]+)?|(?:replica-of-)?rank-[0-9]+)?$")
 _CHUNK = READ_CHUNK  # the largest DATA message: one chunk of the sender's reads
 
 
@@ -190,7 +194,9 @@ def version_uri(root: str, where: str) -> str:
 
 def tier_folder(root: str, where: Any) -> str:
     """Folder ``where`` of this rank's local tier ``root``, checked: a peer's message names it, and it must be a
-    relative folder that stays inside ``root`` (no ``..``, not absolute, no URL, not through a link outside).
+    relative folder that stays inside ``root`` (no ``..``, not absolute, no URL, not through a link outside) and is
+    one replicas go to (``""``, ``v<k>``, ``[v<k>/]rank-<r>``, ``[v<k>/]replica-of-rank-<r>``: never a generation's
+    folder).
 
     Raises:
         ReplicaError: ``where`` leaves the tier (the sender is told; nothing is written).
@@ -202,6 +208,9 @@ def tier_folder(root: str, where: Any) -> str:
         or "://" in where
         or ":" in parts[0]  # a drive letter
         or (where != "" and any(part in ("", ".", "..") for part in parts))
+        or not _TIER_FOLDER_RE.fullmatch(
+            where
+        )  # inside the tier, yet not a folder replicas go to (a generation's, ...)
     )
     uri = version_uri(root, where) if not outside else ""
     protocol, path = split_protocol(root)
@@ -211,7 +220,8 @@ def tier_folder(root: str, where: Any) -> str:
     if outside:
         raise ReplicaError(
             f"replica target folder {where!r} is not inside this rank's local tier {root!r}: a peer may only name a "
-            'relative folder of it ("" or a version folder such as "v1")'
+            'relative folder of it ("" or a version folder such as "v1", or a rank folder such as "rank-1" or '
+            '"replica-of-rank-1" in one)'
         )
     return uri
 

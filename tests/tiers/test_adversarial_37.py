@@ -102,6 +102,14 @@ def _header(source: CheckpointStore, step: int, where: object) -> dict:
         "c:/escape",
         "memory://escape",
         "v1\x00",
+        "v1\n",
+        "step-00000002",
+        "v1/step-00000002",
+        "v1/v2",
+        "manifest.json",
+        ".hidden",
+        "v0",
+        "rank-0/v1",
         None,
         5,
         ["v1"],
@@ -109,10 +117,13 @@ def _header(source: CheckpointStore, step: int, where: object) -> dict:
     ],
 )
 def test_hostile_replica_targets_are_refused_answered_and_write_nothing(tmp_path, where):
+    # Found in review: a folder inside the tier that replicas never go to ("step-00000002": a committed generation's
+    # folder; "v1/v2", "manifest.json") was accepted and answered OK, the replica never listed (fixed in tier_folder).
     source = CheckpointStore(str(tmp_path / "source"))
     _commit(source, 1)
     tier = tmp_path / "nest" / "tier"
     tier.mkdir(parents=True)
+    _commit(CheckpointStore(str(tier)), 2)
     before = _all_files(tmp_path)
     wire = ScriptedWire(source, 1)
     committed = receive_generation(wire, 0, _header(source, 1, where), str(tier))
@@ -273,6 +284,34 @@ def test_rejected_messages_are_answered_and_the_receiver_commits_the_next_one(tm
     assert not (tmp_path / "escape").exists()
 
 
+def test_a_stream_that_does_not_match_its_manifest_is_answered_and_the_receiver_lives_on(tmp_path, monkeypatch):
+    source = CheckpointStore(str(tmp_path / "source"))
+    _commit(source, 1)
+    tier = tmp_path / "tier"
+    wire = ScriptedWire()  # the bytes are scripted here, not read from the source
+    replicator = _receiver(monkeypatch, tier, wire)
+    size = source.manifest(1).objects[0].size
+    for stream in (
+        [(Kind.DATA, b"\x00" * size), (Kind.EOF, b"")],  # other bytes, same size: the checksum tells
+        [(Kind.DATA, b"\x01" * (size // 2)), (Kind.EOF, b"")],  # short
+        [(Kind.DATA, b"\x01" * (size * 2)), (Kind.EOF, b"")],  # long
+        [(Kind.DATA, b"\x01" * 10), (Kind.ABORT, b"source failed its checksum")],
+    ):
+        wire.gen(_header(source, 1, ""))
+        assert wire.answer()[0] == Kind.NEED
+        for message in stream:
+            wire.inbox.put(message)
+        assert wire.answer()[0] == Kind.FAIL, stream[-1]
+        assert _steps(tier) == []
+    wire.source, wire.step = source, 1
+    wire.gen(_header(source, 1, ""))
+    assert wire.answer()[0] == Kind.NEED and wire.answer()[0] == Kind.OK
+    wire.inbox.put((Kind.STOP, b""))
+    assert wire.answer()[0] == Kind.OK
+    replicator.close(timeout=60)
+    assert replicator.received == [1] and _steps(tier) == [1]
+
+
 # -- fault 3 (replica side): a receiver's retention in a shared local tier ---------------------------------------
 
 
@@ -376,6 +415,7 @@ def _gen(root: Path, step: int) -> Path:
     [
         "durable_newer_committed",
         "durable_newer_committed_but_damaged",
+        "both_newest_damaged",
         "local_newest_uncommitted",
         "every_local_damaged",
         "durable_empty_local_newer",
@@ -402,6 +442,17 @@ def test_restore_and_latest_checkpoint_give_one_answer(tmp_path, case):
         shutil.rmtree(_gen(local, 8))
         _flip_last_bytes(_gen(durable, 8) / "checkpoint.ckpt")
         expected = ("local", 6)
+    elif case == "both_newest_damaged":
+        ckpt = TieredCheckpointer(str(local), str(durable), every_n_train_steps=4)
+        ckpt.restore()
+        ckpt.save(8, {"step": 8}, promote=True)
+        ckpt.close()
+        import shutil
+
+        shutil.rmtree(_gen(local, 8))
+        _flip_last_bytes(_gen(durable, 8) / "checkpoint.ckpt")
+        _flip_last_bytes(_gen(local, 6) / "checkpoint.ckpt")
+        expected = ("local", 4)
     elif case == "local_newest_uncommitted":
         (_gen(local, 6) / "manifest.json").unlink()
         expected = ("local", 4)
@@ -502,3 +553,41 @@ def test_close_without_drain_and_the_emergency_save_replicate_the_newest_step_ov
     assert "replicated rank 0's step 7 to ranks [1]" in writer["emergency"], writer["emergency"]
     assert "not in time" not in writer["emergency"]
     assert peer["after_emergency"][-1] == 7 and writer["durable"] == [7]
+
+
+@pytest.mark.parametrize("case", ["every_local_damaged", "local_newest_uncommitted", "durable_newest_damaged"])
+def test_ckpt_path_last_agrees_with_restore_and_latest_checkpoint_on_more_cases(tmp_path, case):
+    import warnings
+
+    from tests.tiers.test_resume_entry_points import _answer, _fit
+
+    local, durable = tmp_path / "local", tmp_path / "durable"
+    _fit(tmp_path, 8)  # local 2, 4, 6, 8; durable 4, 8
+    biggest = {
+        step: max((p for p in _gen(local, step).iterdir() if p.name != "manifest.json"), key=lambda p: p.stat().st_size)
+        for step in (2, 4, 6, 8)
+    }
+    if case == "every_local_damaged":
+        for path in biggest.values():
+            _flip_last_bytes(path)
+        expected = ("durable", 8)
+    elif case == "local_newest_uncommitted":
+        (_gen(local, 8) / "manifest.json").unlink()
+        expected = ("durable", 8)  # dirpath holds a newer committed step than the local 6
+    else:
+        import shutil
+
+        shutil.rmtree(_gen(local, 8))
+        durable_biggest = max(
+            (p for p in _gen(durable, 8).iterdir() if p.name != "manifest.json"), key=lambda p: p.stat().st_size
+        )
+        _flip_last_bytes(durable_biggest)
+        expected = ("local", 6)  # dirpath's newer step 8 is damaged: the newest intact of either tier
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        answers = {
+            "latest_checkpoint": _answer(latest_checkpoint(str(durable), local_dirpath=str(local)), local),
+            "restore": _restore(local, durable)[:2],
+            'ckpt_path="last"': _answer(_fit(tmp_path, 10, ckpt_path="last").ckpt_path, local),
+        }
+    assert answers == dict.fromkeys(answers, expected)
