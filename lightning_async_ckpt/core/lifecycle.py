@@ -124,13 +124,19 @@ class Lifecycle:
 
     def _abandon_outstanding(self, why: str) -> None:
         steps = self.in_flight_steps()  # type: ignore[attr-defined]
+        newest = self.committed_step  # type: ignore[attr-defined]
+        # A save committed whose hand-over to the target (promotion, replicas) still runs has its manifest.
+        handing = [s for s in steps if newest is not None and s <= newest]
+        lost = [s for s in steps if s not in handing]
         self.abandoning.set()
-        _log.error(
-            "%s: checkpoint save(s) of step(s) %s abandoned, no manifest written; last committed step %s",
-            why,
-            ", ".join(map(str, steps)) or "?",
-            self.committed_step,
-        )
+        said = []
+        if lost or not handing:
+            said.append(
+                f"checkpoint save(s) of step(s) {', '.join(map(str, lost)) or '?'} abandoned, no manifest written"
+            )
+        if handing:
+            said.append(f"step(s) {', '.join(map(str, handing))} committed, not handed over (promotion, replicas)")
+        _log.error("%s: %s; last committed step %s", why, "; ".join(said), newest)
 
     def _stop_workers(self, bound: float | None) -> bool:
         """Stop the threads: unbounded after a full drain; after an abandon, staging and upload (the threads that

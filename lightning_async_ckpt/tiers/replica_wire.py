@@ -16,12 +16,14 @@ import json
 import logging
 import os
 import queue
+import re
 import threading
 from dataclasses import replace
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from fsspec.core import split_protocol
 
 from lightning_async_ckpt.errors import CheckpointError
 from lightning_async_ckpt.storage.io import READ_CHUNK, read_verified
@@ -47,6 +49,9 @@ _log = logging.getLogger("lightning_async_ckpt")
 
 #: The manifest ``extra`` key a replica records its source in (``{"rank": ..., "step": ...}``).
 REPLICA_OF_KEY = "replica_of"
+#: The folders of a local tier a replica goes to: ``""``, a version folder ``v<k>``, a layout's folder of ranks
+#: (``rank-<r>``, ``replica-of-rank-<r>``) or one of those in a version folder.
+_TIER_FOLDER_RE = re.compile(r"^(?:v[1-9][0-9]{0,5}(?:/(?:replica-of-)?rank-[0-9]+)?|(?:replica-of-)?rank-[0-9]+)?$")
 _CHUNK = READ_CHUNK  # the largest DATA message: one chunk of the sender's reads
 
 
@@ -189,7 +194,9 @@ def version_uri(root: str, where: str) -> str:
 
 def tier_folder(root: str, where: Any) -> str:
     """Folder ``where`` of this rank's local tier ``root``, checked: a peer's message names it, and it must be a
-    relative folder that stays inside ``root`` (no ``..``, not absolute, no URL, not through a link outside).
+    relative folder that stays inside ``root`` (no ``..``, not absolute, no URL, not through a link outside) and is
+    one replicas go to (``""``, ``v<k>``, ``[v<k>/]rank-<r>``, ``[v<k>/]replica-of-rank-<r>``: never a generation's
+    folder).
 
     Raises:
         ReplicaError: ``where`` leaves the tier (the sender is told; nothing is written).
@@ -201,15 +208,20 @@ def tier_folder(root: str, where: Any) -> str:
         or "://" in where
         or ":" in parts[0]  # a drive letter
         or (where != "" and any(part in ("", ".", "..") for part in parts))
+        or not _TIER_FOLDER_RE.fullmatch(
+            where
+        )  # inside the tier, yet not a folder replicas go to (a generation's, ...)
     )
     uri = version_uri(root, where) if not outside else ""
-    if not outside and "://" not in root:
-        base = os.path.realpath(root)
-        outside = os.path.commonpath([base, os.path.realpath(uri)]) != base
+    protocol, path = split_protocol(root)
+    if not outside and protocol in (None, "file", "local"):  # a local folder, also named as a URL: links resolved
+        base = os.path.realpath(path)
+        outside = os.path.commonpath([base, os.path.realpath(version_uri(path, where))]) != base
     if outside:
         raise ReplicaError(
             f"replica target folder {where!r} is not inside this rank's local tier {root!r}: a peer may only name a "
-            'relative folder of it ("" or a version folder such as "v1")'
+            'relative folder of it ("" or a version folder such as "v1", or a rank folder such as "rank-1" or '
+            '"replica-of-rank-1" in one)'
         )
     return uri
 

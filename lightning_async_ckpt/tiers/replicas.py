@@ -280,8 +280,9 @@ class Replicator(NewestWins):
             committed = receive_generation(wire, src, header, self.local_dirpath)
             if committed is not None:
                 self.received.append(committed.step)
-                store = CheckpointStore(tier_folder(self.local_dirpath, header["where"]))
-                retain_quietly(store, self.keep_last, all_runs=True)
+                # Retention of the replica's own run: other runs sharing this local tier keep every generation.
+                store = CheckpointStore(tier_folder(self.local_dirpath, header["where"]), run_id=committed.run_id)
+                retain_quietly(store, self.keep_last)
 
 
 def _where(root: str, uri: str) -> str:
