@@ -40,6 +40,10 @@ class StoreTarget:
     def check_save(self) -> None:
         """Every process saves to its own store."""
 
+    def manifest_extra(self) -> dict[str, Any]:
+        """Nothing: the store is the only tier."""
+        return {}
+
     def committed(self, step: int, durable: bool | None) -> None:
         """Run retention (a failure is logged: retention never fails a committed save)."""
         if self.keep_last is None:

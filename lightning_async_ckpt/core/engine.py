@@ -194,6 +194,7 @@ class AsyncCheckpointer(ProgressView, CommitCallbacks, Lifecycle, DrainOnExit):
         if promote is not None and durable not in (None, promote):
             raise ConfigError(f"durable={durable!r} and promote={promote!r} disagree: give only one of them")
         durable = promote if promote is not None else durable
+        extra = {**self.target.manifest_extra(), **(extra or {})}
         self.in_flight.observe_staged()
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ConfigError(f"step must be a non-negative int, got {step!r}")
@@ -256,7 +257,7 @@ class AsyncCheckpointer(ProgressView, CommitCallbacks, Lifecycle, DrainOnExit):
         self.stage_worker.submit(job.run)
         keys, more = dict(object_keys or {}), dict(objects or {})
         self.upload_worker.submit(
-            lambda: self.completion.run(handle, capture, cut_meta, extra or {}, keys, more, durable=durable)
+            lambda: self.completion.run(handle, capture, cut_meta, extra, keys, more, durable=durable)
         )
         return handle
 

@@ -181,6 +181,9 @@ class CommitTarget(Protocol):
         """Raise :class:`~lightning_async_ckpt.errors.ConfigError` when this process must not save (a rank that only
         receives peer replicas); called first by every ``save``."""
 
+    def manifest_extra(self) -> dict[str, Any]:
+        """What each save's manifest records about this target (merged under the caller's ``extra``)."""
+
     def committed(self, step: int, durable: bool | None) -> None:
         """Generation ``step`` committed; ``durable`` asks for it on the durable tier (``None``: the cadence)."""
 

@@ -24,12 +24,22 @@ from lightning_async_ckpt.tiers.background import PromotionQueue, retain_quietly
 if TYPE_CHECKING:
     from lightning_async_ckpt.storage.store import CheckpointStore
 
-__all__ = ["PROMOTED_FROM_KEY", "PromotionError", "Promoter", "copy_objects", "promote_generation"]
+__all__ = [
+    "DURABLE_TIER_KEY",
+    "PROMOTED_FROM_KEY",
+    "PromotionError",
+    "Promoter",
+    "copy_objects",
+    "promote_generation",
+]
 
 _log = logging.getLogger("lightning_async_ckpt")
 
 #: The manifest ``extra`` key a promoted generation records its source in (``{"uri": ..., "step": ...}``).
 PROMOTED_FROM_KEY = "promoted_from"
+#: The manifest ``extra`` key a local tier's generation records its durable tier's root path in (no protocol: one
+#: store named by several URL spellings stays one): the run lineage a resume accepts (:func:`~lightning_async_ckpt.tiers.resume.lineage_filter`).
+DURABLE_TIER_KEY = "durable_tier"
 #: A durable tier more than this many due generations behind the local one is reported (WARNING, event).
 LAG_WARN_GENERATIONS = 2
 

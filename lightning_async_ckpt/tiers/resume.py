@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import logging
+import re
 import warnings
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
@@ -24,7 +25,7 @@ from lightning_async_ckpt.storage.lookup import newest_intact
 from lightning_async_ckpt.storage.manifest import Manifest
 from lightning_async_ckpt.storage.root import StoreRoot
 from lightning_async_ckpt.storage.store import CheckpointStore
-from lightning_async_ckpt.tiers.promote import PROMOTED_FROM_KEY
+from lightning_async_ckpt.tiers.promote import DURABLE_TIER_KEY, PROMOTED_FROM_KEY
 from lightning_async_ckpt.tiers.replicas import restore_from_peers
 
 __all__ = [
@@ -231,16 +232,22 @@ def this_lineage(local_dirpath: str, durable: CheckpointStore) -> Callable[[Mani
 
 def lineage_filter(runs: Collection[str], local_dirpath: str, durable: CheckpointStore) -> Callable[[Manifest], bool]:
     """Which committed local generations belong to the run that resumes, given the ``runs`` the local tier holds
-    generations of: all of them while it holds one run's (nothing read from ``durable``); when it holds several runs'
-    (a shared ``local_dirpath``), the run of ``durable``'s newest generation (the run it was promoted from), so one
-    run never resumes another's generation.
+    generations of. A generation that names its durable tier (:data:`DURABLE_TIER_KEY`, written at each local save)
+    counts only when that is ``durable`` (or one of its version folders). Beyond that: all of them while the local
+    tier holds one run's (nothing read from ``durable``); when it holds several runs' (a shared ``local_dirpath``),
+    the run of ``durable``'s newest generation (the run it was promoted from), so one run never resumes another's.
 
     Raises:
         ConfigError: Several runs' generations and ``durable`` names none of them: this run cannot tell its own.
     """
-    runs = set(runs)
+    runs, tier = set(runs), durable.root
+
+    def of_durable(manifest: Manifest) -> bool:
+        named = manifest.extra.get(DURABLE_TIER_KEY)
+        return named is None or named == tier or re.fullmatch(re.escape(tier) + r"/v\d+", str(named)) is not None
+
     if len(runs) <= 1:
-        return lambda _: True
+        return of_durable
     info = durable.latest(verify=False)
     ours = set() if info is None or info.manifest is None else {info.manifest.run_id}
     if info is not None and info.manifest is not None:
@@ -251,7 +258,7 @@ def lineage_filter(runs: Collection[str], local_dirpath: str, durable: Checkpoin
             f"the durable tier {durable.uri!r} names none of them, so this run cannot tell its own: give each run its "
             "own local_dirpath (e.g. one folder per run name), or remove the other runs' generations"
         )
-    return lambda manifest: manifest.run_id in ours
+    return lambda manifest: manifest.run_id in ours and of_durable(manifest)
 
 
 def _lacking(steps: list[int | None]) -> list[int]:

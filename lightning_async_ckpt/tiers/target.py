@@ -19,7 +19,7 @@ from lightning_async_ckpt.core.preemption import PreemptionHandler
 from lightning_async_ckpt.errors import ConfigError
 from lightning_async_ckpt.storage.store import CheckpointStore
 from lightning_async_ckpt.tiers.background import PromotionQueue
-from lightning_async_ckpt.tiers.promote import Promoter
+from lightning_async_ckpt.tiers.promote import DURABLE_TIER_KEY, Promoter
 
 __all__ = ["Replicas", "TieredEngine", "TieredTarget", "check_tier_options", "promoting_engine"]
 
@@ -107,6 +107,10 @@ class TieredTarget:
                 f"with replicas only rank {self.writers[0]} saves (the single-writer layout: its generation holds the "
                 f"whole state); rank {self.rank} receives replicas and calls restore() and close() only"
             )
+
+    def manifest_extra(self) -> dict[str, Any]:
+        """The durable tier this local generation belongs to (its run lineage at resume)."""
+        return {DURABLE_TIER_KEY: self.durable.root}
 
     def due(self, step: int) -> bool:
         """Whether ``step`` is on the durable cadence."""

@@ -363,12 +363,6 @@ def _latest(local: Path, durable: Path):
     return tier, int(found.split("step-")[-1].split("/")[0])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="review of issue 37, not fixed: tiers/resume.py lineage_filter accepts every local generation while the "
-    "local tier holds one run's (len(runs) <= 1), without asking whose run dirpath is; fixing it reads dirpath's "
-    "newest manifest, which test_tiered_replicas.py's durable_reads == 0 (dirpath only listed) forbids today",
-)
 def test_a_local_tier_holding_only_another_runs_generations_is_never_resumed(tmp_path):
     # Run A wrote its local tier on another node; this node's local folder holds only run B's (newer) generations.
     run_a = _plain_run(tmp_path / "node-a", tmp_path / "durable-a", (2, 4))
