@@ -9,6 +9,7 @@ tier in the background (verified, manifest last; ``docs/tiers.md``), a replicato
 
 from __future__ import annotations
 
+import logging
 from dataclasses import replace
 from typing import Any
 
@@ -34,6 +35,8 @@ from lightning_async_ckpt.tiers.tiered_replicas import (
 )
 
 __all__ = ["TieredCheckpointer", "local_location", "local_versions"]
+
+_log = logging.getLogger("lightning_async_ckpt")
 
 
 def local_versions(local_dirpath: str, start_step: int) -> tuple[int, list[int]]:
@@ -144,7 +147,8 @@ class TieredCheckpointer(TieredEngine, AsyncCheckpointer):
     @override
     def restore(self) -> Restored | None:
         """The generation to resume from: the newest intact local one unless ``durable`` holds a newer committed step,
-        then ``durable``'s newest verified one; ``None`` on a first run. Its run continues (the stores' run id).
+        then ``durable``'s newest verified one; ``None`` on a first run. Its run continues (the stores' run id); when the
+        local tier holds a generation newer than the one restored, this run writes a new local version folder (``v1``).
 
         With ``replicas`` it is collective (every rank calls it): every rank agrees on one step, and a rank whose
         local folder lacks it receives it from a peer first (:func:`restore_tiered`).
@@ -152,4 +156,18 @@ class TieredCheckpointer(TieredEngine, AsyncCheckpointer):
         restored = restore_tiered(self.group, self.local_dirpath, self.durable)
         if restored is not None and restored.manifest.run_id:
             self.local.run_id = self.durable.run_id = restored.manifest.run_id
+        self._continue_from(restored.step if restored is not None else 0)
         return restored
+
+    def _continue_from(self, start_step: int) -> None:
+        """Write this run's local generations to a new version folder when the local tier holds one newer than
+        ``start_step`` (damaged, uncommitted or another run's): committed names are never rewritten."""
+        uri = local_location(self.local_dirpath, start_step)
+        if uri != self.local.uri:
+            _log.info("local generations newer than step %d exist: this run writes %s", start_step, uri)
+            root = self.local.location
+            store = CheckpointStore(
+                uri, root.storage_options, run_id=self.local.run_id, checksum=root.checksum, direct_io=root.direct_io
+            )
+            self.local = self.store = self.promoter.source = self.target.local = store  # type: ignore[attr-defined]
+            self.persister.target = store  # type: ignore[attr-defined]

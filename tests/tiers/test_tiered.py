@@ -19,12 +19,12 @@ def _steps(path):
     return [g.step for g in CheckpointStore(str(path), check_writable=False).generations()]
 
 
-def _loop(ckpt, steps, *, signal_at=None):
+def _loop(ckpt, steps, *, signal_at=None, start=1):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
     ckpt.attach(model, opt)
-    for step in range(1, steps + 1):
+    for step in range(start, steps + 1):
         loss = model(torch.randn(4, 8)).pow(2).mean()
         opt.zero_grad()
         loss.backward()
@@ -225,3 +225,20 @@ def test_promote_and_durable_name_the_same_choice_and_may_not_disagree(tmp_path)
     finally:
         ckpt.close()
     assert [g.step for g in CheckpointStore(str(tmp_path / "durable")).generations()] == [1, 2]
+
+
+def test_a_run_restored_below_a_newer_local_generation_writes_a_new_local_version_and_keeps_saving(tmp_path):
+    local, durable = tmp_path / "local", tmp_path / "durable"
+    ckpt = TieredCheckpointer(str(local), str(durable), every_n_train_steps=4)
+    _loop(ckpt, 6)  # local 2, 4, 6; durable 4
+    ckpt.close()
+    data = next(p for p in (local / "step-00000006").iterdir() if p.name != "manifest.json")
+    data.write_bytes(b"damaged")  # the newest local generation no longer verifies
+    again = TieredCheckpointer(str(local), str(durable), every_n_train_steps=4)
+    restored = again.restore()
+    assert (restored.tier, restored.step) == ("local", 4)
+    _loop(again, 8, start=5)  # step 6 again: it must not collide with the damaged one
+    again.close()
+    assert _steps(local / "v1") == [6, 8]
+    assert data.read_bytes() == b"damaged"  # the damaged generation is left as it was, never rewritten
+    assert _steps(durable) == [4, 8]
