@@ -11,11 +11,11 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException
 
 from lightning_async_ckpt.errors import ConfigError, GenerationExistsError, check_number
 from lightning_async_ckpt.lightning.naming import comparable_path, model_key_for
+from lightning_async_ckpt.tiers.target import check_apart
 
 __all__ = [
     "ModelCheckpointConfigError",
     "Selection",
-    "check_apart",
     "check_arguments",
     "check_selection",
     "check_shared_dirpath",
@@ -222,22 +222,6 @@ def check_shared_dirpath(callback: Any, trainer: Any) -> None:
                 f"'{mine}/best' and '{mine}/periodic'); ModelCheckpoint instances can share one folder only because "
                 "their file names differ"
             )
-
-
-def check_apart(dirpath: str, local_dirpath: str) -> None:
-    """Refuse a ``local_dirpath`` that is ``dirpath``, inside it, or holds it: each tier's retention would see the
-    other's generations as its own.
-
-    Raises:
-        ConfigError: Naming both folders and the fix.
-    """
-    durable, local = comparable_path(dirpath), comparable_path(local_dirpath)
-    if durable == local or durable.startswith(local + "/") or local.startswith(durable + "/"):
-        raise ConfigError(
-            f"local_dirpath {local_dirpath!r} and dirpath {dirpath!r} overlap: the local tier needs a separate "
-            "node-local folder (e.g. /local_nvme/ckpt or /dev/shm/ckpt) outside dirpath, and dirpath must not lie "
-            "inside it"
-        )
 
 
 def check_tiers(

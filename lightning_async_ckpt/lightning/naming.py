@@ -6,7 +6,6 @@ manifest lists it as object :data:`CHECKPOINT_NAME` with that key as its path.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,6 +13,7 @@ from lightning_async_ckpt.errors import ManifestError
 from lightning_async_ckpt.sharded.commit import DCP_FORMAT
 from lightning_async_ckpt.storage.generation import version_folders
 from lightning_async_ckpt.storage.manifest import Manifest, validate_object_name
+from lightning_async_ckpt.storage.root import comparable_path
 from lightning_async_ckpt.storage.store import CheckpointStore
 
 __all__ = [
@@ -114,10 +114,3 @@ def run_locations(dirpath: str, storage_options: dict[str, Any] | None = None) -
         store = CheckpointStore(version_uri(dirpath, version), storage_options, check_writable=False)
         locations.append(Location(version, store))
     return locations
-
-
-def comparable_path(path: str) -> str:
-    """``path`` in a form two spellings of one place share: a URL without its trailing ``/``, a local path resolved
-    (absolute, symlinks followed)."""
-    path = path.rstrip("/")
-    return path if "://" in path else os.path.realpath(path)

@@ -15,11 +15,10 @@ from typing import Any
 
 from lightning_async_ckpt.core.capture import Fence
 from lightning_async_ckpt.core.engine import AsyncCheckpointer
-from lightning_async_ckpt.lightning.arguments import check_apart
 from lightning_async_ckpt.lightning.replicas import setup_replicas
 from lightning_async_ckpt.lightning.sharded_tiers import place_sharded
 from lightning_async_ckpt.storage.store import CheckpointStore
-from lightning_async_ckpt.tiers.target import TieredTarget, promoting_engine
+from lightning_async_ckpt.tiers.target import TieredTarget, check_apart, promoting_engine
 from lightning_async_ckpt.tiers.tiered import local_location
 
 __all__ = ["Tiers", "open_checkpointer"]

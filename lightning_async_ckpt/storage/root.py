@@ -6,6 +6,7 @@ The facade builds a frozen :class:`StoreRoot` and hands it down, so the helpers 
 from __future__ import annotations
 
 import contextlib
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,7 +16,14 @@ from lightning_async_ckpt.storage.generation import GenerationInfo, generation_n
 from lightning_async_ckpt.storage.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, validate_object_name
 from lightning_async_ckpt.storage.regular import NotRegularFileError
 
-__all__ = ["StoreRoot"]
+__all__ = ["StoreRoot", "comparable_path"]
+
+
+def comparable_path(path: str) -> str:
+    """``path`` in a form two spellings of one place share: a URL without its trailing ``/``, a local path resolved
+    (absolute, symlinks followed)."""
+    path = path.rstrip("/")
+    return path if "://" in path else os.path.realpath(path)
 
 
 @dataclass(frozen=True, eq=False)

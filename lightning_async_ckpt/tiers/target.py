@@ -17,11 +17,19 @@ from typing import Any, Protocol
 from lightning_async_ckpt.core.commit_target import time_left
 from lightning_async_ckpt.core.preemption import PreemptionHandler
 from lightning_async_ckpt.errors import ConfigError
+from lightning_async_ckpt.storage.root import comparable_path
 from lightning_async_ckpt.storage.store import CheckpointStore
 from lightning_async_ckpt.tiers.background import PromotionQueue
 from lightning_async_ckpt.tiers.promote import DURABLE_TIER_KEY, Promoter
 
-__all__ = ["Replicas", "TieredEngine", "TieredTarget", "check_tier_options", "promoting_engine"]
+__all__ = [
+    "Replicas",
+    "TieredEngine",
+    "TieredTarget",
+    "check_apart",
+    "check_tier_options",
+    "promoting_engine",
+]
 
 
 def check_tier_options(**values: Any) -> None:
@@ -33,6 +41,22 @@ def check_tier_options(**values: Any) -> None:
     for name, value in values.items():
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ConfigError(f"{name} must be None or an int >= 1, got {value!r}")
+
+
+def check_apart(dirpath: str, local_dirpath: str) -> None:
+    """Refuse a ``local_dirpath`` that is ``dirpath``, inside it, or holds it: each tier's retention would see the
+    other's generations as its own.
+
+    Raises:
+        ConfigError: Naming both folders and the fix.
+    """
+    durable, local = comparable_path(dirpath), comparable_path(local_dirpath)
+    if durable == local or durable.startswith(local + "/") or local.startswith(durable + "/"):
+        raise ConfigError(
+            f"local_dirpath {local_dirpath!r} and dirpath {dirpath!r} overlap: the local tier needs a separate "
+            "node-local folder (e.g. /local_nvme/ckpt or /dev/shm/ckpt) outside dirpath, and dirpath must not lie "
+            "inside it"
+        )
 
 
 class Replicas(Protocol):
@@ -80,6 +104,7 @@ class TieredTarget:
         rank: int = 0,
         writers: tuple[int, ...] | None = None,
     ) -> None:
+        check_apart(durable.uri, local.uri)
         self.local, self.durable = local, durable
         self.writers = writers
         self.copier, self.replicas = copier, replicas

@@ -242,3 +242,11 @@ def test_a_run_restored_below_a_newer_local_generation_writes_a_new_local_versio
     assert _steps(local / "v1") == [6, 8]
     assert data.read_bytes() == b"damaged"  # the damaged generation is left as it was, never rewritten
     assert _steps(durable) == [4, 8]
+
+
+@pytest.mark.parametrize("durable", ["tiers", "tiers/durable", "."])
+def test_overlapping_local_and_durable_tiers_are_refused_naming_both(tmp_path, durable):
+    local = tmp_path / "tiers"
+    with pytest.raises(ConfigError, match="overlap"):
+        TieredCheckpointer(str(local), str(tmp_path / durable), every_n_train_steps=2)
+    assert not [p for p in local.rglob("*") if p.is_file()]  # nothing written
