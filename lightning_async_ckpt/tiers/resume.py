@@ -23,7 +23,7 @@ from lightning_async_ckpt.errors import ConfigError
 from lightning_async_ckpt.storage.finder import list_steps, newest_committed_above
 from lightning_async_ckpt.storage.lookup import newest_intact
 from lightning_async_ckpt.storage.manifest import Manifest
-from lightning_async_ckpt.storage.root import StoreRoot
+from lightning_async_ckpt.storage.root import StoreRoot, comparable_path
 from lightning_async_ckpt.storage.store import CheckpointStore
 from lightning_async_ckpt.tiers.promote import DURABLE_TIER_KEY, PROMOTED_FROM_KEY
 from lightning_async_ckpt.tiers.replicas import restore_from_peers
@@ -233,22 +233,34 @@ def this_lineage(local_dirpath: str, durable: CheckpointStore) -> Callable[[Mani
 def lineage_filter(runs: Collection[str], local_dirpath: str, durable: CheckpointStore) -> Callable[[Manifest], bool]:
     """Which committed local generations belong to the run that resumes, given the ``runs`` the local tier holds
     generations of. A generation that names its durable tier (:data:`DURABLE_TIER_KEY`, written at each local save)
-    counts only when that is ``durable`` (or one of its version folders). Beyond that: all of them while the local
-    tier holds one run's (nothing read from ``durable``); when it holds several runs' (a shared ``local_dirpath``),
-    the run of ``durable``'s newest generation (the run it was promoted from), so one run never resumes another's.
+    counts only when that is ``durable`` or one of its version folders, and not one older than the newest version
+    holding a committed generation (the run ``ckpt_path="last"`` resumes without a local tier: a fresh run written
+    beside an earlier one, ``<dirpath>/v1``, is never outranked by the earlier run's newer local steps). Beyond that:
+    all of them while the local tier holds one run's (nothing read from ``durable`` unless it has version folders);
+    when it holds several runs' (a shared ``local_dirpath``), the run of the newest generation of ``durable``'s
+    newest version holding one (the run it was promoted from), so one run never resumes another's.
 
     Raises:
         ConfigError: Several runs' generations and ``durable`` names none of them: this run cannot tell its own.
     """
-    runs, tier = set(runs), durable.root
+    # One place, however spelled: a local disk's root resolved (".." and "//" folded, symlinks followed), as
+    # check_apart compares the tiers; a durable tier spelled another way at resume must still find its generations.
+    place = comparable_path if durable.is_local else (lambda path: path.rstrip("/"))
+    runs, tier = set(runs), place(durable.root)
+
+    newest, info = _newest_version(durable)
 
     def of_durable(manifest: Manifest) -> bool:
         named = manifest.extra.get(DURABLE_TIER_KEY)
-        return named is None or named == tier or re.fullmatch(re.escape(tier) + r"/v\d+", str(named)) is not None
+        if named is None:
+            return True
+        named = place(str(named))
+        found = re.fullmatch(re.escape(tier) + r"(?:/v(\d+))?", named)
+        return found is not None and int(found.group(1) or 0) >= newest
 
     if len(runs) <= 1:
         return of_durable
-    info = durable.latest(verify=False)
+    info = info if info is not None else durable.latest(verify=False)
     ours = set() if info is None or info.manifest is None else {info.manifest.run_id}
     if info is not None and info.manifest is not None:
         ours.add(str(info.manifest.extra.get(PROMOTED_FROM_KEY, {}).get("run_id", "")))
@@ -259,6 +271,18 @@ def lineage_filter(runs: Collection[str], local_dirpath: str, durable: Checkpoin
             "own local_dirpath (e.g. one folder per run name), or remove the other runs' generations"
         )
     return lambda manifest: manifest.run_id in ours and of_durable(manifest)
+
+
+def _newest_version(durable: CheckpointStore) -> tuple[int, Any]:
+    """The newest version of ``durable`` holding a committed generation (``0``: ``durable`` itself, or none) and that
+    version's newest committed generation, or ``None`` (none, or ``durable`` has no version folders: then only
+    listed, no manifest read)."""
+    versions = list_steps(durable.location).versions
+    for version in sorted(versions, reverse=True):
+        info = version_store(durable.uri, version, durable.storage_options).latest(verify=False)
+        if info is not None:
+            return version, info
+    return 0, (durable.latest(verify=False) if versions else None)
 
 
 def _lacking(steps: list[int | None]) -> list[int]:
