@@ -147,7 +147,10 @@ def load_state(
     if checkpointer is not None and not checkpointer.closed:
         checkpointer.step = ready.manifest.step
         _continue_run(checkpointer, ready.manifest.run_id)
-        if replicas is not None:  # the resumed run's local location, agreed (collective) while nothing is saved yet
+        if getattr(checkpointer, "local_dirpath", None) is not None:
+            # Two tiers: the resumed run's local location, from the step it resumes (a newer local generation, damaged
+            # or another branch's, sends it to a new version folder), agreed (collective) while nothing is saved yet.
+            # Chosen at the first cut instead, a cut of that newer step would find it taken (GenerationExistsError).
             where = agree_local_location(collective, checkpointer.local_dirpath, checkpointer.step)
             if checkpointer._engine is None:
                 checkpointer.local_uri = where
