@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import queue
+import shutil
 import threading
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from lightning_async_ckpt.errors import ConfigError
 from lightning_async_ckpt.tiers import replicas as replicas_module
 from lightning_async_ckpt.tiers.replica_wire import Kind, receive_generation, tier_folder
 from lightning_async_ckpt.tiers.tiered import TieredCheckpointer
+from tests.helpers.damage import flip_tail
 
 
 def _commit(store: CheckpointStore, step: int, size: int = 1024) -> None:
@@ -392,12 +394,11 @@ def test_sharing_a_local_tier_refused_without_a_durable_answer_names_the_fix(tmp
     assert _steps(shared) == [2, 4]
 
 
-def _flip_last_bytes(path: Path) -> None:
-    with open(path, "r+b") as f:
-        f.seek(-4, 2)
-        tail = f.read(4)
-        f.seek(-4, 2)
-        f.write(bytes(b ^ 0xFF for b in tail))
+def _save_eight_durable(local: Path, durable: Path) -> None:
+    ckpt = TieredCheckpointer(str(local), str(durable), every_n_train_steps=4)
+    ckpt.restore()
+    ckpt.save(8, {"step": 8}, promote=True)
+    ckpt.close()
 
 
 def _gen(root: Path, step: int) -> Path:
@@ -420,43 +421,28 @@ def test_restore_and_latest_checkpoint_give_one_answer(tmp_path, case):
     local, durable = tmp_path / "local", tmp_path / "durable"
     _plain_run(local, durable, (2, 4, 6))  # local 2, 4, 6; durable 4
     if case == "durable_newer_committed":
-        ckpt = TieredCheckpointer(str(local), str(durable), every_n_train_steps=4)
-        ckpt.restore()
-        ckpt.save(8, {"step": 8}, promote=True)
-        ckpt.close()
+        _save_eight_durable(local, durable)
         os.rename(_gen(local, 8), tmp_path / "moved")  # the local tier lost 8; durable holds it
         expected = ("durable", 8)
     elif case == "durable_newer_committed_but_damaged":
-        ckpt = TieredCheckpointer(str(local), str(durable), every_n_train_steps=4)
-        ckpt.restore()
-        ckpt.save(8, {"step": 8}, promote=True)
-        ckpt.close()
-        import shutil
-
+        _save_eight_durable(local, durable)
         shutil.rmtree(_gen(local, 8))
-        _flip_last_bytes(_gen(durable, 8) / "checkpoint.ckpt")
+        flip_tail(_gen(durable, 8) / "checkpoint.ckpt")
         expected = ("local", 6)
     elif case == "both_newest_damaged":
-        ckpt = TieredCheckpointer(str(local), str(durable), every_n_train_steps=4)
-        ckpt.restore()
-        ckpt.save(8, {"step": 8}, promote=True)
-        ckpt.close()
-        import shutil
-
+        _save_eight_durable(local, durable)
         shutil.rmtree(_gen(local, 8))
-        _flip_last_bytes(_gen(durable, 8) / "checkpoint.ckpt")
-        _flip_last_bytes(_gen(local, 6) / "checkpoint.ckpt")
+        flip_tail(_gen(durable, 8) / "checkpoint.ckpt")
+        flip_tail(_gen(local, 6) / "checkpoint.ckpt")
         expected = ("local", 4)
     elif case == "local_newest_uncommitted":
         (_gen(local, 6) / "manifest.json").unlink()
         expected = ("local", 4)
     elif case == "every_local_damaged":
         for step in (2, 4, 6):
-            _flip_last_bytes(_gen(local, step) / "checkpoint.ckpt")
+            flip_tail(_gen(local, step) / "checkpoint.ckpt")
         expected = ("durable", 4)
     elif case == "durable_empty_local_newer":
-        import shutil
-
         shutil.rmtree(durable)
         durable.mkdir()
         expected = ("local", 6)
@@ -464,7 +450,7 @@ def test_restore_and_latest_checkpoint_give_one_answer(tmp_path, case):
         ckpt = TieredCheckpointer(str(local), str(durable), every_n_train_steps=4)
         assert ckpt.restore().step == 6
         ckpt.close()
-        _flip_last_bytes(_gen(local, 6) / "checkpoint.ckpt")
+        flip_tail(_gen(local, 6) / "checkpoint.ckpt")
         # A restarted run that resumes at 4 writes its newer steps into a version folder (v1).
         from lightning_async_ckpt.tiers.tiered import local_location
 
@@ -563,19 +549,17 @@ def test_ckpt_path_last_agrees_with_restore_and_latest_checkpoint_on_more_cases(
     }
     if case == "every_local_damaged":
         for path in biggest.values():
-            _flip_last_bytes(path)
+            flip_tail(path)
         expected = ("durable", 8)
     elif case == "local_newest_uncommitted":
         (_gen(local, 8) / "manifest.json").unlink()
         expected = ("durable", 8)  # dirpath holds a newer committed step than the local 6
     else:
-        import shutil
-
         shutil.rmtree(_gen(local, 8))
         durable_biggest = max(
             (p for p in _gen(durable, 8).iterdir() if p.name != "manifest.json"), key=lambda p: p.stat().st_size
         )
-        _flip_last_bytes(durable_biggest)
+        flip_tail(durable_biggest)
         expected = ("local", 6)  # dirpath's newer step 8 is damaged: the newest intact of either tier
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)

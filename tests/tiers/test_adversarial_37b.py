@@ -19,6 +19,7 @@ from lightning.pytorch.callbacks import Callback
 
 from lightning_async_ckpt import AsyncCheckpointCallback, CheckpointStore, latest_checkpoint
 from lightning_async_ckpt.tiers.promote import DURABLE_TIER_KEY, PROMOTED_FROM_KEY
+from tests.helpers.damage import flip_tail
 from tests.helpers.models import BNDropoutModel, make_loader, trainer_kwargs
 
 _STEP = re.compile(r"step-(\d{8})")
@@ -32,17 +33,9 @@ def _steps(path: Path | str) -> list[int]:
     return [g.step for g in CheckpointStore(str(path), check_writable=False).generations()]
 
 
-def _flip_tail(path: Path) -> None:
-    with open(path, "r+b") as f:
-        f.seek(-4, 2)
-        tail = f.read(4)
-        f.seek(-4, 2)
-        f.write(bytes(b ^ 0xFF for b in tail))
-
-
 def _damage(generation: Path) -> None:
     biggest = max((p for p in generation.iterdir() if p.name != "manifest.json"), key=lambda p: p.stat().st_size)
-    _flip_tail(biggest)
+    flip_tail(biggest)
 
 
 def _where(path: str | None, local: Path) -> tuple[str, int] | None:
