@@ -20,6 +20,11 @@ Usage::
 
     python benchmarks/bench_guard.py                  # 16, 64, 256, 1024 MB
     python benchmarks/bench_guard.py --sizes-mb 64 256 --repeats 5
+    python benchmarks/bench_guard.py --arming         # how the tracked cut arms: the two kernel calls side by side
+
+``--arming`` times only the write protection of freshly written pages (every page written since the last cut, as
+after an optimizer step), two ways in turn: ``UFFDIO_WRITEPROTECT`` (the ``userfaultfd`` call) and ``PAGEMAP_SCAN``
+with ``PM_SCAN_WP_MATCHING`` (what the tracker uses), each also split over two threads.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import threading
 import time
 from collections.abc import Callable
 
@@ -34,9 +40,12 @@ import numpy as np
 import torch
 
 from lightning_async_ckpt.core import guard as guard_module
+from lightning_async_ckpt.core import uffd_calls
 from lightning_async_ckpt.core.capture import CapturePlan, Category, DeferralProof, Fence
 from lightning_async_ckpt.core.guard import CutGuard, GuardMode
-from lightning_async_ckpt.core.write_tracker import tracker
+from lightning_async_ckpt.core.write_tracker import page_interior, tracker
+
+_UFFDIO_WRITEPROTECT = 0xC018AA06  # _IOWR(0xAA, 0x06, struct uffdio_writeprotect)
 
 
 def _best(fn: Callable[[], object], repeats: int) -> float:
@@ -52,6 +61,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes-mb", type=int, nargs="+", default=[16, 64, 256, 1024])
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--arming", action="store_true", help="compare the two ways to write-protect pages")
     args = parser.parse_args()
     print(
         f"# {platform.node()} {os.cpu_count()} cores, torch {torch.__version__}, numpy {np.__version__}, "
@@ -63,6 +73,11 @@ def main() -> None:
         f"{'MB':>6} {'memcpy floor':>13} {'copy at cut':>12} {'tracked cut':>12} {'seal (bg)':>10} "
         f"{'fingerprint':>12} {'sample':>9} {'check (bg)':>11} {'tracked/copy':>13} {'fp/copy':>8}"
     )
+    if args.arming:
+        print(f"{'MB':>6} {'UFFDIO_WRITEPROTECT':>20} {'split in two':>13} {'PAGEMAP_SCAN':>13} {'split in two':>13}")
+        for mb in args.sizes_mb:
+            print(f"{mb:>6} " + " ".join(f"{t * 1e3:>10.2f} ms" for t in _arming(mb, args.repeats)))
+        return
     print(header)
     proof = DeferralProof(fences={Category.PARAMETER: Fence.OPTIMIZER_STEP}, rules=("bench",))
     for mb in args.sizes_mb:
@@ -122,6 +137,47 @@ def _best_seal(plan: CapturePlan, repeats: int) -> float:
         guard.seal(guard.slots)
         best = min(best, time.perf_counter() - t0)
     return best
+
+
+def _arming(mb: int, repeats: int) -> list[float]:
+    """Best write-protection time of ``mb`` MB in 8 tensors, pages written first, per way (see ``--arming``)."""
+    track = tracker()
+    if track is None:
+        raise SystemExit("write tracking is not available on this kernel")
+    tensors = [torch.randn((mb << 20) // 32) for _ in range(8)]
+    spans = [page_interior(t.data_ptr(), t.numel() * 4) for t in tensors]
+
+    def ioctl_wp(part: list[tuple[int, int]]) -> None:
+        for start, end in part:
+            uffd_calls.ioctl(track._uffd, _UFFDIO_WRITEPROTECT, start, end - start, 1, 0)
+
+    def scan_wp(part: list[tuple[int, int]]) -> None:
+        assert not uffd_calls.write_protect(track._pagemap, part)
+
+    def split(way: Callable[[list[tuple[int, int]]], None]) -> Callable[[list[tuple[int, int]]], None]:
+        def both(part: list[tuple[int, int]]) -> None:
+            helper = threading.Thread(target=way, args=(part[1::2],))
+            helper.start()
+            way(part[0::2])
+            helper.join()
+
+        return both
+
+    out = []
+    for way in (ioctl_wp, split(ioctl_wp), scan_wp, split(scan_wp)):
+        best = float("inf")
+        for _ in range(repeats):
+            for t in tensors:
+                t.add_(1.0)  # every page written since the last protection
+            for span in spans:
+                assert track._register(*span)
+            t0 = time.perf_counter()
+            way(spans)
+            best = min(best, time.perf_counter() - t0)
+            for span in spans:
+                track._disarm(*span)
+        out.append(best)
+    return out
 
 
 if __name__ == "__main__":

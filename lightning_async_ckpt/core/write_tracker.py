@@ -49,8 +49,6 @@ _UFFDIO_API = 0xC018AA3F  # _IOWR(0xAA, 0x3F, struct uffdio_api)
 _UFFDIO_REGISTER = 0xC020AA00  # _IOWR(0xAA, 0x00, struct uffdio_register)
 _UFFDIO_UNREGISTER = 0x8010AA01  # _IOR(0xAA, 0x01, struct uffdio_range)
 _REGISTER_MODE_WP = 1 << 1
-_PAGEMAP_SCAN = 0xC0606610  # _IOWR('f', 16, struct pm_scan_arg)
-_PM_SCAN_CHECK_WPASYNC = 1 << 1
 _PAGE_IS_WRITTEN = 1 << 1
 
 
@@ -115,7 +113,7 @@ class WriteTracker:
                 for start, end in ranges
             ]
             chosen = [r for r, ok in zip(ranges, registered, strict=True) if ok]
-            failed = uffd_calls.write_protect(self._uffd, chosen)  # the walks; split with a helper when large
+            failed = uffd_calls.write_protect(self._pagemap, chosen)  # the page-table walks
             for start, end in chosen:
                 if (start, end) in failed:
                     self._disarm(start, end)
@@ -140,8 +138,8 @@ class WriteTracker:
             if self._active.get(start) != end:
                 raise OSError(errno.ENOENT, "range not tracked")
             region = ctypes.addressof(self._region)
-            args = (96, _PM_SCAN_CHECK_WPASYNC, start, end, 0, region, 1, 0, 0, _PAGE_IS_WRITTEN, 0, _PAGE_IS_WRITTEN)
-            return uffd_calls.ioctl(self._pagemap, _PAGEMAP_SCAN, *args) > 0
+            args = (96, uffd_calls.PM_SCAN_CHECK_WPASYNC, start, end, 0, region, 1, 0, 0, _PAGE_IS_WRITTEN, 0)
+            return uffd_calls.ioctl(self._pagemap, uffd_calls.PAGEMAP_SCAN, *args, _PAGE_IS_WRITTEN) > 0
 
     def release(self, start: int, end: int) -> None:
         """Stop tracking ``[start, end)``: lift the protection (later writes, the optimizer's, take no fault) and

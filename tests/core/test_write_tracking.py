@@ -371,25 +371,18 @@ def test_a_small_cut_is_fingerprinted(monkeypatch):
 
 @needs_tracker
 @pytest.mark.parametrize("repeat", range(3))
-def test_a_protection_split_with_the_helper_thread_sees_exactly_the_writes_of_both_halves(monkeypatch, repeat):
-    # At least PARALLEL_MIN_BYTES in several ranges: half the page-table walks run on a helper thread. Every range of
-    # both halves must be protected when protect_all returns, and written() must see exactly the pages written.
-    from lightning_async_ckpt.core import uffd_calls
-
-    monkeypatch.setattr(uffd_calls, "PARALLEL_MIN_BYTES", 8 << 20)
-    monkeypatch.setattr(uffd_calls, "_CPUS", 2)
-    submitted = []
-    real_init = uffd_calls._Half.__init__
-    monkeypatch.setattr(uffd_calls._Half, "__init__", lambda self, *a: submitted.append(a[1]) or real_init(self, *a))
+def test_every_range_is_protected_and_written_sees_exactly_the_pages_written(repeat):
+    # Several ranges protected by one protect_all (one PAGEMAP_SCAN walk each): every range is tracked when it
+    # returns, and written() sees exactly the ranges written since, at their first, middle or last page.
     tensors = [torch.zeros(MB4 * (1 + i % 3)) for i in range(6)]
     spans = [page_interior(t.data_ptr(), t.numel() * 4) for t in tensors]
     track = tracker()
     assert all(track.protect_all(spans))
     try:
-        assert submitted and 0 < len(submitted[0]) < len(spans)  # the helper took some ranges, not all
         written = {1, 4} if repeat % 2 else {0, 5}
-        for i in written:
-            _raw_write(tensors[i], tensors[i].numel() // 2, 1.0)  # a page in the middle
+        for i in written:  # the first, a middle or the last whole page
+            address = (spans[i][0], (spans[i][0] + spans[i][1]) // 2 // 4 * 4, spans[i][1] - 4)[repeat]
+            ctypes.c_float.from_address(address).value = 1.0
         assert {i for i, span in enumerate(spans) if track.written(*span)} == written
     finally:
         for span in spans:
@@ -398,19 +391,46 @@ def test_a_protection_split_with_the_helper_thread_sees_exactly_the_writes_of_bo
 
 
 @needs_tracker
-def test_a_range_the_helper_could_not_protect_is_reported_not_tracked(monkeypatch):
+def test_pages_never_touched_are_protected_too_and_reading_them_is_not_a_write():
+    # Fresh anonymous memory: half its pages populated, half never touched (no page-table entry, some with no page
+    # table at all). The protection covers all of them: reading an untouched page is no write, writing one is.
+    import mmap
+
+    pages = 1024  # 4 MiB: spans whole page tables
+    area = mmap.mmap(-1, pages * PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        view = (ctypes.c_char * (pages * PAGE)).from_buffer(area)
+        base = ctypes.addressof(view)
+        del view
+        for i in range(0, pages // 2, 2):
+            area[i * PAGE] = 1
+        track = tracker()
+        span = (base, base + pages * PAGE)
+        assert track.protect(*span)
+        try:
+            assert not track.written(*span)
+            assert area[3 * PAGE] == 0 and area[(pages - 3) * PAGE] == 0  # reads of untouched pages
+            assert not track.written(*span)
+            area[(pages - 5) * PAGE + 9] = 2  # a write to a page with no page table before the cut
+            assert track.written(*span)
+        finally:
+            track.release(*span)
+    finally:
+        area.close()
+
+
+@needs_tracker
+def test_a_range_that_could_not_be_protected_is_reported_not_tracked():
     from lightning_async_ckpt.core import uffd_calls
 
-    monkeypatch.setattr(uffd_calls, "PARALLEL_MIN_BYTES", 8 << 20)
-    monkeypatch.setattr(uffd_calls, "_CPUS", 2)
     tensors = [torch.zeros(MB4 * 2) for _ in range(3)]
     spans = [page_interior(t.data_ptr(), t.numel() * 4) for t in tensors]
     track = tracker()
     for span in spans[:2]:
         assert track._register(*span)
     try:
-        # The third was never registered: its protection fails (ENOENT) whichever thread tries it.
-        failed = uffd_calls.write_protect(track._uffd, spans)
+        # The third was never registered: the scan refuses it (PM_SCAN_CHECK_WPASYNC), the others are protected.
+        failed = uffd_calls.write_protect(track._pagemap, spans)
         assert failed == {spans[2]}
     finally:
         for span in spans[:2]:
