@@ -73,6 +73,15 @@ def _copy_in_chunks(
     return tuple(sums) if crc is not None and n else None
 
 
+def _copy_wide(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)`` of two flat byte tensors, through 8-byte words where both are aligned: torch copies
+    ``int64`` elements about 10% faster than bytes (806 MB on the 2-core VM: 48-49 ms against 52-55 ms)."""
+    if src.numel() % 8 == 0 and src.data_ptr() % 8 == 0 and dst.data_ptr() % 8 == 0 and dst.numel() == src.numel():
+        dst.view(torch.int64).copy_(src.view(torch.int64))
+    else:
+        dst.copy_(src)
+
+
 @dataclass
 class _FenceState:
     event: threading.Event = field(default_factory=threading.Event)
@@ -140,7 +149,7 @@ class StagingJob:
             elif slot.device.type == "cpu" and slot.nbytes <= _SMALL_COPY:
                 _memmove_holding_gil(buf.data_ptr(), slot.storage.data_ptr(), slot.nbytes)
             else:
-                buf.copy_(as_bytes(slot.storage))
+                _copy_wide(buf, as_bytes(slot.storage))
         self._guard.record()
         cuda = [s for s in self._deferred if s.device.type == "cuda"]
         self._cuda.mark_cut(cut_devices | {s.device for s in cuda})
