@@ -75,7 +75,7 @@ def _copy_in_chunks(
 
 def _copy_wide(dst: torch.Tensor, src: torch.Tensor) -> None:
     """``dst.copy_(src)`` of two flat byte tensors, through 8-byte words where both are aligned: torch copies
-    ``int64`` elements about 10% faster than bytes (806 MB on the 2-core VM: 48-49 ms against 52-55 ms)."""
+    ``int64`` elements faster than bytes (806 MB on the 2-core VM, median of 8: 50.4 ms against 53.5 ms)."""
     if src.numel() % 8 == 0 and src.data_ptr() % 8 == 0 and dst.data_ptr() % 8 == 0 and dst.numel() == src.numel():
         dst.view(torch.int64).copy_(src.view(torch.int64))
     else:

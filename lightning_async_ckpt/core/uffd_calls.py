@@ -16,25 +16,25 @@ PM_SCAN_CHECK_WPASYNC = 1 << 1
 
 # libc's ioctl called with the GIL held (PyDLL): the calls are short (a page-table walk), and a GIL hand-off back to
 # the training thread after each one can cost a scheduler switch interval while background threads run Python.
-_with_gil: ctypes.PyDLL | None = None
+_libc: ctypes.PyDLL | None = None
 
 
 def load() -> None:
     """Bind libc's ``ioctl`` (Linux; called once before the first tracker is made)."""
-    global _with_gil
-    if _with_gil is not None:
+    global _libc
+    if _libc is not None:
         return
     lib = ctypes.PyDLL(None, use_errno=True)
     lib.ioctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_void_p]
     lib.ioctl.restype = ctypes.c_int
-    _with_gil = lib
+    _libc = lib
 
 
 def ioctl(fd: int, request: int, *words: int) -> int:
     """``ioctl(fd, request, &words)`` on an array of 64-bit words; the kernel's answer, or ``OSError``."""
     arg = (ctypes.c_uint64 * len(words))(*words)
-    assert _with_gil is not None  # a tracker exists only after load()
-    result = _with_gil.ioctl(fd, request, ctypes.addressof(arg))
+    assert _libc is not None  # a tracker exists only after load()
+    result = _libc.ioctl(fd, request, ctypes.addressof(arg))
     if result < 0:
         code = ctypes.get_errno()
         raise OSError(code, os.strerror(code))
@@ -47,9 +47,9 @@ def write_protect(pagemap: int, ranges: Sequence[tuple[int, int]]) -> set[tuple[
 
     The scan's write-protecting walk (``PM_SCAN_WP_MATCHING`` with no output vector: every page of the range,
     unpopulated ones and holes included, since no category is asked) is the kernel's fast path for "protect
-    everything": on the 2-core VM 9-10 ms per 806 MB of written 4 KiB pages against 12-13 ms for
-    ``UFFDIO_WRITEPROTECT``. A walk split between two threads measured slower for both (the walks contend), so the
-    caller protects every range in turn, with the GIL held (``benchmarks/bench_guard.py --arming``).
+    everything": on the 2-core VM a third to a half of ``UFFDIO_WRITEPROTECT``'s time for freshly written 4 KiB
+    pages (1 GB: 7.9 ms against 23.1 ms). A walk split between two threads measured slower for both, so the caller
+    protects every range in turn, with the GIL held (``benchmarks/bench_guard.py --arming``; docs/benchmarks.md).
     ``PM_SCAN_CHECK_WPASYNC`` refuses a range not registered for asynchronous write protection; a walk the kernel
     ended early counts as failed.
     """
@@ -58,7 +58,7 @@ def write_protect(pagemap: int, ranges: Sequence[tuple[int, int]]) -> set[tuple[
         #   size, flags, start, end, walk_end, vec, vec_len, max_pages, inverted, mask, anyof, return_mask
         words = (96, PM_SCAN_WP_MATCHING | PM_SCAN_CHECK_WPASYNC, start, end, 0, 0, 0, 0, 0, 0, 0, 0)
         arg = (ctypes.c_uint64 * len(words))(*words)
-        assert _with_gil is not None  # a tracker exists only after load()
-        if _with_gil.ioctl(pagemap, PAGEMAP_SCAN, ctypes.addressof(arg)) < 0 or arg[4] != end:
+        assert _libc is not None  # a tracker exists only after load()
+        if _libc.ioctl(pagemap, PAGEMAP_SCAN, ctypes.addressof(arg)) < 0 or arg[4] != end:
             failed.add((start, end))
     return failed

@@ -138,8 +138,9 @@ class WriteTracker:
             if self._active.get(start) != end:
                 raise OSError(errno.ENOENT, "range not tracked")
             region = ctypes.addressof(self._region)
-            args = (96, uffd_calls.PM_SCAN_CHECK_WPASYNC, start, end, 0, region, 1, 0, 0, _PAGE_IS_WRITTEN, 0)
-            return uffd_calls.ioctl(self._pagemap, uffd_calls.PAGEMAP_SCAN, *args, _PAGE_IS_WRITTEN) > 0
+            flags, written = uffd_calls.PM_SCAN_CHECK_WPASYNC, _PAGE_IS_WRITTEN
+            args = (96, flags, start, end, 0, region, 1, 0, 0, written, 0, written)  # the first written page only
+            return uffd_calls.ioctl(self._pagemap, uffd_calls.PAGEMAP_SCAN, *args) > 0
 
     def release(self, start: int, end: int) -> None:
         """Stop tracking ``[start, end)``: lift the protection (later writes, the optimizer's, take no fault) and
