@@ -139,7 +139,8 @@ class WriteTracker:
                 raise OSError(errno.ENOENT, "range not tracked")
             region = ctypes.addressof(self._region)
             flags, written = uffd_calls.PM_SCAN_CHECK_WPASYNC, _PAGE_IS_WRITTEN
-            args = (96, flags, start, end, 0, region, 1, 0, 0, written, 0, written)  # the first written page only
+            # One output region at most: any written page answers.
+            args = (96, flags, start, end, 0, region, 1, 0, 0, written, 0, written)
             return uffd_calls.ioctl(self._pagemap, uffd_calls.PAGEMAP_SCAN, *args) > 0
 
     def release(self, start: int, end: int) -> None:
