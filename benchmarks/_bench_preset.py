@@ -33,7 +33,9 @@ the page cache, this library fsyncs before it commits. Per mode and repeat:
 The **CPU floor per GB** is measured in the same run, once per repeat, on the training thread's clock: one memcpy,
 one CRC-32C with the library's checksum function, and the write syscalls of that GB, the cheaper of a buffered
 ``write`` then ``fsync`` and an ``O_DIRECT`` write from page-aligned memory then ``fsync`` (how this library writes
-on a local disk), both of a temporary file and both printed. Medians over repeats with their spread (min-max) are printed, then the ratios the
+on a local disk), both of a temporary file and both printed. So is the **hooks floor**
+(``_bench_floors.py``): the final checkpoint's copy at the cut plus, for every other cut, the write tracker's arming of
+the same bytes, each page written just before. Medians over repeats with their spread (min-max) are printed, then the ratios the
 issue sets targets on, last.
 """
 
@@ -41,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.util
 import os
 import platform
 import resource
@@ -50,6 +53,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 __all__ = ["PRESETS", "run_preset"]
@@ -72,9 +76,9 @@ _HOOKS = (
     "on_validation_end",
 )
 _REFERENCE = "async_checkpoint_io"
+_HOOK_FLOORS = ("final copy", "arming", "hooks floor")
 _LIBRARY_THREADS = ("lightning_async_ckpt", "lightning-async-ckpt")
 _TICK = os.sysconf("SC_CLK_TCK")
-_CHUNK = 8 << 20
 # (column, target of ours / AsyncCheckpointIO's) of the ratios the issue sets targets on.
 _TARGETS = {"hooks s": 0.05, "wall overhead s": 0.10}
 _COLUMNS = [
@@ -191,76 +195,6 @@ def _with_cpu(fn: Callable[[], Any]) -> tuple[Any, float, float]:
     return out, process, library
 
 
-def _cpu_floor(nbytes: int, folder: str) -> dict[str, float]:
-    """CPU seconds per GB, on this thread's clock: one memcpy, one CRC-32C (the library's), write + fsync."""
-    import torch
-
-    from lightning_async_ckpt.storage.io import DEFAULT_CHECKSUM, Checksum
-
-    src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8)
-    dst = torch.empty_like(src)
-    dst.fill_(0)  # fault the pages in first
-    source, target = memoryview(src.numpy()), memoryview(dst.numpy())
-    gb = nbytes / 1e9
-    t0 = time.thread_time()
-    target[:] = source  # one memcpy, one thread
-    memcpy = time.thread_time() - t0
-    digest = Checksum(DEFAULT_CHECKSUM)
-    t0 = time.thread_time()
-    for i in range(0, nbytes, _CHUNK):
-        digest.update(source[i : i + _CHUNK])
-    checksum = time.thread_time() - t0
-    path = os.path.join(folder, "cpu-floor.bin")
-    t0 = time.thread_time()
-    with open(path, "wb", buffering=0) as f:
-        for i in range(0, nbytes, _CHUNK):
-            f.write(source[i : i + _CHUNK])
-        os.fsync(f.fileno())
-    write = time.thread_time() - t0
-    os.unlink(path)
-    direct = _direct_write_cpu(source, path)
-    return {
-        "memcpy": memcpy / gb,
-        f"{DEFAULT_CHECKSUM}": checksum / gb,
-        "write+fsync": write / gb,
-        **({} if direct is None else {"O_DIRECT write+fsync": direct / gb}),
-        # The cheapest way to write, as this library writes on a local disk (O_DIRECT) where the disk takes it.
-        "floor": (memcpy + checksum + min(write, write if direct is None else direct)) / gb,
-    }
-
-
-def _direct_write_cpu(source: memoryview, path: str) -> float | None:
-    """CPU seconds of writing ``source`` with ``O_DIRECT`` from page-aligned memory, then ``fsync``; ``None`` where
-    the filesystem refuses ``O_DIRECT``."""
-    import mmap
-
-    if len(source) < mmap.PAGESIZE:
-        return None
-    aligned = mmap.mmap(-1, len(source) - len(source) % mmap.PAGESIZE)
-    view = memoryview(aligned)
-    view[:] = source[: len(aligned)]  # not timed: only the write is
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_DIRECT", 0))
-    except OSError:
-        fd = None
-    try:
-        if fd is None:
-            return None
-        t0 = time.thread_time()
-        for i in range(0, len(view), _CHUNK):
-            os.write(fd, view[i : i + _CHUNK])
-        os.fsync(fd)
-        return time.thread_time() - t0
-    except OSError:
-        return None
-    finally:
-        if fd is not None:
-            os.close(fd)
-            os.unlink(path)
-        view.release()
-        aligned.close()
-
-
 def _slowdowns(times: list[float], every: int, steps: int, quiet_median: float) -> list[float]:
     """Per cut: the steps from the cut until the next cut, minus as many quiet median steps."""
     out = []
@@ -295,6 +229,18 @@ def _versions() -> str:
     )
 
 
+def _load_floors() -> Any:
+    """``_bench_floors.py`` beside this file (loaded by path, like this one)."""
+    spec = importlib.util.spec_from_file_location("lac_bench_floors", Path(__file__).with_name("_bench_floors.py"))
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_floors = _load_floors()
+
+
 def run_preset(bench: Any, args: argparse.Namespace, defaults: dict[str, Any]) -> int:
     """Run ``args.preset`` with ``bench``'s mode runner; prints the table and the ratios. Returns the exit code.
 
@@ -327,7 +273,7 @@ def run_preset(bench: Any, args: argparse.Namespace, defaults: dict[str, Any]) -
             f"floors {bench._floors(nbytes, folder, 'cpu')}"
         )
         for repeat in range(args.repeats):
-            for name, value in _cpu_floor(nbytes, folder).items():
+            for name, value in {**_floors.cpu_floor(nbytes, folder), **_floors.hooks_floor(nbytes, cuts)}.items():
                 floors.setdefault(name, []).append(value)
             results = {}
             for mode in chosen:
@@ -383,10 +329,17 @@ def _report(
     print("|---" * (len(_COLUMNS) + 1) + "|")
     for mode, f in figures.items():
         print(f"| {mode} | " + " | ".join(_fmt(f.get(c, [])) for c in _COLUMNS) + " |")
+    hooks = {k: floors.pop(k) for k in _HOOK_FLOORS if k in floors}
     print(
         "\nCPU floor per GB, this run (CPU s/GB, median (min-max)): "
         + ", ".join(f"{k} {_fmt(v)}" for k, v in floors.items())
     )
+    if hooks:
+        print(
+            "Hooks floor, this run (s on the training thread, median (min-max)): "
+            + ", ".join(f"{k} {_fmt(v)}" for k, v in hooks.items())
+            + " (the final checkpoint's copy at the cut plus every other cut's arming of the write tracker)"
+        )
     ref = figures.get(_REFERENCE, {})
     for name in [m for m in figures if m.startswith("ours")]:
         ours = figures[name]
@@ -396,6 +349,10 @@ def _report(
             target = f" (target <= {_TARGETS[column]:.2f}x)" if column in _TARGETS else ""
             if ratio is not None or target:
                 print(f"- {column}: {ratio or f'– ({_REFERENCE} at or below 0 in this run)'}{target}")
+        if "hooks floor" in hooks:
+            print(f"- hooks s of {name} to the hooks floor: {_ratio(ours.get('hooks s', []), hooks['hooks floor'])}")
+            floor_ratio = _ratio(hooks["hooks floor"], ref.get("hooks s", []))
+            print(f"- the hooks floor to {_REFERENCE}'s hooks s: {floor_ratio}")
         for column, target in (("library CPU s/GB", " (target <= 1.30x)"), ("ckpt CPU s/GB", "")):
             ratio = _ratio(ours.get(column, []), floors.get("floor", []))
             if ratio is not None:

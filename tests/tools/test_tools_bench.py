@@ -113,9 +113,12 @@ def test_the_lightning_cpu_preset_interleaves_the_modes_and_prints_ratios_last(
         assert column in header
     assert "ckpt CPU s/GB" in header and "library CPU s/GB" in header
     assert "CPU floor per GB, this run" in out and "crc32c" in out
+    assert "Hooks floor, this run" in out and "final copy" in out  # the floor of the hooks, measured beside them
     ratios = out[out.index("Ratios of ours to async_checkpoint_io") :]
     assert "- hooks s/ckpt:" in ratios and "- step slowdown s/ckpt:" in ratios
     assert "(target <= 0.05x)" in ratios and "(target <= 0.10x)" in ratios and "(target <= 1.30x)" in ratios
+    assert "- hooks s of ours to the hooks floor:" in ratios
+    assert "- the hooks floor to async_checkpoint_io's hooks s:" in ratios
     assert "For docs/benchmarks.md" in ratios
     assert "Ratios of ours_huge_pages to async_checkpoint_io" in ratios  # the opt-in, measured beside the defaults
     assert not any(line.startswith("|") for line in ratios.splitlines())  # the ratios come last
